@@ -1,0 +1,31 @@
+"""User-facing errors.
+
+Anything the user can fix (a bad flag, a missing file, an unreadable dataset row, a reward function
+that raises) is raised as ``UserError`` with one line that names the problem and the fix. The CLI
+prints it as ``tidal: error: <message>`` and exits with code 2, without a traceback. Everything else
+is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A problem the user can fix; the message is one line naming what was wrong and what to do."""
+
+    exit_code = 2
+
+
+class ConfigError(UserError):
+    """A flag, config file or flag combination that cannot work."""
+
+
+class ResidencyError(RuntimeError):
+    """An illegal memory transition (double pause, sync into a released engine, ...).
+
+    Raised before torch_memory_saver would terminate the process. This is a bug in the caller's
+    order of operations, not a user error.
+    """
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync that could not be completed or verified (checksum mismatch after retry, ...)."""

@@ -1,0 +1,143 @@
+"""Resolve ``--model`` into a buildable spec, and build models and tokenizers from it.
+
+``--model`` is either a preset name (a transformers config built here, random init, no download)
+or a local Hugging Face folder. Trainer and engines build from the same ``ModelSpec`` with the same
+seed, so their initial weights agree before the first sync.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+from tidal.errors import UserError
+from tidal.model.tokenizer import CHARS, SPECIALS, char_tokenizer
+
+_CHAR_VOCAB = len(SPECIALS) + len(CHARS)
+
+# Preset name -> (architecture, config kwargs). Vocab sizes of the char tokenizer round up to 64.
+PRESETS: dict[str, tuple[str, dict]] = {
+    "tiny": (
+        "llama",
+        dict(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "tiny-qwen2": (
+        "qwen2",
+        dict(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # Shape of Qwen2.5-0.5B with the char tokenizer's vocabulary padded to its real size.
+    "qwen2.5-0.5b-shape": (
+        "qwen2",
+        dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # Shape of Qwen3-4B.
+    "qwen3-4b-shape": (
+        "qwen3",
+        dict(
+            vocab_size=151936,
+            hidden_size=2560,
+            intermediate_size=9728,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+
+
+@dataclass
+class ModelSpec:
+    """Everything an actor needs to build the model: a preset config or a local folder."""
+
+    name: str
+    path: str | None = None  # local HF folder; None for presets
+    arch: str | None = None
+    config_kwargs: dict = field(default_factory=dict)
+    tokenizer_path: str | None = None
+    trust_remote_code: bool = False
+
+    @property
+    def is_preset(self) -> bool:
+        return self.path is None
+
+
+def resolve_model(model: str, tokenizer: str | None = None, trust_remote_code: bool = False) -> ModelSpec:
+    """Turn ``--model`` into a spec, failing with a clear message when it names nothing usable."""
+    if model in PRESETS:
+        arch, kwargs = PRESETS[model]
+        return ModelSpec(name=model, arch=arch, config_kwargs=dict(kwargs), tokenizer_path=tokenizer)
+    if model == "smollm2-135m":
+        from tidal.model.smollm2 import smollm2_folder
+
+        path = smollm2_folder()
+        return ModelSpec(name=model, path=path, tokenizer_path=tokenizer or path)
+    if os.path.isdir(model):
+        if not os.path.exists(os.path.join(model, "config.json")):
+            raise UserError(f"--model {model}: folder has no config.json; pass a Hugging Face model folder or a preset ({', '.join(PRESETS)}, smollm2-135m)")
+        return ModelSpec(name=os.path.basename(os.path.normpath(model)), path=model, tokenizer_path=tokenizer or model, trust_remote_code=trust_remote_code)
+    raise UserError(f"--model {model}: no such folder or preset; use a local Hugging Face model folder or one of: {', '.join(PRESETS)}, smollm2-135m")
+
+
+def model_config(spec: ModelSpec) -> PretrainedConfig:
+    if spec.is_preset:
+        return AutoConfig.for_model(spec.arch, **spec.config_kwargs)
+    return AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
+
+
+def build_model(spec: ModelSpec, *, dtype: torch.dtype = torch.float32, seed: int = 0, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """Build the causal LM. Presets are initialised from ``seed`` so every actor builds the same weights."""
+    if spec.is_preset:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(model_config(spec), dtype=dtype, attn_implementation="sdpa")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            spec.path, dtype=dtype, attn_implementation="sdpa", trust_remote_code=spec.trust_remote_code
+        ).to(device)
+    model.config.use_cache = True
+    return model
+
+
+def load_tokenizer(spec: ModelSpec):
+    if spec.tokenizer_path is None:
+        return char_tokenizer()
+    tok = AutoTokenizer.from_pretrained(spec.tokenizer_path, trust_remote_code=spec.trust_remote_code)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
