@@ -1,1 +1,1 @@
-
+"""Ray cluster start/join, placement groups and actor groups."""

@@ -1,1 +1,1 @@
-
+"""Run directory, console display and plots."""

@@ -1,0 +1,111 @@
+"""The ``tidal`` command.
+
+    tidal train [flags]          run the loop (no flags: the embedded default, a tiny model on a built-in task)
+    tidal train --dry-run ...    resolve and explain the configuration, start nothing
+    tidal explain [flags]        the resolved configuration, where each value came from, derived sizes, memory plan
+    tidal export --load CKPT --out DIR [flags]   write a Hugging Face model folder from a checkpoint
+    tidal bench NAME [args]      benchmarks: memory, weight-sync, rollout, reward-curve
+
+User errors (bad flags, missing files, impossible combinations) print one line and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+from tidal.errors import UserError
+
+USAGE = __doc__.split("\n\n")[1]
+
+BENCHES = {
+    "memory": "tidal.bench.memory",
+    "weight-sync": "tidal.bench.weight_sync",
+    "rollout": "tidal.bench.rollout",
+    "reward-curve": "tidal.bench.reward_curve",
+}
+
+
+def _resolved(argv: list[str]):
+    from tidal.config import parse, resolve
+
+    cfg, prov = parse(argv)
+    return resolve(cfg, prov), prov
+
+
+def cmd_train(argv: list[str]) -> int:
+    dry = "--dry-run" in argv
+    argv = [a for a in argv if a != "--dry-run"]
+    cfg, prov = _resolved(argv)
+    if dry:
+        from tidal.config import explain
+
+        print(explain(cfg, prov))
+        return 0
+    logging.basicConfig(level=cfg.logging.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from tidal.driver import train
+
+    row = train(cfg)
+    if row:
+        print(f"done: {row.get('step', -1) + 1} rollouts, last reward_mean {row.get('reward_mean', float('nan')):.3f}, {row.get('elapsed_s', 0):.0f} s")
+    return 0
+
+
+def cmd_explain(argv: list[str]) -> int:
+    from tidal.config import explain
+
+    cfg, prov = _resolved(argv)
+    print(explain(cfg, prov))
+    return 0
+
+
+def cmd_export(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="tidal export", description="Write a Hugging Face folder from a tidal checkpoint.")
+    p.add_argument("--load", required=True, help="checkpoint directory given to --save during training")
+    p.add_argument("--out", required=True, help="output folder (must not exist)")
+    args, rest = p.parse_known_args(argv)
+    cfg, _ = _resolved(rest)
+    from tidal.checkpoint.export import export_checkpoint
+
+    path = export_checkpoint(args.load, args.out, cfg.model)
+    print(f"exported {path}")
+    return 0
+
+
+def cmd_bench(argv: list[str]) -> int:
+    if not argv or argv[0] not in BENCHES:
+        raise UserError(f"tidal bench needs one of: {', '.join(BENCHES)}")
+    mod = importlib.import_module(BENCHES[argv[0]])
+    return int(mod.main(argv[1:]) or 0)
+
+
+COMMANDS = {"train": cmd_train, "explain": cmd_explain, "export": cmd_export, "bench": cmd_bench}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        import difflib
+
+        hint = difflib.get_close_matches(cmd, COMMANDS, n=1)
+        print(f"tidal: error: unknown command {cmd!r}" + (f"; did you mean {hint[0]!r}?" if hint else f"; use one of {', '.join(COMMANDS)}"), file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[cmd](rest)
+    except UserError as e:
+        print(f"tidal: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("tidal: interrupted; actors stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

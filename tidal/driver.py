@@ -1,0 +1,106 @@
+"""The training loop, in colocation order.
+
+Trainer and engines take turns on the same devices, so the order of calls below *is* the memory
+plan: engine memory is released before the trainer wakes, engine weights come back before the
+sync and the KV cache only after it, so the peak is weights + sync buffers, never + KV.
+
+    generate -> reward -> advantages                 engines AWAKE, trainer PAUSED
+    release engine memory                            engines ASLEEP
+    resume trainer -> train -> pause trainer         trainer ACTIVE only here
+    resume engine weights -> sync -> resume engine KV
+    [eval] [save]
+
+Run it with ``tidal train`` (the embedded default: a tiny model on the built-in task).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from tidal.config.schema import TidalConfig
+from tidal.errors import WeightSyncError
+from tidal.rollout import orchestrate
+from tidal.rollout.engine import TAGS
+
+log = logging.getLogger(__name__)
+
+
+class Timer(dict):
+    """Collects ``<phase>_s`` seconds for the step line and metrics.jsonl."""
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str, display=None):
+        if display is not None:
+            display.phase(phase)
+        t = time.perf_counter()
+        yield
+        self[f"{phase}_s"] = self.get(f"{phase}_s", 0.0) + time.perf_counter() - t
+
+
+def train(cfg: TidalConfig, on_step=None) -> dict:
+    """Run the loop described in the module docstring; returns the last step's metrics.
+
+    ``on_step(session, rollout_id, row)``, if given, is called after the initial sync (rollout_id
+    -1) and after each step; tests use it to compare trainer and engine weights after every sync.
+    """
+    from tidal.session import Session
+
+    with Session(cfg) as s:
+        trainer, engines, run, display = s.trainer, s.engines, s.run, s.display
+        offload_train, offload_rollout = cfg.memory.offload_train, cfg.memory.offload_rollout
+        start = s.resume_from_checkpoint()
+        if offload_train:
+            s.timeline_mark("trainer init", trainer.call("pause"))
+        row: dict = sync_weights(s, first=True)
+        if on_step is not None:
+            on_step(s, start - 1, row)
+        for rollout_id in range(start, cfg.rollout.num_rollout):
+            t = Timer()
+            with t("generate", display):
+                samples, gen_metrics = orchestrate.generate_rollout(s, rollout_id)
+            if offload_rollout:
+                with t("release", display):
+                    s.timeline_mark("engines released", engines.call("release_memory", list(TAGS))[0])
+            train_metrics: dict = {}
+            if samples:
+                if offload_train:
+                    with t("resume", display):
+                        s.timeline_mark("trainer resumed", trainer.call("resume"))
+                with t("train", display):
+                    train_metrics = trainer.call("train", samples, rollout_id)
+                if offload_train:
+                    with t("pause", display):
+                        s.timeline_mark("trainer paused", trainer.call("pause"))
+            with t("sync", display):
+                sync_metrics = sync_weights(s)
+            metrics = {**gen_metrics, **train_metrics, **sync_metrics, **t, **s.memory_metrics()}
+            if cfg.rollout.eval_interval and (rollout_id + 1) % cfg.rollout.eval_interval == 0:
+                with t("eval", display):
+                    metrics.update(orchestrate.evaluate(s))
+            if s.should_save(rollout_id):
+                with t("save", display):
+                    s.save(rollout_id)
+            row = run.log_step(rollout_id, metrics)
+            display.step(row)
+            s.after_step(rollout_id)
+            if on_step is not None:
+                on_step(s, rollout_id, row)
+        return row
+
+
+def sync_weights(s, first: bool = False) -> dict:
+    """Resume engine weights -> trainer pushes the new version -> resume engine KV cache."""
+    cfg, trainer, engines = s.cfg, s.trainer, s.engines
+    if cfg.memory.offload_rollout:
+        engines.call("resume_memory", ["weights"])
+    report = trainer.call("update_weights")
+    versions = engines.call("get_weight_version")
+    if any(v != report["sync/version"] for v in versions):
+        raise WeightSyncError(f"engines report weight versions {versions} after syncing version {report['sync/version']}")
+    if first and cfg.weight_sync.check_weight_update_equal:
+        s.check_weights_equal()
+    if cfg.memory.offload_rollout:
+        engines.call("resume_memory", ["kv_cache"])
+    return report

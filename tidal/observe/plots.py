@@ -1,0 +1,46 @@
+"""PNG plots of a run: reward and phase times over steps.
+
+Drawn with matplotlib's Agg backend (no display needed) from the rows of ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import os
+
+PHASES = ("generate_s", "release_s", "train_s", "pause_s", "sync_s", "resume_s")
+
+
+def plot_curves(rows: list[dict], path: str) -> str | None:
+    """Reward (with eval accuracy when present) and stacked phase times per step."""
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    ax1.plot(steps, [r.get("reward_mean", float("nan")) for r in rows], label="reward_mean")
+    evals = [(r["step"], r["eval_accuracy"]) for r in rows if r.get("eval_accuracy") is not None]
+    if evals:
+        ax1.plot(*zip(*evals), "o-", label="eval_accuracy")
+    ax1.set_ylabel("reward")
+    ax1.grid(alpha=0.3)
+    ax1.legend(loc="lower right")
+    bottom = [0.0] * len(rows)
+    for phase in PHASES:
+        vals = [float(r.get(phase) or 0.0) for r in rows]
+        if any(vals):
+            ax2.bar(steps, vals, bottom=bottom, label=phase.removesuffix("_s"))
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("seconds")
+    ax2.grid(alpha=0.3)
+    ax2.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

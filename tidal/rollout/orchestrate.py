@@ -1,0 +1,88 @@
+"""One rollout on the driver: prompts -> engines -> rewards -> advantages -> samples to train on.
+
+Prompts of a rollout are expanded into ``n_samples_per_prompt`` samples each (one GRPO group per
+prompt), spread over the engines whole groups at a time, generated, scored by the reward function
+and given group-normalised advantages. With ``--dynamic-sampling`` groups whose rewards are all
+equal (zero advantage, no gradient) are dropped before training.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tidal.algos.advantages import dynamic_sampling_keep, grpo_advantages
+from tidal.cluster.groups import get
+from tidal.data.dataset import make_rollout_samples
+from tidal.rollout.rewards import score_samples
+from tidal.rollout.types import SamplingParams, Sample
+
+
+def sampling_params(rollout_cfg, tokenizer, *, greedy: bool = False) -> SamplingParams:
+    return SamplingParams(
+        temperature=0.0 if greedy else rollout_cfg.rollout_temperature,
+        top_p=rollout_cfg.rollout_top_p,
+        top_k=rollout_cfg.rollout_top_k,
+        max_new_tokens=rollout_cfg.rollout_max_response_len,
+        stop=list(rollout_cfg.rollout_stop),
+        stop_token_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
+        seed=rollout_cfg.rollout_seed,
+    )
+
+
+def run_engines(engines, samples: list[Sample], sampling: SamplingParams, group_size: int) -> list[Sample]:
+    """Generate on every engine in parallel, whole groups per engine; returns samples in input order."""
+    n = len(engines)
+    groups = len(samples) // group_size
+    per = -(-groups // n)
+    refs = []
+    for i, actor in enumerate(engines.actors):
+        chunk = samples[i * per * group_size : (i + 1) * per * group_size]
+        if chunk:
+            refs.append(actor.generate.remote(chunk, sampling))
+    out = [s for part in get(refs) for s in part]
+    out.sort(key=lambda s: s.index)
+    return out
+
+
+def generate_rollout(s, rollout_id: int) -> tuple[list[Sample], dict]:
+    cfg = s.cfg
+    r, algo = cfg.rollout, cfg.algorithm
+    batch = s.dataset.next_batch(r.rollout_batch_size)
+    samples = make_rollout_samples(batch, r.n_samples_per_prompt, start_index=0)
+    sampling = sampling_params(r, s.tokenizer)
+    sampling.seed = r.rollout_seed + rollout_id
+    t0 = time.perf_counter()
+    samples = run_engines(s.engines, samples, sampling, r.n_samples_per_prompt)
+    gen_s = time.perf_counter() - t0
+    score_samples(samples, s.reward_fn)
+    rewards = torch.tensor([x.reward for x in samples], dtype=torch.float32)
+    adv = grpo_advantages(rewards, r.n_samples_per_prompt, std_normalize=algo.grpo_std_normalization and algo.advantage_estimator == "grpo")
+    for x, a in zip(samples, adv.tolist()):
+        x.advantage = a
+    resp_lens = torch.tensor([len(x.response_ids) for x in samples], dtype=torch.float32)
+    metrics = {
+        "reward_mean": rewards.mean().item(),
+        "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+        "response_len_mean": resp_lens.mean().item(),
+        "truncated_frac": sum(x.status == "truncated" for x in samples) / max(1, len(samples)),
+        "gen_tokens": int(resp_lens.sum().item()),
+        "gen_tokens_per_s": resp_lens.sum().item() / gen_s if gen_s > 0 else 0.0,
+    }
+    if algo.dynamic_sampling:
+        keep = dynamic_sampling_keep(rewards, r.n_samples_per_prompt)
+        samples = [x for x, k in zip(samples, keep.tolist()) if k]
+        metrics["dynamic_sampling_kept_frac"] = keep.float().mean().item()
+    return samples, metrics
+
+
+def evaluate(s) -> dict:
+    """Greedy accuracy (mean reward) on the held-out prompts."""
+    batch = s.dataset.eval_batch()
+    if not batch:
+        return {}
+    samples = make_rollout_samples(batch, 1, start_index=0)
+    samples = run_engines(s.engines, samples, sampling_params(s.cfg.rollout, s.tokenizer, greedy=True), 1)
+    score_samples(samples, s.reward_fn)
+    return {"eval_accuracy": sum(x.reward for x in samples) / len(samples)}

@@ -1,0 +1,172 @@
+"""Everything a run sets up and tears down around the loop in ``tidal.driver``.
+
+A ``Session`` is a context manager: entering it checks the inputs that can be checked on the
+driver (model, tokenizer, dataset, reward function), opens the run directory, starts or joins Ray,
+reserves the placement group and starts the trainer ranks and engines; leaving it (normally, on
+an error, or on Ctrl-C) kills the actors, removes the placement group and stops Ray if it started
+it. Nothing here decides the order of phases: that is the driver's job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from tidal.cluster.groups import EngineGroup, TrainerGroup
+from tidal.cluster.placement import create_placement_group, plan_placement
+from tidal.cluster.ray_cluster import start_ray, stop_ray
+from tidal.config.schema import TidalConfig
+from tidal.errors import WeightSyncError
+from tidal.observe.console import Display
+from tidal.observe.plots import plot_curves
+from tidal.observe.run_dir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+def engine_dtype(device: str) -> str:
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+class Session:
+    def __init__(self, cfg: TidalConfig):
+        self.cfg = cfg
+        self.device = cfg.cluster.device
+        self._ray_started = False
+        self._placement = None
+        self.trainer: TrainerGroup | None = None
+        self.engines: EngineGroup | None = None
+        self.timeline = None
+        self.display = None
+        self.run = None
+
+    # ---- setup / teardown -------------------------------------------------------------------
+    def __enter__(self) -> Session:
+        from tidal.data.dataset import PromptDataset
+        from tidal.memory.preload import actor_env
+        from tidal.memory.telemetry import MemoryTimeline
+        from tidal.model import load_tokenizer, resolve_model
+        from tidal.rollout.rewards import get_reward_fn
+
+        cfg = self.cfg
+        spec = resolve_model(cfg.model.model, cfg.model.tokenizer, cfg.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(spec)
+        self.dataset = PromptDataset.build(cfg.data, cfg.rollout, self.tokenizer, seed=cfg.trainer.seed)
+        self.reward_fn = get_reward_fn(cfg.data.rm_type, cfg.data.custom_rm_path)
+        self.run = RunDir(cfg)
+        self.timeline = MemoryTimeline(device=self.device)
+        self.display = Display(cfg.rollout.num_rollout, enabled=cfg.logging.progress)
+        self.display.info(f"run directory: {self.run.path}")
+        try:
+            self._start_actors(actor_env(cfg.memory, dict(cfg.cluster.train_env_vars), self.device))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _start_actors(self, trainer_env: dict) -> None:
+        cfg = self.cfg
+        num_engines = cfg.cluster.rollout_num_gpus // cfg.cluster.rollout_num_gpus_per_engine
+        placement = plan_placement(cfg.cluster, self.device, num_engines)
+        self._ray_started = start_ray(cfg.cluster.ray_address, num_cpus=placement.num_cpus, num_gpus=placement.num_gpus)
+        self._placement = create_placement_group(placement)
+        self.display.phase("starting actors")
+        self.engines = EngineGroup(placement, model=cfg.model, rollout=cfg.rollout, memory=cfg.memory, weight_sync=cfg.weight_sync)
+        self.trainer = TrainerGroup(
+            placement,
+            env_vars=trainer_env,
+            model=cfg.model,
+            trainer=cfg.trainer,
+            algorithm=cfg.algorithm,
+            memory=cfg.memory,
+            weight_sync=cfg.weight_sync,
+        )
+        engine_init = self.engines.call_async("init")
+        info = self.trainer.call("init")
+        from tidal.cluster.groups import get
+
+        get(engine_init)
+        self.display.info(
+            f"trainer: {len(placement.trainers)} rank(s), {info.get('num_params', 0) / 1e6:.2f}M params on {self.device}; "
+            f"engines: {len(self.engines)} ({'colocated' if placement.colocated else 'disaggregated'})"
+        )
+        if cfg.weight_sync.check_weight_update_equal:
+            self.engines.call("randomize_weights", cfg.trainer.seed + 1)
+        if cfg.memory.offload_rollout:
+            self.timeline_mark("engines released", self.engines.call("release_memory", ["kv_cache", "weights"])[0])
+        self.trainer.call("connect_engines", self.engines.actors, engine_dtype(self.device))
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        import ray
+
+        if self.display is not None:
+            self.display.close()
+        try:
+            if self.run is not None:
+                if self.run.history:
+                    plot_curves(self.run.history, os.path.join(self.run.path, "curves.png"))
+                if self.timeline is not None:
+                    self.timeline.save(os.path.join(self.run.path, "memory.png"))
+                self.run.close()
+        finally:
+            if ray.is_initialized():
+                for group in (self.trainer, self.engines):
+                    for a in getattr(group, "actors", []):
+                        ray.kill(a)
+                if self._placement is not None and self._placement.pg is not None:
+                    from ray.util.placement_group import remove_placement_group
+
+                    remove_placement_group(self._placement.pg)
+            stop_ray(self._ray_started)
+
+    # ---- pieces the driver calls -----------------------------------------------------------
+    def timeline_mark(self, phase: str, report: dict | None) -> dict | None:
+        """Record host and device memory after a pause/resume/release (keys ``.../host_rss_after``)."""
+        if self.timeline is not None and report:
+            host = next((v for k, v in report.items() if k.endswith("host_rss_after")), None)
+            dev = next((v for k, v in report.items() if k.endswith("device_used_after")), None)
+            if host is not None:
+                self.timeline.mark(phase, host, dev or 0)
+        return report
+
+    def memory_metrics(self) -> dict:
+        from tidal.memory.telemetry import host_rss_bytes
+
+        return {"host_rss_bytes": host_rss_bytes()}
+
+    def check_weights_equal(self) -> None:
+        from tidal.weight_sync.verify import compare_checksums
+
+        want = self.trainer.call("weight_checksums")
+        for i, got in enumerate(self.engines.call("weight_checksums")):
+            bad = compare_checksums(want, got)
+            if bad:
+                raise WeightSyncError(f"engine {i} differs from the trainer after the first sync in {len(bad)} tensor(s): {', '.join(bad[:5])}")
+        self.display.info(f"check-weight-update-equal: {len(want)} tensors bitwise equal on {len(self.engines)} engine(s)")
+
+    def resume_from_checkpoint(self) -> int:
+        ck = self.cfg.checkpoint
+        if not ck.load:
+            return 0
+        extra = self.trainer.call("load", ck.load)
+        if not extra:
+            self.display.info(f"--load {ck.load}: no checkpoint yet, starting from scratch")
+            return 0
+        self.dataset.load_state_dict(extra["data"])
+        self.display.info(f"resumed from {ck.load} at rollout {extra['rollout_id'] + 1}")
+        return int(extra["rollout_id"]) + 1
+
+    def should_save(self, rollout_id: int) -> bool:
+        ck = self.cfg.checkpoint
+        if not ck.save:
+            return False
+        last = rollout_id == self.cfg.rollout.num_rollout - 1
+        return last or (ck.save_interval > 0 and (rollout_id + 1) % ck.save_interval == 0)
+
+    def save(self, rollout_id: int) -> None:
+        extra = {"rollout_id": rollout_id, "data": self.dataset.state_dict()}
+        self.trainer.call("save", self.cfg.checkpoint.save, extra)
+
+    def after_step(self, rollout_id: int) -> None:
+        if rollout_id < 5 or rollout_id % 10 == 0:
+            plot_curves(self.run.history, os.path.join(self.run.path, "curves.png"))
