@@ -35,36 +35,44 @@ class ClusterConfig:
     ray_address: str | None = opt(None, "Join an existing Ray cluster at this address instead of starting a local one.")
     device: str = opt("auto", "Where to run: cuda when a GPU is visible, else cpu.", choices=("auto", "cpu", "cuda"))
     colocate: bool = opt(True, "Trainer and rollout engines share the same devices and take turns on them.")
-    actor_num_nodes: int = opt(1, "Nodes for the trainer.")
-    actor_num_gpus_per_node: int = opt(1, "Trainer ranks per node (GPUs, or processes on CPU).")
-    rollout_num_gpus: int | None = opt(None, "Devices for rollout engines in total (default: the trainer's when colocated, else 1).")
-    rollout_num_gpus_per_engine: int = opt(1, "Devices per rollout engine.")
-    num_cpus_per_actor: float = opt(1.0, "CPUs reserved per trainer rank in the placement group.")
+    actor_num_nodes: int = opt(1, "Nodes for the trainer.", min=1)
+    actor_num_gpus_per_node: int = opt(1, "Trainer ranks per node (GPUs, or processes on CPU).", min=1)
+    rollout_num_gpus: int | None = opt(
+        None, "Devices for rollout engines in total (default: the trainer's when colocated, else 1).", min=1
+    )
+    rollout_num_gpus_per_engine: int = opt(1, "Devices per rollout engine (the embedded engine uses one).", min=1)
+    num_cpus_per_actor: float = opt(1.0, "CPUs reserved per trainer rank in the placement group.", min=0)
     train_env_vars: dict = opt({}, "Extra environment variables for training processes, as a JSON object.")
 
 
 @dataclass
 class ModelConfig:
-    model: str = opt("tiny", "A preset model name (tiny, tiny-qwen2, smollm2-135m) or a local Hugging Face model folder.")
+    model: str = opt(
+        "tiny", "A preset model name (tiny, tiny-qwen2, smollm2-135m) or a local Hugging Face model folder."
+    )
     tokenizer: str | None = opt(None, "Tokenizer folder (default: the model's).")
     trust_remote_code: bool = opt(False, "Allow model code from the model folder.")
 
 
 @dataclass
 class TrainerConfig:
-    lr: float = opt(3e-3, "Peak learning rate of AdamW.")
-    min_lr: float = opt(0.0, "Learning rate at the end of decay (constant after warmup when equal to lr).")
-    lr_warmup_steps: int = opt(2, "Optimizer steps of linear warmup.")
-    lr_decay_style: str = opt("constant", "Learning-rate schedule after warmup.", choices=("constant", "cosine", "linear"))
-    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    lr: float = opt(3e-3, "Peak learning rate of AdamW.", min=0)
+    min_lr: float = opt(0.0, "Learning rate at the end of decay (constant after warmup when equal to lr).", min=0)
+    lr_warmup_steps: int = opt(2, "Optimizer steps of linear warmup.", min=0)
+    lr_decay_style: str = opt(
+        "constant", "Learning-rate schedule after warmup.", choices=("constant", "cosine", "linear")
+    )
+    weight_decay: float = opt(0.0, "AdamW weight decay.", min=0)
     adam_beta1: float = opt(0.9, "AdamW beta1.")
     adam_beta2: float = opt(0.99, "AdamW beta2.")
-    adam_eps: float = opt(1e-8, "AdamW epsilon.")
-    clip_grad: float = opt(1.0, "Clip the global gradient norm to this value (0 disables).")
-    global_batch_size: int | None = opt(None, "Samples per optimizer step (default: one step per rollout).")
-    max_tokens_per_gpu: int = opt(4096, "Token budget of one micro-batch per rank; samples are packed up to it.")
+    adam_eps: float = opt(1e-8, "AdamW epsilon.", min=0)
+    clip_grad: float = opt(1.0, "Clip the global gradient norm to this value (0 disables).", min=0)
+    global_batch_size: int | None = opt(None, "Samples per optimizer step (default: one step per rollout).", min=1)
+    max_tokens_per_gpu: int = opt(4096, "Token budget of one micro-batch per rank; samples are packed up to it.", min=1)
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory.")
-    param_dtype: str = opt("auto", "Compute dtype of parameters: fp32 on CPU, bf16 on GPU when auto.", choices=("auto", "fp32", "bf16"))
+    param_dtype: str = opt(
+        "auto", "Compute dtype of parameters: fp32 on CPU, bf16 on GPU when auto.", choices=("auto", "fp32", "bf16")
+    )
     seed: int = opt(1234, "Random seed for model init, data order and sampling.")
 
 
@@ -72,31 +80,36 @@ class TrainerConfig:
 class AlgorithmConfig:
     advantage_estimator: str = opt("grpo", "How advantages are computed from rewards.", choices=("grpo", "dr_grpo"))
     grpo_std_normalization: bool = opt(True, "Divide group-centred rewards by the group std (off = Dr.GRPO mean-only).")
-    eps_clip: float = opt(0.2, "PPO clip range below 1.")
-    eps_clip_high: float | None = opt(None, "PPO clip range above 1 (default: eps-clip).")
+    eps_clip: float = opt(0.2, "PPO clip range below 1.", min=0)
+    eps_clip_high: float | None = opt(None, "PPO clip range above 1 (default: eps-clip).", min=0)
     use_kl_loss: bool = opt(False, "Add a KL penalty to a frozen reference model.")
-    kl_loss_coef: float = opt(0.0, "Weight of the KL penalty.")
+    kl_loss_coef: float = opt(0.0, "Weight of the KL penalty.", min=0)
     kl_loss_type: str = opt("k3", "KL estimator.", choices=("k1", "k2", "k3"))
     entropy_coef: float = opt(0.0, "Weight of the entropy bonus (the entropy is always reported).")
-    loss_agg_mode: str = opt("token-mean", "How token losses are averaged.", choices=("token-mean", "seq-mean-token-mean"))
+    loss_agg_mode: str = opt(
+        "token-mean", "How token losses are averaged.", choices=("token-mean", "seq-mean-token-mean")
+    )
     dynamic_sampling: bool = opt(False, "Drop groups whose rewards all equal (zero advantage) before training.")
+    use_critic: bool = opt(
+        False, "Train a value model next to the policy (PPO); forces --offload-train. Not implemented in this version."
+    )
 
 
 @dataclass
 class RolloutConfig:
-    num_rollout: int = opt(60, "Rollout-train iterations to run.")
-    rollout_batch_size: int = opt(32, "Prompts per rollout.")
-    n_samples_per_prompt: int = opt(8, "Responses sampled per prompt (the GRPO group size).")
-    rollout_max_response_len: int = opt(4, "Maximum new tokens per response.")
-    rollout_max_prompt_len: int = opt(512, "Prompts longer than this (in tokens) are rejected.")
-    rollout_temperature: float = opt(1.0, "Sampling temperature.")
-    rollout_top_p: float = opt(1.0, "Nucleus sampling threshold.")
-    rollout_top_k: int = opt(0, "Top-k sampling (0 disables).")
+    num_rollout: int = opt(60, "Rollout-train iterations to run.", min=1)
+    rollout_batch_size: int = opt(32, "Prompts per rollout.", min=1)
+    n_samples_per_prompt: int = opt(8, "Responses sampled per prompt (the GRPO group size).", min=1)
+    rollout_max_response_len: int = opt(4, "Maximum new tokens per response.", min=1)
+    rollout_max_prompt_len: int = opt(512, "Prompts longer than this (in tokens) are rejected.", min=1)
+    rollout_temperature: float = opt(1.0, "Sampling temperature.", min=0)
+    rollout_top_p: float = opt(1.0, "Nucleus sampling threshold.", min=0)
+    rollout_top_k: int = opt(0, "Top-k sampling (0 disables).", min=0)
     rollout_stop: list = opt([], "Stop strings; generation of a sample ends at the first one.")
     rollout_seed: int = opt(42, "Seed of the engines' sampling.")
     custom_generate_function_path: str | None = opt(None, "module:function replacing the engine's generate step.")
     rollout_engine: str = opt("embedded", "Rollout engine implementation.", choices=("embedded",))
-    eval_interval: int = opt(0, "Evaluate greedy accuracy on held-out prompts every N rollouts (0 disables).")
+    eval_interval: int = opt(0, "Evaluate greedy accuracy on held-out prompts every N rollouts (0 disables).", min=0)
     debug_rollout_only: bool = opt(False, "Only generate; never train (turns colocate and offload off).")
 
 
@@ -117,33 +130,60 @@ class MemoryConfig:
     offload: bool | None = opt(None, "Shorthand: sets both --offload-train and --offload-rollout.")
     offload_train: bool | None = opt(None, "Pause trainer device memory while engines generate.")
     offload_rollout: bool | None = opt(None, "Release engine weights and KV cache while the trainer trains.")
-    memory_backend: str = opt("auto", "Pause/resume implementation: tms on CUDA, portable elsewhere.", choices=("auto", "tms", "portable"))
+    train_grads_backup: bool | None = opt(
+        None,
+        "Back up gradient buffers when the trainer pauses; never with --offload-train (grads are zeroed every step).",
+    )
+    memory_backend: str = opt(
+        "auto", "Pause/resume implementation: tms on CUDA, portable elsewhere.", choices=("auto", "tms", "portable")
+    )
     tms_hook_mode: str = opt("torch", "How torch_memory_saver hooks allocations.", choices=("torch", "preload"))
-    offload_host_memory: str = opt("release", "Host backup lifetime: release after resume, retain pinned, or spill to disk.", choices=("release", "retain", "disk"))
+    offload_host_memory: str = opt(
+        "release",
+        "Host backup lifetime: release after resume, retain pinned, or spill to disk.",
+        choices=("release", "retain", "disk"),
+    )
     offload_disk_dir: str | None = opt(None, "Directory for --offload-host-memory disk.")
+    check_memory_plan: bool = opt(
+        True, "Refuse to start when the estimated memory plan does not fit the devices (see `tidal explain`)."
+    )
     record_memory_history: bool = opt(False, "Record the CUDA allocator history and write snapshots.")
-    memory_snapshot_dir: str | None = opt(None, "Where --record-memory-history writes snapshots.")
-    memory_snapshot_steps: int = opt(2, "Steps recorded before the snapshot is written.")
+    memory_snapshot_dir: str | None = opt(
+        None, "Where --record-memory-history writes snapshots (default: <output-dir>/memory-snapshots)."
+    )
+    memory_snapshot_steps: int = opt(2, "Steps recorded before the snapshot is written.", min=1)
 
 
 @dataclass
 class WeightSyncConfig:
-    update_weight_mode: str = opt("full", "Ship all weights each sync, or only changed bytes.", choices=("full", "delta"))
-    update_weight_transport: str | None = opt(None, "tensor (colocated, in process), broadcast (process group), or disk.", choices=("tensor", "broadcast", "nccl", "disk"))
-    update_weight_buffer_size: int = opt(512 * 1024**2, "Bucket size in bytes.")
+    update_weight_mode: str = opt(
+        "full", "Ship all weights each sync, or only changed bytes.", choices=("full", "delta")
+    )
+    update_weight_transport: str | None = opt(
+        None,
+        "tensor (colocated, in process), broadcast (process group), or disk.",
+        choices=("tensor", "broadcast", "nccl", "disk"),
+    )
+    update_weight_buffer_size: int = opt(
+        512 * 1024**2, "Bucket size in bytes (suffixes accepted: 512MiB, 1GiB).", min=1, unit="bytes"
+    )
     update_weight_disk_dir: str | None = opt(None, "Directory for disk transport.")
     update_weight_disk_keep_files: bool = opt(False, "Keep each version's folder after engines loaded it.")
     update_weight_delta_encoding: str = opt("overwrite", "Delta encoding.", choices=("xor", "overwrite"))
     update_weight_compression: str = opt("zstd", "Delta payload compression.", choices=("zstd", "none"))
-    update_weight_checksum: str = opt("xxh3-128", "Checksum of each new tensor.", choices=("xxh3-128", "adler32", "none"))
+    update_weight_checksum: str = opt(
+        "xxh3-128", "Checksum of each new tensor.", choices=("xxh3-128", "adler32", "none")
+    )
     update_weight_local_checkpoint_dir: str | None = opt(None, "Per-host folder where delta-over-disk is applied.")
-    check_weight_update_equal: bool = opt(False, "Randomise engine weights at start and compare bit for bit after the first sync.")
+    check_weight_update_equal: bool = opt(
+        False, "Randomise engine weights at start and compare bit for bit after the first sync."
+    )
 
 
 @dataclass
 class CheckpointConfig:
     save: str | None = opt(None, "Directory for trainer checkpoints.")
-    save_interval: int = opt(0, "Save every N rollouts (0: only at the end when --save is set).")
+    save_interval: int = opt(0, "Save every N rollouts (0: only at the end when --save is set).", min=0)
     load: str | None = opt(None, "Resume from the newest checkpoint in this directory.")
 
 

@@ -1,0 +1,555 @@
+"""The one validation pass: resolve every derived field and reject every combination that cannot work.
+
+``resolve(cfg, prov, env)`` runs on the driver before Ray starts. It applies the rules below in
+order; each rule either fills fields (and records in ``prov`` which rule derived them) or raises
+``ConfigError`` with one line naming the flags and the fix. Rules are plain functions over the
+config, so each is tested on its own with a table of inputs (tests/unit/test_config_rules.py), and
+``docs/configuration.md`` lists them from ``RULES``.
+
+The slime rules are kept where tidal has the same concept (``--offload`` expands, colocate turns
+offload on, ``--offload-train`` never backs up grads, a critic forces ``--offload-train``,
+``--debug-rollout-only`` turns colocation and offload off, disk transport needs a folder). Where
+tidal differs it says so: colocation turns offload on only when the memory plan says it is needed,
+delta sync also works over tensor and broadcast transports, and ``nccl`` is read as ``broadcast``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tidal.config.args import coerce, fields, flag_of
+from tidal.config.environment import Environment, format_bytes
+from tidal.config.plan import MemoryPlan, ModelShape, build_plan, choose_offload, describe_combo, model_shape
+from tidal.config.provenance import Provenance
+from tidal.config.schema import TidalConfig
+from tidal.errors import ConfigError, UserError
+
+
+@dataclass
+class Context:
+    cfg: TidalConfig
+    prov: Provenance
+    env: Environment
+    _shape: ModelShape | None = None
+
+    def shape(self) -> ModelShape:
+        if self._shape is None:
+            try:
+                self._shape = model_shape(self.cfg)
+            except UserError as exc:
+                raise ConfigError(str(exc)) from None
+        return self._shape
+
+    def plan(self) -> MemoryPlan:
+        return build_plan(self.cfg, self.shape(), self.env)
+
+    def section_of(self, name: str):
+        for section in dataclasses.fields(self.cfg):
+            obj = getattr(self.cfg, section.name)
+            if hasattr(obj, name):
+                return obj
+        raise KeyError(name)
+
+    def get(self, name: str):
+        return getattr(self.section_of(name), name)
+
+    def derive(self, name: str, value, rule: str, why: str) -> None:
+        """Set a field and record which rule chose the value."""
+        obj = self.section_of(name)
+        previous = getattr(obj, name)
+        setattr(obj, name, value)
+        self.prov.derive(name, rule, why, previous=previous)
+
+    def explicit(self, name: str) -> bool:
+        return self.prov.explicit(name)
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    summary: str  # one line for the rules table of docs/configuration.md
+    fn: Callable[[Context], None]
+
+
+RULES: list[Rule] = []
+
+
+def rule(id: str, summary: str) -> Callable[[Callable[[Context], None]], Callable[[Context], None]]:
+    def register(fn: Callable[[Context], None]) -> Callable[[Context], None]:
+        RULES.append(Rule(id, summary, fn))
+        return fn
+
+    return register
+
+
+def rule_by_id(id: str) -> Rule:
+    return next(r for r in RULES if r.id == id)
+
+
+def _f(name: str) -> str:
+    return flag_of(name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rules, in the order they run. Earlier rules may feed later ones (device before memory backend,
+# cluster sizes before the memory plan, the memory plan before the offload decision).
+
+
+@rule("values", "Every value has its field's type, is one of its choices and at least its minimum.")
+def _values(ctx: Context) -> None:
+    # Flags and files were checked as they were read; this catches configs built in code.
+    for info in fields():
+        value = ctx.get(info.name)
+        checked = coerce(info, value, info.flag)
+        if checked != value or type(checked) is not type(value):
+            setattr(ctx.section_of(info.name), info.name, checked)
+
+
+@rule(
+    "debug-rollout-only",
+    "`--debug-rollout-only` turns colocate, offload-train and offload-rollout off (nothing trains, nothing shares devices).",
+)
+def _debug_rollout_only(ctx: Context) -> None:
+    if not ctx.cfg.rollout.debug_rollout_only:
+        return
+    why = "--debug-rollout-only: no trainer shares the devices"
+    ctx.derive("colocate", False, "debug-rollout-only", why)
+    for name in ("offload", "offload_train", "offload_rollout"):
+        ctx.derive(name, False, "debug-rollout-only", why)
+
+
+@rule("device", "`--device auto` is cuda when a GPU is visible, else cpu; `--device cuda` needs a GPU.")
+def _device(ctx: Context) -> None:
+    c = ctx.cfg.cluster
+    if c.device == "auto":
+        ctx.derive(
+            "device",
+            "cuda" if ctx.env.cuda_available else "cpu",
+            "device",
+            "auto: " + ("a GPU is visible" if ctx.env.cuda_available else "no GPU visible"),
+        )
+    elif c.device == "cuda" and not ctx.env.cuda_available:
+        raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu (or auto), or run on a GPU host")
+
+
+@rule("param-dtype", "`--param-dtype auto` is fp32 on CPU and bf16 on CUDA.")
+def _param_dtype(ctx: Context) -> None:
+    if ctx.cfg.trainer.param_dtype == "auto":
+        dtype = "bf16" if ctx.cfg.cluster.device == "cuda" else "fp32"
+        ctx.derive("param_dtype", dtype, "param-dtype", f"auto on {ctx.cfg.cluster.device}")
+
+
+@rule(
+    "memory-backend",
+    "`--memory-backend auto` is tms on CUDA when torch_memory_saver is importable, else portable; tms needs both.",
+)
+def _memory_backend(ctx: Context) -> None:
+    m, dev = ctx.cfg.memory, ctx.cfg.cluster.device
+    if m.memory_backend == "auto":
+        use_tms = dev == "cuda" and ctx.env.tms_available
+        why = (
+            "CUDA and torch_memory_saver available"
+            if use_tms
+            else ("no CUDA" if dev != "cuda" else "torch_memory_saver not installed")
+        )
+        ctx.derive("memory_backend", "tms" if use_tms else "portable", "memory-backend", why)
+    elif m.memory_backend == "tms":
+        if dev != "cuda":
+            raise ConfigError(
+                "--memory-backend tms needs --device cuda; use --memory-backend portable (or auto) on CPU"
+            )
+        if not ctx.env.tms_available:
+            raise ConfigError(
+                "--memory-backend tms: torch_memory_saver is not installed; pip install 'tidal[gpu]' or use --memory-backend portable"
+            )
+
+
+_TMS_VARS = re.compile(r"^(TMS_.*|LD_PRELOAD)$")
+
+
+@rule(
+    "train-env-vars",
+    "`--train-env-vars` is a JSON object of strings; it cannot set torch_memory_saver's variables, nor expandable segments under tms.",
+)
+def _train_env_vars(ctx: Context) -> None:
+    env_vars = ctx.cfg.cluster.train_env_vars
+    for key, value in env_vars.items():
+        if not isinstance(value, str):
+            raise ConfigError(f'--train-env-vars: value of {key} must be a string (write "{value}" in quotes)')
+        if _TMS_VARS.match(key):
+            raise ConfigError(
+                f"--train-env-vars: {key} is managed by the memory backend; use --memory-backend/--tms-hook-mode instead"
+            )
+    alloc = env_vars.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if ctx.cfg.memory.memory_backend == "tms" and "expandable_segments:true" in alloc.replace(" ", "").lower():
+        raise ConfigError(
+            "--train-env-vars: torch_memory_saver refuses PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; remove it or use --memory-backend portable"
+        )
+
+
+@rule(
+    "offload-shorthand",
+    "`--offload` sets offload-train and offload-rollout (an explicit opposite `--no-offload-*` is a conflict).",
+)
+def _offload_shorthand(ctx: Context) -> None:
+    m = ctx.cfg.memory
+    if m.offload is None:
+        return
+    for name in ("offload_train", "offload_rollout"):
+        value = getattr(m, name)
+        if value is None:
+            ctx.derive(name, m.offload, "offload-shorthand", f"{'--offload' if m.offload else '--no-offload'}")
+        elif value != m.offload:
+            raise ConfigError(
+                f"{'--offload' if m.offload else '--no-offload'} conflicts with {'--' if value else '--no-'}{name.replace('_', '-')}; keep one"
+            )
+
+
+@rule(
+    "critic-offload", "A critic (`--use-critic`) forces offload-train on: policy and critic take turns on the devices."
+)
+def _critic_offload(ctx: Context) -> None:
+    if ctx.cfg.algorithm.use_critic and ctx.cfg.memory.offload_train is not True:
+        ctx.derive("offload_train", True, "critic-offload", "--use-critic: actor and critic time-share the devices")
+
+
+@rule("critic-available", "`--use-critic` is refused: this version trains GRPO-family losses without a value model.")
+def _critic_available(ctx: Context) -> None:
+    if ctx.cfg.algorithm.use_critic:
+        raise ConfigError(
+            "--use-critic: PPO with a critic is not implemented in this version; drop it and use --advantage-estimator grpo or dr_grpo"
+        )
+
+
+@rule(
+    "cluster",
+    "Trainer ranks = nodes x ranks per node; `--rollout-num-gpus` defaults to the trainer ranks when colocated, else 1; "
+    "engines = rollout GPUs / GPUs per engine; GPU counts must fit the devices.",
+)
+def _cluster(ctx: Context) -> None:
+    c, env = ctx.cfg.cluster, ctx.env
+    ranks = c.actor_num_nodes * c.actor_num_gpus_per_node
+    if c.actor_num_nodes > 1 and c.ray_address is None:
+        raise ConfigError(
+            f"--actor-num-nodes {c.actor_num_nodes}: more than one node needs an existing Ray cluster; pass --ray-address"
+        )
+    if c.rollout_num_gpus is None:
+        value, why = (
+            (ranks, "colocated: engines use the trainer's devices")
+            if c.colocate
+            else (1, "not colocated: one engine device")
+        )
+        ctx.derive("rollout_num_gpus", value, "cluster", why)
+    if c.rollout_num_gpus_per_engine != 1:
+        raise ConfigError(
+            f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}: the embedded engine runs on one device; set it to 1 and raise --rollout-num-gpus for more engines"
+        )
+    if c.rollout_num_gpus % c.rollout_num_gpus_per_engine:
+        raise ConfigError(
+            f"--rollout-num-gpus {c.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}"
+        )
+    if c.colocate and c.rollout_num_gpus > ranks:
+        raise ConfigError(
+            f"--rollout-num-gpus {c.rollout_num_gpus} exceeds the trainer's {ranks} device(s) under --colocate; lower it, or use --no-colocate for separate engine devices"
+        )
+    if c.device == "cuda" and c.ray_address is None:
+        need = c.actor_num_gpus_per_node if c.colocate else c.actor_num_gpus_per_node + c.rollout_num_gpus
+        if need > env.device_count:
+            what = "trainer" if c.colocate else "trainer + rollout"
+            raise ConfigError(
+                f"{what} need {need} GPUs but {env.device_count} are visible; lower --actor-num-gpus-per-node/--rollout-num-gpus or pass --ray-address of a larger cluster"
+            )
+
+
+@rule(
+    "offload-needs-colocate",
+    "Explicit offload-train / offload-rollout need `--colocate` (separate devices have nothing to make room for); "
+    "without colocation both resolve to off.",
+)
+def _offload_needs_colocate(ctx: Context) -> None:
+    c, m = ctx.cfg.cluster, ctx.cfg.memory
+    if c.colocate:
+        return
+    for name in ("offload_train", "offload_rollout"):
+        value = getattr(m, name)
+        if value:
+            raise ConfigError(
+                f"{_f(name)} needs --colocate: with separate devices nothing waits for the memory; drop it"
+            )
+        if value is None:
+            ctx.derive(name, False, "offload-needs-colocate", "not colocated")
+
+
+@rule(
+    "offload-needed",
+    "Colocated: an offload flag left unset is on only when the memory plan needs it (cheapest that fits: none, rollout, "
+    "train, both); explicit flags win. The plan must fit with the chosen flags.",
+)
+def _offload_needed(ctx: Context) -> None:
+    m = ctx.cfg.memory
+    plan = ctx.plan()
+    if not ctx.cfg.cluster.colocate:
+        fits = plan.fits(False, False)
+        train, rollout = m.offload_train, m.offload_rollout
+    else:
+        train, rollout, fits = choose_offload(plan, m.offload_train, m.offload_rollout)
+        chosen = plan.combo(train, rollout)
+        for name, value in (("offload_train", train), ("offload_rollout", rollout)):
+            if getattr(m, name) is None:
+                verdict = "needed" if value else "not needed"
+                ctx.derive(name, value, "offload-needed", f"{verdict}: {describe_combo(plan, chosen)}")
+    if not fits and m.check_memory_plan:
+        combo = plan.combo(bool(train), bool(rollout))
+        raise ConfigError(
+            f"memory plan does not fit ({describe_combo(plan, combo)}); add devices (--actor-num-gpus-per-node), "
+            "use --gradient-checkpointing or a lower --max-tokens-per-gpu, or --no-check-memory-plan if the estimate is wrong"
+        )
+
+
+@rule(
+    "grads-backup",
+    "Gradients are never backed up (`--train-grads-backup` resolves to off): they are zeroed at the start of every step; "
+    "asking for it with `--offload-train` is an error.",
+)
+def _grads_backup(ctx: Context) -> None:
+    m = ctx.cfg.memory
+    if m.train_grads_backup and m.offload_train:
+        raise ConfigError(
+            "--train-grads-backup with --offload-train only costs host memory: grads are zeroed at the start of every step; drop it"
+        )
+    if m.train_grads_backup is None:
+        why = "--offload-train: grads are zeroed every step" if m.offload_train else "the trainer never pauses"
+        ctx.derive("train_grads_backup", False, "grads-backup", why)
+
+
+@rule(
+    "host-memory",
+    "`--offload-host-memory disk` needs `--offload-disk-dir`; with offload-train the trainer's host backups per node must fit "
+    "in host memory.",
+)
+def _host_memory(ctx: Context) -> None:
+    m = ctx.cfg.memory
+    if m.offload_host_memory == "disk" and not m.offload_disk_dir:
+        raise ConfigError("--offload-host-memory disk needs --offload-disk-dir (a fast local folder)")
+    if m.offload_disk_dir and m.offload_host_memory != "disk":
+        raise ConfigError(
+            "--offload-disk-dir is only used with --offload-host-memory disk; add that flag or drop the folder"
+        )
+    if ctx.cfg.cluster.device != "cuda" or not m.offload_train or not m.check_memory_plan:
+        return  # on CPU the backup lives in the same memory as the tensor it replaces
+    plan = ctx.plan()
+    need = plan.host_paused(True, m.offload_host_memory)
+    if need > plan.host_budget:
+        raise ConfigError(
+            f"--offload-train: paused trainer state needs {format_bytes(need)} of host memory per node, {format_bytes(plan.host_budget)} usable; "
+            "use --offload-host-memory disk --offload-disk-dir DIR, or more trainer nodes"
+        )
+
+
+@rule(
+    "transport",
+    "`--update-weight-transport` defaults to tensor when colocated, else broadcast; `nccl` (slime's name) means broadcast; "
+    "tensor needs `--colocate`; disk needs `--update-weight-disk-dir`.",
+)
+def _transport(ctx: Context) -> None:
+    w, colocate = ctx.cfg.weight_sync, ctx.cfg.cluster.colocate
+    if w.update_weight_transport is None:
+        value, why = (
+            ("tensor", "colocated: in-process hand-over") if colocate else ("broadcast", "not colocated: process group")
+        )
+        ctx.derive("update_weight_transport", value, "transport", why)
+    elif w.update_weight_transport == "nccl":
+        ctx.derive("update_weight_transport", "broadcast", "transport", "nccl is slime's name for broadcast")
+    if w.update_weight_transport == "tensor" and not colocate and not ctx.cfg.rollout.debug_rollout_only:
+        raise ConfigError(
+            "--update-weight-transport tensor needs --colocate (hand-over within a device); use broadcast or disk"
+        )
+    if w.update_weight_transport == "disk" and not w.update_weight_disk_dir:
+        raise ConfigError(
+            "--update-weight-transport disk needs --update-weight-disk-dir (a folder every engine can read)"
+        )
+    if w.update_weight_disk_dir and w.update_weight_transport != "disk":
+        raise ConfigError(
+            "--update-weight-disk-dir is only used with --update-weight-transport disk; add that flag or drop the folder"
+        )
+
+
+@rule(
+    "delta",
+    "`--update-weight-mode delta` works over every transport; over disk it needs `--update-weight-local-checkpoint-dir`; "
+    "that folder is only used by delta over disk.",
+)
+def _delta(ctx: Context) -> None:
+    w = ctx.cfg.weight_sync
+    delta_disk = w.update_weight_mode == "delta" and w.update_weight_transport == "disk"
+    if delta_disk and not w.update_weight_local_checkpoint_dir:
+        raise ConfigError(
+            "--update-weight-mode delta over disk needs --update-weight-local-checkpoint-dir (a per-host folder where engines apply deltas)"
+        )
+    if w.update_weight_local_checkpoint_dir and not delta_disk:
+        raise ConfigError(
+            "--update-weight-local-checkpoint-dir is only used with --update-weight-mode delta --update-weight-transport disk; drop it"
+        )
+
+
+@rule(
+    "batch",
+    "`--global-batch-size` defaults to rollout-batch-size x n-samples-per-prompt (one step per rollout); it must divide "
+    "that product and be a multiple of the trainer ranks; a full-length sample must fit `--max-tokens-per-gpu`.",
+)
+def _batch(ctx: Context) -> None:
+    r, t, c = ctx.cfg.rollout, ctx.cfg.trainer, ctx.cfg.cluster
+    samples = r.rollout_batch_size * r.n_samples_per_prompt
+    ranks = c.actor_num_nodes * c.actor_num_gpus_per_node
+    if t.global_batch_size is None:
+        ctx.derive(
+            "global_batch_size",
+            samples,
+            "batch",
+            f"rollout-batch-size {r.rollout_batch_size} x n-samples-per-prompt {r.n_samples_per_prompt}: one step per rollout",
+        )
+    gbs = t.global_batch_size
+    if samples % gbs:
+        raise ConfigError(
+            f"--global-batch-size {gbs} does not divide the {samples} samples of a rollout (--rollout-batch-size {r.rollout_batch_size} x "
+            f"--n-samples-per-prompt {r.n_samples_per_prompt}); use a divisor such as {_divisor_near(samples, gbs, ranks)}"
+        )
+    if not r.debug_rollout_only and gbs % ranks:
+        raise ConfigError(
+            f"--global-batch-size {gbs} is not a multiple of the {ranks} trainer ranks; use a multiple of {ranks}"
+        )
+    longest = r.rollout_max_prompt_len + r.rollout_max_response_len
+    if longest > t.max_tokens_per_gpu:
+        raise ConfigError(
+            f"--max-tokens-per-gpu {t.max_tokens_per_gpu} is below the longest sample ({r.rollout_max_prompt_len} prompt + "
+            f"{r.rollout_max_response_len} response tokens); raise it to at least {longest} or lower --rollout-max-prompt-len/--rollout-max-response-len"
+        )
+
+
+def _divisor_near(n: int, target: int, multiple_of: int) -> int:
+    divisors = [d for d in range(1, n + 1) if n % d == 0 and d % multiple_of == 0] or [n]
+    return min(divisors, key=lambda d: (abs(d - target), d))
+
+
+@rule("eps-clip-high", "`--eps-clip-high` defaults to `--eps-clip` (symmetric clipping).")
+def _eps_clip_high(ctx: Context) -> None:
+    a = ctx.cfg.algorithm
+    if a.eps_clip_high is None:
+        ctx.derive("eps_clip_high", a.eps_clip, "eps-clip-high", "symmetric clipping")
+
+
+@rule("kl", "A KL weight (`--kl-loss-coef` > 0) needs `--use-kl-loss` (it would be ignored).")
+def _kl(ctx: Context) -> None:
+    a = ctx.cfg.algorithm
+    if a.kl_loss_coef > 0 and not a.use_kl_loss:
+        raise ConfigError(
+            f"--kl-loss-coef {a.kl_loss_coef} has no effect without --use-kl-loss; add --use-kl-loss or drop the coefficient"
+        )
+
+
+@rule("lr", "`--min-lr` cannot exceed `--lr`.")
+def _lr(ctx: Context) -> None:
+    t = ctx.cfg.trainer
+    if t.min_lr > t.lr:
+        raise ConfigError(f"--min-lr {t.min_lr} is above --lr {t.lr}; lower --min-lr")
+
+
+@rule("checkpoint", "`--save-interval` needs `--save`.")
+def _checkpoint(ctx: Context) -> None:
+    ck = ctx.cfg.checkpoint
+    if ck.save_interval and not ck.save:
+        raise ConfigError(f"--save-interval {ck.save_interval} needs --save DIR (where checkpoints go)")
+
+
+_HOOK = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@rule("data", "`--prompt-data` must be an existing .jsonl or .parquet file; plug-in paths are `module:function`.")
+def _data(ctx: Context) -> None:
+    d = ctx.cfg.data
+    if d.prompt_data is not None:
+        if not d.prompt_data.endswith((".jsonl", ".parquet")):
+            raise ConfigError(f"--prompt-data {d.prompt_data}: expected a .jsonl or .parquet file")
+        if not os.path.isfile(d.prompt_data):
+            raise ConfigError(f"--prompt-data {d.prompt_data}: no such file")
+    for name in ("custom_rm_path", "custom_generate_function_path"):
+        value = ctx.get(name)
+        if value is not None and not _HOOK.match(value):
+            raise ConfigError(f"{_f(name)} {value}: expected module:function, e.g. my_pkg.rewards:score")
+
+
+@rule("model", "`--model` names a preset or a local Hugging Face folder with a config.json.")
+def _model(ctx: Context) -> None:
+    ctx.shape()
+
+
+@rule("output-dir", "`--output-dir` defaults to runs/<YYYYmmdd-HHMMSS>-<model>.")
+def _output_dir(ctx: Context) -> None:
+    if ctx.cfg.logging.output_dir is None:
+        name = re.sub(r"[^\w.-]+", "-", ctx.shape().name)
+        ctx.derive(
+            "output_dir",
+            os.path.join("runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"),
+            "output-dir",
+            "a fresh run folder",
+        )
+
+
+@rule(
+    "memory-history",
+    "`--record-memory-history` needs CUDA; its snapshots go to `--memory-snapshot-dir` (default <output-dir>/memory-snapshots), "
+    "which is only used with it.",
+)
+def _memory_history(ctx: Context) -> None:
+    m = ctx.cfg.memory
+    if not m.record_memory_history:
+        if m.memory_snapshot_dir is not None:
+            raise ConfigError(
+                "--memory-snapshot-dir is only used with --record-memory-history; add that flag or drop the folder"
+            )
+        return
+    if ctx.cfg.cluster.device != "cuda":
+        raise ConfigError("--record-memory-history needs CUDA (it records the CUDA allocator); drop it on this CPU run")
+    if m.memory_snapshot_dir is None:
+        ctx.derive(
+            "memory_snapshot_dir",
+            os.path.join(ctx.cfg.logging.output_dir, "memory-snapshots"),
+            "memory-history",
+            "under the run folder",
+        )
+
+
+def resolve(cfg: TidalConfig, prov: Provenance | None = None, env: Environment | None = None) -> TidalConfig:
+    """Apply every rule to a copy of ``cfg``; returns the resolved config (no field left to derive).
+
+    ``prov`` is updated in place with the rule that derived each value. ``env`` defaults to this
+    machine (``Environment.detect()``); pass one to plan for other hardware or in tests.
+    """
+    ctx = Context(copy.deepcopy(cfg), prov if prov is not None else Provenance(), env or Environment.detect())
+    for r in RULES:
+        r.fn(ctx)
+    return ctx.cfg
+
+
+def unresolved_fields(cfg: TidalConfig) -> list[str]:
+    """Fields that still hold a value resolution replaces (None where a rule derives one, or "auto")."""
+    derived = {
+        "device", "param_dtype", "memory_backend", "rollout_num_gpus", "offload_train", "offload_rollout",
+        "train_grads_backup", "update_weight_transport", "global_batch_size", "eps_clip_high", "output_dir",
+    }  # fmt: skip
+    out = []
+    for info in fields():
+        if info.name in derived:
+            value = getattr(getattr(cfg, info.section), info.name)
+            if value is None or value == "auto" or value == "nccl":
+                out.append(info.name)
+    return out
+
+
+__all__ = ["RULES", "Rule", "resolve", "rule_by_id", "unresolved_fields"]
