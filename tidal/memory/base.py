@@ -128,6 +128,14 @@ class MemoryBackend(abc.ABC):
         """Allocations inside belong to ``state_class``. Default: nothing to hook."""
         yield
 
+    @contextlib.contextmanager
+    def unmanaged(self) -> Iterator[None]:
+        """Allocations inside are ordinary, freed at once (weight-sync temporaries). Default: nothing to do."""
+        yield
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Drop retained host buffers and spill files."""
+
     @abc.abstractmethod
     def register(self, state_class: StateClass, tensors: TensorSource) -> None:
         """Declare the live tensors of a class; ``tensors`` is called at every pause."""

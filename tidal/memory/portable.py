@@ -1,0 +1,384 @@
+"""The portable memory backend: real pause and resume of registered tensors on any device.
+
+Nothing here needs torch_memory_saver or CUDA; CI runs the whole colocated loop on it. A pause
+walks the registered tensors of each state class, takes each distinct storage once, and:
+
+- backed-up classes keep their bytes on the host, then the device storage is freed *in place*:
+  the tensor objects stay the same (optimizer state, parameter references and views stay valid),
+  only their storage holds zero bytes until resume;
+- discarded classes are just freed; resume hands back fresh, uninitialised storage.
+
+Where the bytes go depends on the host-memory policy (``--offload-host-memory``):
+
+    release  the backup exists only while paused.
+             CPU device: zero copy. The device *is* the host, so the live storage's memory block is
+             moved into the backup storage (``_swap_data_ptr_``) and moved back on resume: no byte
+             is copied, and host RSS while paused = the backed-up bytes, nothing more.
+             CUDA: a pinned host buffer is allocated per pause, freed on resume.
+    retain   one host buffer per storage, kept across cycles (pinned on CUDA: pinning is what makes
+             the first pause slow, so later cycles copy at PCIe speed); pause and resume copy.
+             On a CPU device this holds the backed-up bytes twice while active: it exists there to
+             run the same code path as on CUDA.
+    disk     backed-up classes other than weights (optimizer state, backed-up grads) are written to
+             files in ``disk_dir`` and read back on resume; weights keep a released host backup so
+             that weight sync can still read them without the disk.
+
+Freed host memory goes back to the OS: large blocks are unmapped by glibc on free, and the heap is
+trimmed (``malloc_trim``) after every pause and resume.
+
+Zero-copy access: ``host_view(t)`` on a paused, backed-up tensor returns a ``HostView`` aliasing its
+backup (for a disk backup, a private memory map of the file). Every view of a class is invalidated
+when that class resumes; using it afterwards raises ``ResidencyError`` (see ``tidal.memory.views``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tidal.errors import ConfigError, ResidencyError
+from tidal.memory.base import (
+    ClassPolicy,
+    ClassReport,
+    MemoryBackend,
+    MemoryReport,
+    StateClass,
+    TensorSource,
+)
+from tidal.memory.telemetry import device_used_bytes, host_rss_bytes, trim_host_heap
+from tidal.memory.views import HostView, ViewToken, make_host_view
+
+HOST_MEMORY_POLICIES = ("release", "retain", "disk")
+
+# Moving a memory block between two storages without copying; present in every torch we support
+# (FSDP2 and CUDA graph trees rely on it). Without it, pause and resume copy.
+_HAS_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+_DISK_CHUNK = 64 * 1024**2  # staging chunk for disk transfers of device memory
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns memory on this rank (a DTensor's local shard, else ``t``)."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def _u8(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over the whole storage."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _free(storage: torch.UntypedStorage) -> None:
+    """Release a storage's memory in place; tensors on it keep their identity and metadata."""
+    if _HAS_SWAP:
+        empty = torch.UntypedStorage(0, device=storage.device)
+        storage._swap_data_ptr_(empty)  # ``empty`` now owns the block and frees it when dropped
+        del empty
+    else:
+        storage.resize_(0)
+
+
+def _alloc(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """Give an emptied storage ``nbytes`` of fresh, uninitialised memory."""
+    if _HAS_SWAP:
+        storage._swap_data_ptr_(torch.UntypedStorage(nbytes, device=storage.device))
+    else:
+        storage.resize_(nbytes)
+
+
+@dataclass
+class _Entry:
+    """One storage of a paused class."""
+
+    storage: torch.UntypedStorage  # the live storage, empty while paused
+    nbytes: int
+    mode: str  # move | copy | retain | disk | discard
+    host: torch.UntypedStorage | None = None  # host backup (or memory map of the disk file)
+    path: Path | None = None
+
+
+@dataclass
+class _Paused:
+    state_class: StateClass
+    token: ViewToken
+    entries: dict[int, _Entry] = field(default_factory=dict)  # by storage identity
+
+
+class PortableBackend(MemoryBackend):
+    """Pause/resume by freeing registered storages in place; works on CPU and on CUDA."""
+
+    name = "portable"
+
+    def __init__(
+        self,
+        policy: dict[StateClass, ClassPolicy],
+        *,
+        device: str | torch.device = "cpu",
+        host_memory: str = "release",
+        disk_dir: str | os.PathLike | None = None,
+        label: str = "memory",
+    ):
+        super().__init__(policy)
+        if host_memory not in HOST_MEMORY_POLICIES:
+            raise ConfigError(
+                f"--offload-host-memory {host_memory!r} is not one of {', '.join(HOST_MEMORY_POLICIES)}; pick one"
+            )
+        if host_memory == "disk" and not disk_dir:
+            raise ConfigError("--offload-host-memory disk needs --offload-disk-dir; name a directory on a real disk")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.host_memory = host_memory
+        self.label = label
+        self._disk_root = Path(disk_dir) / f"tidal-{label}-{os.getpid()}-{id(self):x}" if disk_dir else None
+        self._sources: dict[StateClass, list[TensorSource]] = {}
+        self._paused: dict[StateClass, _Paused] = {}
+        self._retained: dict[StateClass, dict[int, torch.UntypedStorage]] = {}
+        self._on_cuda = self.device.type == "cuda"
+
+    # -- registration -------------------------------------------------------------------------
+
+    def register(self, state_class: StateClass, tensors: TensorSource) -> None:
+        state_class = StateClass(state_class)
+        if state_class not in self.policy:
+            raise ValueError(f"{self.label}: state class {state_class.value} has no policy here ({self._names()})")
+        if not callable(tensors):
+            raise TypeError("register() takes a callable returning the tensors (evaluated at every pause)")
+        self._sources.setdefault(state_class, []).append(tensors)
+
+    def is_paused(self, state_class: StateClass) -> bool:
+        return StateClass(state_class) in self._paused
+
+    def resident_bytes(self, classes: Sequence[StateClass] | None = None) -> int:
+        """Bytes of registered storages on the device now (0 for a fully paused class)."""
+        total = 0
+        for c in classes if classes is not None else list(self._sources):
+            for st in self._storages(StateClass(c)).values():
+                total += st.nbytes()
+        return total
+
+    # -- pause / resume -----------------------------------------------------------------------
+
+    def pause(self, classes: Sequence[StateClass]) -> MemoryReport:
+        classes = self._check(classes, want_paused=False, op="pause")
+        report = MemoryReport(op="pause", backend=self.name)
+        report.host_rss_before, report.device_used_before = host_rss_bytes(), device_used_bytes(self.device)
+        t0 = time.perf_counter()
+        if StateClass.ACTIVATIONS in classes:
+            # Activations are whatever the last step left reachable only through reference cycles:
+            # collect them so their blocks are free before anything is measured or backed up.
+            gc.collect()
+        for c in classes:
+            report.classes.append(self._pause_class(c))
+        self._return_free_memory()
+        report.seconds = time.perf_counter() - t0
+        report.host_rss_after, report.device_used_after = host_rss_bytes(), device_used_bytes(self.device)
+        return report
+
+    def resume(self, classes: Sequence[StateClass]) -> MemoryReport:
+        classes = self._check(classes, want_paused=True, op="resume")
+        report = MemoryReport(op="resume", backend=self.name)
+        report.host_rss_before, report.device_used_before = host_rss_bytes(), device_used_bytes(self.device)
+        t0 = time.perf_counter()
+        for c in classes:
+            report.classes.append(self._resume_class(c))
+        self._return_free_memory()
+        report.seconds = time.perf_counter() - t0
+        report.host_rss_after, report.device_used_after = host_rss_bytes(), device_used_bytes(self.device)
+        return report
+
+    def host_view(self, tensor: torch.Tensor) -> HostView:
+        t = local_tensor(tensor)
+        key = t.untyped_storage()._cdata
+        for paused in self._paused.values():
+            entry = paused.entries.get(key)
+            if entry is None:
+                continue
+            if entry.mode == "discard":
+                raise ResidencyError(
+                    f"{self.label}: host_view of a {paused.state_class.value} tensor, a class paused without "
+                    "backup; its contents are gone"
+                )
+            if entry.host is None:  # disk backup: map the file privately, no anonymous copy
+                entry.host = torch.UntypedStorage.from_file(str(entry.path), shared=False, nbytes=entry.nbytes)
+            return make_host_view(entry.host, t, paused.token)
+        raise ResidencyError(
+            f"{self.label}: host_view of a tensor that is not paused (paused classes: "
+            f"{', '.join(c.value for c in self._paused) or 'none'}); read the live tensor instead"
+        )
+
+    def close(self) -> None:
+        """Drop retained host buffers and disk files (the backend must not be paused)."""
+        self._retained.clear()
+        if self._disk_root is not None and self._disk_root.exists():
+            shutil.rmtree(self._disk_root, ignore_errors=True)
+        self._return_free_memory()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _names(self) -> str:
+        return ", ".join(c.value for c in self.policy)
+
+    def _check(self, classes: Sequence[StateClass], *, want_paused: bool, op: str) -> list[StateClass]:
+        out: list[StateClass] = []
+        for c in classes:
+            c = StateClass(c)
+            if c not in self.policy:
+                raise ValueError(f"{self.label}: {op} of state class {c.value}, which has no policy ({self._names()})")
+            if c in out:
+                raise ResidencyError(f"{self.label}: {op} lists {c.value} twice")
+            if want_paused and c not in self._paused:
+                raise ResidencyError(f"{self.label}: resume of {c.value}, which is active (not paused)")
+            if not want_paused and c in self._paused:
+                raise ResidencyError(f"{self.label}: pause of {c.value}, which is already paused (double pause)")
+            out.append(c)
+        return out
+
+    def _storages(self, c: StateClass) -> dict[int, torch.UntypedStorage]:
+        found: dict[int, torch.UntypedStorage] = {}
+        for source in self._sources.get(c, []):
+            for t in source():
+                if t is None:
+                    continue
+                t = local_tensor(t)
+                if t.device != self.device:  # e.g. a CPU-offloaded tensor: nothing on this device
+                    continue
+                st = t.untyped_storage()
+                found.setdefault(st._cdata, st)
+        return found
+
+    def _mode(self, c: StateClass) -> str:
+        if not self.policy[c].backup:
+            return "discard"
+        if self.host_memory == "disk" and c is not StateClass.WEIGHTS:
+            return "disk"
+        if self.host_memory == "retain":
+            return "retain"
+        return "move" if (not self._on_cuda and _HAS_SWAP) else "copy"
+
+    def _host_buffer(self, nbytes: int) -> torch.UntypedStorage:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._on_cuda).untyped_storage()
+
+    def _sync(self) -> None:
+        if self._on_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _pause_class(self, c: StateClass) -> ClassReport:
+        t0 = time.perf_counter()
+        mode = self._mode(c)
+        paused = _Paused(state_class=c, token=ViewToken(f"{self.label} {c.value}"))
+        retained = self._retained.setdefault(c, {}) if mode == "retain" else {}
+        keep: dict[int, torch.UntypedStorage] = {}
+        rep = ClassReport(state_class=c.value)
+        for key, st in self._storages(c).items():
+            n = st.nbytes()
+            if n == 0:  # already empty (e.g. FSDP's resharded full parameters): nothing to release
+                continue
+            entry = _Entry(storage=st, nbytes=n, mode=mode)
+            if mode == "move":
+                entry.host = torch.UntypedStorage(0)
+                st._swap_data_ptr_(entry.host)  # the block itself becomes the backup: zero copy
+            elif mode in ("copy", "retain"):
+                host = retained.get(key)
+                if host is None or host.nbytes() != n:
+                    host = self._host_buffer(n)
+                if mode == "retain":
+                    keep[key] = host
+                _u8(host).copy_(_u8(st), non_blocking=self._on_cuda)
+                entry.host = host
+            elif mode == "disk":
+                entry.path = self._write_file(c, len(paused.entries), st)
+            paused.entries[key] = entry
+            rep.bytes += n
+            if mode != "discard":
+                rep.backup_bytes += n
+        self._sync()  # device-to-host copies complete before their source is freed
+        for entry in paused.entries.values():
+            if entry.mode != "move":
+                _free(entry.storage)
+        if mode == "retain":
+            # Buffers of storages that no longer exist are dropped; the rest live on.
+            self._retained[c] = keep
+        self._paused[c] = paused
+        self._sync()
+        rep.seconds = time.perf_counter() - t0
+        return rep
+
+    def _resume_class(self, c: StateClass) -> ClassReport:
+        t0 = time.perf_counter()
+        paused = self._paused[c]
+        # Views die first: from here on their memory is handed back, rewritten or freed.
+        paused.token.invalidate()
+        rep = ClassReport(state_class=c.value)
+        for entry in paused.entries.values():
+            st, n = entry.storage, entry.nbytes
+            if entry.mode == "move":
+                st._swap_data_ptr_(entry.host)  # the backup block goes back; ``entry.host`` is empty now
+            else:
+                _alloc(st, n)
+                if entry.mode in ("copy", "retain"):
+                    _u8(st).copy_(_u8(entry.host), non_blocking=self._on_cuda)
+                elif entry.mode == "disk":
+                    self._read_file(entry.path, st)
+            rep.bytes += n
+            if entry.mode != "discard":
+                rep.backup_bytes += n
+        self._sync()
+        for entry in paused.entries.values():
+            if entry.mode == "copy" or (entry.mode == "disk" and entry.host is not None):
+                # Release the buffer even if a stale view still references its storage object.
+                _free(entry.host)
+            if entry.mode == "disk":
+                entry.path.unlink(missing_ok=True)
+            if entry.mode != "retain":
+                entry.host = None
+        del self._paused[c]
+        rep.seconds = time.perf_counter() - t0
+        return rep
+
+    def _write_file(self, c: StateClass, index: int, st: torch.UntypedStorage) -> Path:
+        assert self._disk_root is not None
+        self._disk_root.mkdir(parents=True, exist_ok=True)
+        path = self._disk_root / f"{c.value}-{index:06d}.bin"
+        src = _u8(st)
+        with open(path, "wb") as f:
+            if not self._on_cuda:
+                f.write(memoryview(src.numpy()))
+            else:
+                stage = torch.empty(min(_DISK_CHUNK, src.numel()), dtype=torch.uint8, pin_memory=True)
+                for lo in range(0, src.numel(), _DISK_CHUNK):
+                    part = src[lo : lo + _DISK_CHUNK]
+                    stage[: part.numel()].copy_(part)
+                    f.write(memoryview(stage[: part.numel()].numpy()))
+        return path
+
+    def _read_file(self, path: Path, st: torch.UntypedStorage) -> None:
+        dst = _u8(st)
+        with open(path, "rb", buffering=0) as f:
+            if not self._on_cuda:
+                if f.readinto(memoryview(dst.numpy())) != dst.numel():
+                    raise RuntimeError(f"{path}: short read while resuming {self.label}")
+            else:
+                stage = torch.empty(min(_DISK_CHUNK, dst.numel()), dtype=torch.uint8, pin_memory=True)
+                for lo in range(0, dst.numel(), _DISK_CHUNK):
+                    n = min(_DISK_CHUNK, dst.numel() - lo)
+                    if f.readinto(memoryview(stage[:n].numpy())) != n:
+                        raise RuntimeError(f"{path}: short read while resuming {self.label}")
+                    dst[lo : lo + n].copy_(stage[:n])
+
+    def _return_free_memory(self) -> None:
+        """Hand freed blocks back to the driver / OS so that the release is visible from outside."""
+        if self._on_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            host_empty = getattr(torch._C, "_host_emptyCache", None)
+            if host_empty is not None:  # pinned blocks of released backups, cached by torch
+                host_empty()
+        trim_host_heap()

@@ -1,0 +1,224 @@
+"""The torch_memory_saver backend (CUDA): pause unmaps physical pages, the virtual addresses stay.
+
+Each state class is one torch_memory_saver tag. Allocations of a class must happen inside
+``region(state_class)``, which opens a tms region with that class's policy: CPU backup for
+backed-up classes (disk backup for the optimizer state under ``--offload-host-memory disk``), no
+backup for discarded ones. In preload mode every other ``cudaMalloc`` of the process is a tms
+allocation too, under the tag ``default`` with CPU backup (``TMS_INIT_ENABLE_CPU_BACKUP=1``); it is
+paused and resumed together with the weights.
+
+torch_memory_saver terminates the process on a double pause, on resuming an active tag, or on
+reading the backup of an unbacked allocation. This wrapper tracks each class's state and raises
+``ResidencyError`` first. It never sets a memory margin: the margin guard was removed from tidal's
+flags (slime PR #2249) and torch_memory_saver's default, 0, leaves admission to the CUDA allocator.
+
+Host-memory policy: ``release`` (torch_memory_saver's default: pinned shadow allocated at pause,
+freed at resume), ``retain`` (``retain_cpu_backup``: the pinned shadow is kept and reused, so
+only the first pause pays for pinning), ``disk`` (optimizer state spills to ``disk_dir``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from tidal.errors import ConfigError, ResidencyError
+from tidal.memory.base import ClassPolicy, ClassReport, MemoryBackend, MemoryReport, StateClass, TensorSource
+from tidal.memory.portable import HOST_MEMORY_POLICIES, local_tensor
+from tidal.memory.preload import check_allocator_conf
+from tidal.memory.telemetry import device_used_bytes, host_rss_bytes
+from tidal.memory.views import HostView, ViewToken, wrap_host_tensor
+
+DEFAULT_TAG = "default"  # torch_memory_saver's tag for allocations outside any region (preload mode)
+
+
+class TmsBackend(MemoryBackend):
+    """Pause/resume through torch_memory_saver tags, one per state class."""
+
+    name = "tms"
+
+    def __init__(
+        self,
+        policy: dict[StateClass, ClassPolicy],
+        *,
+        device: str | torch.device = "cuda",
+        hook_mode: str = "torch",
+        host_memory: str = "release",
+        disk_dir: str | os.PathLike | None = None,
+        label: str = "memory",
+    ):
+        super().__init__(policy)
+        if host_memory not in HOST_MEMORY_POLICIES:
+            raise ConfigError(
+                f"--offload-host-memory {host_memory!r} is not one of {', '.join(HOST_MEMORY_POLICIES)}; pick one"
+            )
+        if host_memory == "disk" and not disk_dir:
+            raise ConfigError("--offload-host-memory disk needs --offload-disk-dir; name a directory on a real disk")
+        if hook_mode not in ("torch", "preload"):
+            raise ConfigError(f"--tms-hook-mode {hook_mode!r} is not torch or preload; pick one")
+        check_allocator_conf(os.environ)
+        if hook_mode == "preload" and "torch_memory_saver" not in os.environ.get("LD_PRELOAD", ""):
+            raise ConfigError(
+                "--tms-hook-mode preload but this process has no torch_memory_saver LD_PRELOAD; start the actor "
+                "with tidal.memory.preload.actor_env() or use --tms-hook-mode torch"
+            )
+        from torch_memory_saver import torch_memory_saver
+
+        self._tms = torch_memory_saver
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.hook_mode = hook_mode
+        self.host_memory = host_memory
+        self.label = label
+        # The hook mode must be chosen before torch_memory_saver's first use in this process.
+        if getattr(self._tms, "_impl", None) is None:
+            self._tms.hook_mode = hook_mode
+        if host_memory == "retain":
+            self._tms.retain_cpu_backup = True
+        if host_memory == "disk":
+            self._tms.set_disk_backup_dir(str(disk_dir))
+        self._sources: dict[StateClass, list[TensorSource]] = {}
+        self._paused: dict[StateClass, ViewToken] = {}
+
+    def _on_disk(self, c: StateClass) -> bool:
+        return self.host_memory == "disk" and self.policy[c].backup and c is not StateClass.WEIGHTS
+
+    @contextlib.contextmanager
+    def region(self, state_class: StateClass) -> Iterator[None]:
+        c = StateClass(state_class)
+        if c in self._paused:
+            raise ResidencyError(f"{self.label}: allocation in region {c.value} while it is paused")
+        disk = self._on_disk(c)
+        with self._tms.region(
+            tag=c.value, enable_cpu_backup=self.policy[c].backup and not disk, enable_disk_backup=disk
+        ):
+            yield
+
+    @contextlib.contextmanager
+    def unmanaged(self) -> Iterator[None]:
+        """Allocations inside are ordinary (freed at once, CUDA-IPC exportable): weight-sync temporaries."""
+        if self.hook_mode == "preload":
+            with self._tms.disable():
+                yield
+        else:
+            yield  # in torch mode only region() allocations are tms allocations
+
+    def register(self, state_class: StateClass, tensors: TensorSource) -> None:
+        c = StateClass(state_class)
+        if c not in self.policy:
+            raise ValueError(f"{self.label}: state class {c.value} has no policy here")
+        self._sources.setdefault(c, []).append(tensors)
+
+    def is_paused(self, state_class: StateClass) -> bool:
+        return StateClass(state_class) in self._paused
+
+    def _class_bytes(self, c: StateClass) -> int:
+        seen: dict[int, int] = {}
+        for source in self._sources.get(c, []):
+            for t in source():
+                if t is None:
+                    continue
+                t = local_tensor(t)
+                if t.device.type == "cuda":
+                    st = t.untyped_storage()
+                    seen.setdefault(st._cdata, st.nbytes())
+        return sum(seen.values())
+
+    def _tags(self, c: StateClass) -> list[str]:
+        # In preload mode allocations made outside regions (model load, FSDP buffers) carry the default
+        # tag with backup; they travel with the weights.
+        return [c.value, DEFAULT_TAG] if (self.hook_mode == "preload" and c is StateClass.WEIGHTS) else [c.value]
+
+    def pause(self, classes: Sequence[StateClass]) -> MemoryReport:
+        classes = self._check(classes, want_paused=False, op="pause")
+        report = MemoryReport(op="pause", backend=self.name)
+        torch.cuda.synchronize(self.device)
+        if StateClass.ACTIVATIONS in classes:
+            gc.collect()
+        # Free cached blocks first: in preload mode they would otherwise be backed up for nothing.
+        torch.cuda.empty_cache()
+        report.host_rss_before, report.device_used_before = host_rss_bytes(), device_used_bytes(self.device)
+        t0 = time.perf_counter()
+        for c in classes:
+            tc = time.perf_counter()
+            nbytes = self._class_bytes(c)
+            for tag in self._tags(c):
+                self._tms.pause(tag)
+            self._paused[c] = ViewToken(f"{self.label} {c.value}")
+            report.classes.append(
+                ClassReport(
+                    state_class=c.value,
+                    bytes=nbytes,
+                    backup_bytes=nbytes if self.policy[c].backup else 0,
+                    seconds=time.perf_counter() - tc,
+                )
+            )
+        report.seconds = time.perf_counter() - t0
+        report.host_rss_after, report.device_used_after = host_rss_bytes(), device_used_bytes(self.device)
+        return report
+
+    def resume(self, classes: Sequence[StateClass]) -> MemoryReport:
+        classes = self._check(classes, want_paused=True, op="resume")
+        report = MemoryReport(op="resume", backend=self.name)
+        report.host_rss_before, report.device_used_before = host_rss_bytes(), device_used_bytes(self.device)
+        t0 = time.perf_counter()
+        for c in classes:
+            tc = time.perf_counter()
+            self._paused.pop(c).invalidate()  # before the shadow is freed or rewritten
+            for tag in self._tags(c):
+                self._tms.resume(tag)
+            torch.cuda.synchronize(self.device)
+            nbytes = self._class_bytes(c)
+            report.classes.append(
+                ClassReport(
+                    state_class=c.value,
+                    bytes=nbytes,
+                    backup_bytes=nbytes if self.policy[c].backup else 0,
+                    seconds=time.perf_counter() - tc,
+                )
+            )
+        report.seconds = time.perf_counter() - t0
+        report.host_rss_after, report.device_used_after = host_rss_bytes(), device_used_bytes(self.device)
+        return report
+
+    def host_view(self, tensor: torch.Tensor) -> HostView:
+        t = local_tensor(tensor)
+        for c, token in self._paused.items():
+            owned = any(
+                local_tensor(x).untyped_storage()._cdata == t.untyped_storage()._cdata
+                for source in self._sources.get(c, [])
+                for x in source()
+                if x is not None
+            )
+            if not owned:
+                continue
+            if not self.policy[c].backup or self._on_disk(c):
+                raise ResidencyError(
+                    f"{self.label}: host_view of a {c.value} tensor, which is paused without a host backup"
+                )
+            backup = self._tms.get_cpu_backup(t, zero_copy=True)
+            if backup is None:
+                raise ResidencyError(f"{self.label}: torch_memory_saver holds no host backup for this {c.value} tensor")
+            return wrap_host_tensor(backup, token)
+        raise ResidencyError(f"{self.label}: host_view of a tensor that is not paused; read the live tensor instead")
+
+    def _check(self, classes: Sequence[StateClass], *, want_paused: bool, op: str) -> list[StateClass]:
+        out: list[StateClass] = []
+        for c in classes:
+            c = StateClass(c)
+            if c not in self.policy:
+                raise ValueError(f"{self.label}: {op} of state class {c.value}, which has no policy")
+            if c in out:
+                raise ResidencyError(f"{self.label}: {op} lists {c.value} twice")
+            if want_paused and c not in self._paused:
+                raise ResidencyError(f"{self.label}: resume of {c.value}, which is active (not paused)")
+            if not want_paused and c in self._paused:
+                raise ResidencyError(f"{self.label}: pause of {c.value}, which is already paused (double pause)")
+            out.append(c)
+        return out
