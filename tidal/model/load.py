@@ -61,6 +61,21 @@ PRESETS: dict[str, tuple[str, dict]] = {
             tie_word_embeddings=True,
         ),
     ),
+    # Shape of Qwen2.5-7B (untied embeddings), for planning multi-GPU runs.
+    "qwen2.5-7b-shape": (
+        "qwen2",
+        dict(
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+        ),
+    ),
     # Shape of Qwen3-4B.
     "qwen3-4b-shape": (
         "qwen3",
