@@ -1,0 +1,179 @@
+"""Rollout throughput and log-prob fidelity of the embedded engine, next to plain transformers ``generate``.
+
+Run: ``python -m tidal.bench.rollout`` (CPU default: tiny preset, 32 prompts x 8 samples), or on a
+GPU ``python -m tidal.bench.rollout --shape qwen2.5-0.5b-shape --prompts 64 --samples 8
+--prompt-len 64 --new-tokens 256``. Prints one JSON line per configuration:
+
+- ``tokens_per_s`` / ``seconds``: the engine's ``generate`` over the whole batch (chunking, policy
+  log-probs, stop handling included), counting response tokens after cutting at EOS;
+- ``hf_generate_tokens_per_s``: the limit it is measured against, plain ``model.generate`` on the
+  same padded batch with the same sampling in the same run, counting tokens up to each row's EOS;
+- ``logprob_max_abs_diff`` / ``logprob_mean_abs_diff``: the engine's log-probs against a
+  teacher-forced forward pass over prompt + response (what the trainer recomputes);
+- ``peak_gpu_bytes``: peak allocated device memory during the engine's generate (0 on CPU);
+- with ``--with-cb``, ``cb_generate_batch_tokens_per_s``: transformers continuous batching on the
+  same prompts (the measurement behind the engine's choice of padded ``generate``).
+
+The model is randomly initialised (presets need no download), so responses are noise; what is
+measured is the cost per token and the agreement of the log-probs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig
+from tidal.rollout.embedded import EmbeddedEngine
+from tidal.rollout.generate import left_pad, teacher_forced_logprobs
+from tidal.rollout.types import Sample, SamplingParams
+
+
+def make_samples(engine: EmbeddedEngine, prompts: int, samples: int, prompt_len: int, seed: int) -> list[Sample]:
+    """``prompts`` random prompts of ``prompt_len`` ordinary tokens, each repeated ``samples`` times (one group)."""
+    gen = torch.Generator().manual_seed(seed)
+    specials = set(engine.tokenizer.all_special_ids)
+    vocab = min(len(engine.tokenizer), engine.model.config.get_text_config().vocab_size)
+    pool = torch.tensor([i for i in range(vocab) if i not in specials])
+    out = []
+    for g in range(prompts):
+        ids = pool[torch.randint(len(pool), (prompt_len,), generator=gen)].tolist()
+        out += [Sample(index=g * samples + j, group=g, prompt=None, prompt_ids=list(ids)) for j in range(samples)]
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hf_generate_tokens(engine: EmbeddedEngine, batch: list[Sample], sampling: SamplingParams) -> tuple[int, float]:
+    """Plain ``model.generate`` on the whole padded batch: (tokens up to each row's EOS, seconds)."""
+    ids, mask = left_pad([s.prompt_ids for s in batch], engine._pad_id, engine.device)
+    eos = engine.tokenizer.eos_token_id
+    torch.manual_seed(sampling.seed or 0)
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        seq = engine.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=sampling.temperature > 0,
+            temperature=sampling.temperature or 1.0,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=engine._pad_id,
+        )
+    _sync(engine.device)
+    seconds = time.perf_counter() - t0
+    tokens = 0
+    for row in seq[:, ids.shape[1] :].tolist():
+        tokens += row.index(eos) + 1 if eos in row else len(row)
+    return tokens, seconds
+
+
+def cb_generate_tokens(engine: EmbeddedEngine, batch: list[Sample], sampling: SamplingParams) -> tuple[int, float]:
+    """transformers continuous batching (``generate_batch``) on the same prompts: (tokens, seconds)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    config = GenerationConfig(
+        do_sample=sampling.temperature > 0,
+        temperature=sampling.temperature or 1.0,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        max_new_tokens=sampling.max_new_tokens,
+        eos_token_id=engine.tokenizer.eos_token_id,
+        pad_token_id=engine._pad_id,
+    )
+    # The page-size keyword was renamed between transformers releases (block_size -> page_size).
+    try:
+        cb = ContinuousBatchingConfig(return_logprobs=True, page_size=64)
+    except TypeError:
+        cb = ContinuousBatchingConfig(return_logprobs=True, block_size=64)
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    results = engine.model.generate_batch(
+        [s.prompt_ids for s in batch], generation_config=config, continuous_batching_config=cb
+    )
+    _sync(engine.device)
+    seconds = time.perf_counter() - t0
+    return sum(len(r.generated_tokens) for r in results.values()), seconds
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rollout = RolloutConfig(rollout_seed=args.seed)
+    engine = EmbeddedEngine(ModelConfig(model=args.shape), rollout, MemoryConfig(), device=device, seed=args.seed)
+    sampling = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.new_tokens, seed=args.seed
+    )
+    batch = make_samples(engine, args.prompts, args.samples, args.prompt_len, args.seed)
+    # Warm-up: first calls pay for kernel selection and allocator growth, not generation.
+    engine.generate(
+        make_samples(engine, 2, 2, args.prompt_len, args.seed + 1), SamplingParams(max_new_tokens=4, seed=0)
+    )
+    hf_generate_tokens(engine, batch[:4], SamplingParams(max_new_tokens=4, seed=0))
+
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(engine.device)
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    out = engine.generate(batch, sampling)
+    _sync(engine.device)
+    seconds = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(engine.device) if engine.device.type == "cuda" else 0
+    tokens = sum(len(s.response_ids) for s in out)
+
+    hf_tokens, hf_seconds = hf_generate_tokens(engine, batch, sampling)
+    forced = teacher_forced_logprobs(engine.model, [s.prompt_ids for s in out], [s.response_ids for s in out])
+    diffs = torch.tensor([abs(a - b) for s, f in zip(out, forced) for a, b in zip(s.response_logprobs, f)] or [0.0])
+    result = {
+        "shape": args.shape,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "torch_threads": torch.get_num_threads(),
+        "rows": len(batch),
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "tokens": tokens,
+        "seconds": round(seconds, 4),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "hf_generate_tokens_per_s": round(hf_tokens / hf_seconds, 1),
+        "logprob_max_abs_diff": float(diffs.max()),
+        "logprob_mean_abs_diff": float(diffs.mean()),
+        "peak_gpu_bytes": int(peak),
+        "completed_frac": round(sum(s.status == "completed" for s in out) / len(out), 3),
+    }
+    if args.with_cb:
+        cb_tokens, cb_seconds = cb_generate_tokens(engine, batch, sampling)
+        result["cb_generate_batch_tokens_per_s"] = round(cb_tokens / cb_seconds, 1)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m tidal.bench.rollout", description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="tiny", help="model preset (tiny, tiny-qwen2, qwen2.5-0.5b-shape, ...)")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--with-cb", action="store_true", help="also time transformers continuous batching (generate_batch)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(json.dumps(run(args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The rollout engine as a Ray actor: a plain class that ``tidal.cluster`` wraps with ``ray.remote``.
+
+It forwards every call of ``tidal.rollout.engine.RolloutEngine`` (plus ``init``, weight checks and
+the broadcast-group setup) to one ``EmbeddedEngine``. Samples cross Ray as small dataclasses whose
+ids and log-probs are plain lists; weights never travel through these calls' return values.
+
+The model is built in ``init()``, not in the constructor, so that the driver can start every actor
+at once and wait for all of them together, and so that a failure there surfaces as the remote
+call's error rather than as a dead actor.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, TrainerConfig, WeightSyncConfig
+from tidal.rollout.engine import TAGS, RolloutEngine
+from tidal.rollout.types import Sample, SamplingParams
+
+
+def cpu_allotment() -> float | None:
+    """CPUs Ray reserved for the current actor, or None outside Ray."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        return ray.get_runtime_context().get_assigned_resources().get("CPU")
+    except Exception:  # noqa: BLE001 - not inside a Ray worker
+        return None
+
+
+def set_torch_threads(cpus: float | None) -> int:
+    """Intra-op threads from the actor's CPU share: a fractional actor gets one thread at least.
+
+    Without this torch starts one thread per core of the host, and several actors sharing a few
+    cores then oversubscribe them (each thread waits on the others; throughput drops several-fold).
+    """
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, math.ceil(cpus - 1e-6))
+    torch.set_num_threads(threads)
+    return threads
+
+
+class EngineActor(RolloutEngine):
+    """One rollout engine. ``seed`` is the trainer's model-init seed (``--seed``), so both build the same weights."""
+
+    def __init__(
+        self,
+        engine_rank: int,
+        *,
+        model: ModelConfig,
+        rollout: RolloutConfig,
+        memory: MemoryConfig,
+        weight_sync: WeightSyncConfig,
+        device: str,
+        seed: int = TrainerConfig.seed,
+    ) -> None:
+        self.engine_rank = engine_rank
+        self.model_cfg, self.rollout_cfg, self.memory_cfg, self.weight_sync_cfg = model, rollout, memory, weight_sync
+        self.device = device
+        self.seed = seed
+        self.engine = None
+        self.threads = set_torch_threads(cpu_allotment()) if device == "cpu" else None
+
+    def init(self) -> dict:
+        """Build the model and the memory backend; returns sizes for the driver's log."""
+        from tidal.rollout.embedded import EmbeddedEngine
+
+        device = self.device
+        if device == "cuda":
+            # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU, so it is always device 0 here.
+            device = "cuda:0"
+            torch.cuda.set_device(0)
+        self.engine = EmbeddedEngine(
+            self.model_cfg,
+            self.rollout_cfg,
+            self.memory_cfg,
+            self.weight_sync_cfg,
+            device=device,
+            engine_rank=self.engine_rank,
+            seed=self.seed,
+        )
+        return {
+            "engine_rank": self.engine_rank,
+            "param_bytes": self.engine.param_bytes(),
+            "dtype": str(self.engine.dtype).removeprefix("torch."),
+            "device": str(self.engine.device),
+            "torch_threads": torch.get_num_threads(),
+            "memory_backend": self.engine.backend.name,
+        }
+
+    def _engine(self):
+        if self.engine is None:
+            raise RuntimeError(f"engine {self.engine_rank}: init() was not called")
+        return self.engine
+
+    def generate(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
+        return self._engine().generate(samples, sampling)
+
+    def release_memory(self, tags: Sequence[str] = TAGS) -> dict:
+        return self._engine().release_memory(tags)
+
+    def resume_memory(self, tags: Sequence[str] = TAGS) -> dict:
+        return self._engine().resume_memory(tags)
+
+    def update_weights_from_tensor(self, payload: Any, version: int) -> dict:
+        return self._engine().update_weights_from_tensor(payload, version)
+
+    def update_weights_from_distributed(self, meta: Any, version: int) -> dict:
+        return self._engine().update_weights_from_distributed(meta, version)
+
+    def update_weights_from_disk(self, path: str, version: int) -> dict:
+        return self._engine().update_weights_from_disk(path, version)
+
+    def init_weights_update_group(
+        self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str
+    ) -> None:
+        return self._engine().init_weights_update_group(master_addr, master_port, rank, world_size, backend)
+
+    def get_weight_version(self) -> int:
+        return self._engine().get_weight_version()
+
+    def flush_cache(self) -> None:
+        self._engine().flush_cache()
+
+    def randomize_weights(self, seed: int) -> None:
+        self._engine().randomize_weights(seed)
+
+    def weight_checksums(self, algo: str = "xxh3-128") -> dict[str, str]:
+        return self._engine().weight_checksums(algo)
+
+    def residency(self) -> str:
+        return self._engine().residency.state.value
