@@ -1,0 +1,301 @@
+"""Atomic trainer checkpoints: full fp32 weights and AdamW moments as safetensors, RNG, schedule, ``extra``.
+
+Layout of one checkpoint, ``<dir>/iter_{rollout:07d}/``::
+
+    model-00001.safetensors ...     fp32 master weights by HF name (tied weights once)
+    optim-00001.safetensors ...     AdamW moments, "<name>/exp_avg" and "<name>/exp_avg_sq"
+    rng_rank{r}.pt                  each rank's torch / CUDA / Python / NumPy RNG state
+    meta.json                       written last: tensor index, AdamW step counts, LR schedule, extra
+
+and ``<dir>/latest`` names the newest complete one.
+
+Why full tensors gathered to rank 0 rather than ``torch.distributed.checkpoint`` (DCP):
+
+- the driver saves while the trainer is *paused* (engines own the device). The gather already
+  reads host backups then (``tidal.trainer.weights``), so saving never touches released device
+  memory and needs no resume; DCP would read the DTensors' device storage;
+- a checkpoint is plain safetensors by HF names: readable without torch.distributed, loadable with
+  any number of ranks (each rank slices its own rows), and its weights are the export's weights;
+- the cost is rank-0 host memory for one file shard at a time (files are cut at 1 GiB) and a
+  gather through rank 0, acceptable at the sizes this trainer targets (one host).
+
+Atomicity: everything is written into ``<dir>/.tmp-iter_XXXXXXX-<random>/`` (ignored by readers),
+``meta.json`` last, then the folder is renamed to its final name, then ``latest`` is replaced
+atomically. A crash at any point leaves either the previous checkpoint or the new one, never a
+half-written folder that ``load`` would pick. Every rank must see the same filesystem (one host, or
+a shared mount).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+import uuid
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tidal.errors import UserError
+from tidal.memory.base import StateClass
+from tidal.trainer.weights import local_shard, scatter_rows
+
+FORMAT = 1
+_SHARD_BYTES = 1 << 30
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def iter_name(rollout_id: int) -> str:
+    return f"iter_{int(rollout_id):07d}"
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``path`` through a temp file and ``os.replace`` (readers see the old or the new text)."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def replace_dir(tmp: str, final: str) -> None:
+    """Move a finished temp folder to ``final``, replacing an older folder of that name."""
+    old = None
+    if os.path.exists(final):
+        old = f"{os.path.dirname(final)}/.old-{os.path.basename(final)}-{uuid.uuid4().hex[:8]}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(os.path.dirname(os.path.abspath(final)))
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class ShardedWriter:
+    """Streams named tensors into ``<prefix>-NNNNN.safetensors`` files of at most ~1 GiB each."""
+
+    def __init__(self, folder: str, prefix: str, max_bytes: int = _SHARD_BYTES):
+        self.folder, self.prefix, self.max_bytes = folder, prefix, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.index: dict[str, str] = {}
+        self.files = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        t = plain(t)
+        if self.pending and self.pending_bytes + t.numel() * t.element_size() > self.max_bytes:
+            self.flush()
+        self.pending[name] = t
+        self.pending_bytes += t.numel() * t.element_size()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        self.files += 1
+        fname = f"{self.prefix}-{self.files:05d}.safetensors"
+        save_file(self.pending, os.path.join(self.folder, fname), metadata={"format": "pt"})
+        for name in self.pending:
+            self.index[name] = fname
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> dict[str, str]:
+        self.flush()
+        return self.index
+
+
+class ShardedReader:
+    """Reads single tensors from the files of an index without loading whole files."""
+
+    def __init__(self, folder: str, index: dict[str, str]):
+        self.folder, self.index = folder, index
+        self.handles: dict[str, object] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        fname = self.index[name]
+        if fname not in self.handles:
+            self.handles[fname] = safe_open(os.path.join(self.folder, fname), framework="pt")
+        return self.handles[fname].get_tensor(name)
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A plain contiguous tensor: host views (a guarded subclass aliasing a backup) are copied out."""
+    t = t.detach()
+    return t.clone().contiguous() if type(t) is not torch.Tensor else t.contiguous()
+
+
+def is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "meta.json"))
+
+
+def find_latest(root: str) -> str | None:
+    """The newest complete checkpoint under ``root`` (``latest`` first, else the highest complete ``iter_*``)."""
+    if not os.path.isdir(root):
+        return None
+    pointer = os.path.join(root, "latest")
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            name = f.read().strip()
+        if name and is_complete(os.path.join(root, name)):
+            return os.path.join(root, name)
+    # The pointer is written last, so a crash between rename and pointer leaves a newer complete folder.
+    done = sorted(d for d in os.listdir(root) if d.startswith("iter_") and is_complete(os.path.join(root, d)))
+    return os.path.join(root, done[-1]) if done else None
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _optimizer_named(trainer) -> list[tuple[str, torch.Tensor]]:
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    out = []
+    for p in trainer.params:
+        state = trainer.optimizer.state.get(p, {})
+        for k in _MOMENTS:
+            if k in state:
+                out.append((f"{names[id(p)]}/{k}", state[k]))
+    return out
+
+
+def save_trainer(trainer, root: str, extra: dict) -> dict:
+    """Write one checkpoint of ``trainer`` (a ``TrainerActor``) under ``root``; collective over its ranks."""
+    t0 = time.perf_counter()
+    rank, groups = trainer.rank, trainer.groups
+    rollout_id = int(extra.get("rollout_id", 0))
+    final = os.path.join(root, iter_name(rollout_id))
+    # Rank 0 picks the temp name and tells the others over the host group.
+    names = [f".tmp-{iter_name(rollout_id)}-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
+    if trainer.world_size > 1:
+        torch.distributed.broadcast_object_list(names, src=0, group=groups.host)
+    tmp = os.path.join(root, names[0])
+    if rank == 0:
+        os.makedirs(tmp, exist_ok=False)
+    groups.barrier()
+
+    # fp32 master weights and moments, read from host backups when paused (see tidal.trainer.weights).
+    model_w = ShardedWriter(tmp, "model") if rank == 0 else None
+    nbytes = 0
+    for name, full in trainer._iter_named(list(trainer.model.named_parameters()), None):
+        if full is not None:
+            model_w.add(name, full)
+            nbytes += full.numel() * full.element_size()
+    optim_w = ShardedWriter(tmp, "optim") if rank == 0 else None
+    for name, full in trainer._iter_named(_optimizer_named(trainer), None):
+        if full is not None:
+            optim_w.add(name, full)
+            nbytes += full.numel() * full.element_size()
+    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    groups.barrier()
+
+    if rank == 0:
+        names_by_id = {id(p): n for n, p in trainer.model.named_parameters()}
+        steps = {
+            names_by_id[id(p)]: float(trainer.optimizer.state[p]["step"])
+            for p in trainer.params
+            if "step" in trainer.optimizer.state.get(p, {})
+        }
+        meta = {
+            "format": FORMAT,
+            "rollout_id": rollout_id,
+            "world_size": trainer.world_size,
+            "model": trainer.model_cfg.model,
+            "model_index": model_w.close(),
+            "optim_index": optim_w.close(),
+            "optim_steps": steps,
+            "schedule": trainer.schedule.state_dict(),
+            "extra": extra,
+            "saved_at": time.time(),
+        }
+        write_text_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1, sort_keys=True))
+        _fsync_dir(tmp)
+        replace_dir(tmp, final)
+        write_text_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")
+    groups.barrier()
+    if rank != 0:
+        return {}
+    return {"checkpoint/path": final, "checkpoint/bytes": nbytes, "checkpoint/save_s": time.perf_counter() - t0}
+
+
+def load_trainer(trainer, root: str) -> dict:
+    """Load the newest complete checkpoint under ``root`` into ``trainer`` (ACTIVE); returns ``extra`` or {}."""
+    path = find_latest(root)
+    if path is None:
+        return {}
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise UserError(
+            f"--load {path}: checkpoint format {meta.get('format')} is not {FORMAT}; save it again with this tidal"
+        )
+    rank, ws = trainer.rank, trainer.world_size
+    params = dict(trainer.model.named_parameters())
+    missing = sorted(set(params) - set(meta["model_index"]))
+    if missing:
+        raise UserError(
+            f"--load {path}: checkpoint lacks {len(missing)} weight(s) of --model {trainer.model_cfg.model} "
+            f"(e.g. {missing[0]}); load it with the model it was saved from ({meta.get('model')})"
+        )
+    models = ShardedReader(path, meta["model_index"])
+    with torch.no_grad():
+        for name, p in params.items():
+            full = models.get(name)
+            if tuple(full.shape) != tuple(p.shape):
+                raise UserError(
+                    f"--load {path}: {name} has shape {tuple(full.shape)}, the model has {tuple(p.shape)}; "
+                    "use the model the checkpoint was saved from"
+                )
+            local = local_shard(p)
+            local.copy_(scatter_rows(full, rank, ws).to(local.dtype))
+
+        optim = ShardedReader(path, meta["optim_index"])
+        with trainer.memory.region(StateClass.OPTIMIZER):
+            for p in trainer.params:
+                name = next(n for n, q in params.items() if q is p)
+                if f"{name}/exp_avg" not in meta["optim_index"]:
+                    continue
+                state = trainer.optimizer.state[p]
+                if not state:
+                    # The same state AdamW creates on its first step: a host scalar step and zero moments.
+                    state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
+                    for k in _MOMENTS:
+                        state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"].fill_(meta["optim_steps"][name])
+                for k in _MOMENTS:
+                    local = local_shard(state[k])
+                    local.copy_(scatter_rows(optim.get(f"{name}/{k}"), rank, ws).to(local.dtype))
+    trainer.schedule.load_state_dict(meta["schedule"])
+    rng_file = os.path.join(path, f"rng_rank{rank}.pt")
+    if meta.get("world_size") == ws and os.path.isfile(rng_file):
+        # Our own file, written by save_trainer (Python/NumPy RNG states are not plain tensors).
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    trainer.groups.barrier()
+    return dict(meta["extra"])

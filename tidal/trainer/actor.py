@@ -1,0 +1,550 @@
+"""The FSDP2 trainer rank: model shards, optimizer, GRPO steps, pause/resume, and the weight source.
+
+One ``TrainerActor`` per device (process on CPU). The cluster code wraps the class with
+``ray.remote`` and calls every method on all ranks at once; rank 0 returns the reduced result
+(other ranks return ``{}`` where a result only makes sense once).
+
+Per rollout, ``train(samples, rollout_id)``:
+
+1. plans the rollout (``tidal.trainer.packing``): optimizer steps of ``global_batch_size`` samples,
+   each rank's share balanced by tokens, micro-batches under ``max_tokens_per_gpu``, the same
+   number of micro-batches on every rank (empty ones are zero-weight fillers);
+2. recomputes old log-probs (and reference log-probs when ``use_kl_loss``) for every micro-batch with
+   the weights as they are before any update of this rollout, in ``no_grad``;
+3. per optimizer step: token count all-reduced first, so every micro-batch's loss is its share of
+   the token-mean over the whole global batch (``tidal.algos.losses.grpo_loss`` with an external
+   normaliser); backward per micro-batch; global-norm clipping; AdamW with the scheduled rate.
+
+Memory: parameters' local shards (WEIGHTS), AdamW moments (OPTIMIZER) and gradients (GRADS) are
+registered with the memory backend and allocated inside its regions; ``pause()`` frees activations
+and cached blocks, destroys the NCCL compute group, then pauses the classes. Weight source:
+``iter_weights(dtype)`` reads live shards when ACTIVE and host backups when PAUSED (never paused
+device memory), see ``tidal.trainer.weights``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+
+from tidal.config.schema import AlgorithmConfig, MemoryConfig, ModelConfig, TrainerConfig, WeightSyncConfig
+from tidal.errors import ConfigError, ResidencyError
+from tidal.memory.base import StateClass
+from tidal.memory.residency import TrainerResidency
+from tidal.rollout.types import Sample
+from tidal.trainer.groups import TrainerGroups
+from tidal.trainer.packing import plan_rollout
+from tidal.trainer.schedule import LRSchedule
+from tidal.trainer.weights import iter_full_tensors, local_shard
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+_CLASSES = (StateClass.WEIGHTS, StateClass.OPTIMIZER, StateClass.GRADS)
+
+
+def as_dtype(d: str | torch.dtype | None) -> torch.dtype | None:
+    if d is None or isinstance(d, torch.dtype):
+        return d
+    name = str(d).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ConfigError(f"dtype {d!r}: use float32 or bfloat16")
+    return _DTYPES[name]
+
+
+class MicroBatch:
+    """One padded rectangle of sequences on the device, with everything the loss needs ([B, T-1] aligned to targets)."""
+
+    def __init__(self, samples: list[Sample], idx: list[int], pad_id: int, device: torch.device):
+        self.indices = idx
+        rows = [samples[i] for i in idx]
+        self.empty = not rows
+        if self.empty:
+            # Zero-weight filler: runs forward/backward so this rank joins every FSDP collective.
+            rows_ids = [[pad_id, pad_id]]
+        else:
+            rows_ids = [list(s.prompt_ids) + list(s.response_ids) for s in rows]
+        width = max(len(r) for r in rows_ids)
+        b = len(rows_ids)
+        ids = torch.full((b, width), pad_id, dtype=torch.long)
+        attn = torch.zeros((b, width), dtype=torch.long)
+        mask = torch.zeros((b, width - 1), dtype=torch.bool)
+        engine_lp = torch.zeros((b, width - 1), dtype=torch.float32)
+        has_engine_lp = torch.zeros((b, width - 1), dtype=torch.bool)
+        adv = torch.zeros(b, dtype=torch.float32)
+        for r, seq in enumerate(rows_ids):
+            ids[r, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            attn[r, : len(seq)] = 1
+        for r, s in enumerate(rows):
+            p, n = len(s.prompt_ids), len(s.response_ids)
+            if n == 0:
+                continue
+            # Target position t predicts token t + 1: response tokens p .. p+n-1 are targets p-1 .. p+n-2.
+            mask[r, p - 1 : p - 1 + n] = True
+            adv[r] = float(s.advantage)
+            if len(s.response_logprobs) == n:
+                engine_lp[r, p - 1 : p - 1 + n] = torch.tensor(s.response_logprobs, dtype=torch.float32)
+                has_engine_lp[r, p - 1 : p - 1 + n] = True
+        self.tokens = int(attn.sum())  # real (unpadded) tokens, prompt + response
+        self.input_ids, self.attention_mask = ids.to(device), attn.to(device)
+        self.targets = self.input_ids[:, 1:]
+        self.mask, self.advantages = mask.to(device), adv.to(device)
+        self.engine_logprobs, self.has_engine_logprobs = engine_lp, has_engine_lp
+        self.old_logprobs: torch.Tensor | None = None
+        self.ref_logprobs: torch.Tensor | None = None
+
+
+class TrainerActor:
+    """One rank of the FSDP2 trainer; see the module docstring and ``docs/design.md`` for the contract."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        *,
+        model: ModelConfig,
+        trainer: TrainerConfig,
+        algorithm: AlgorithmConfig,
+        memory: MemoryConfig,
+        weight_sync: WeightSyncConfig,
+        device: str,
+        total_steps: int | None = None,
+        release_process_groups: bool | None = None,
+    ):
+        """``total_steps``: optimizer steps of the whole run, needed only by a decaying LR schedule.
+        ``release_process_groups``: destroy/rebuild the compute group around pause/resume
+        (default: on NCCL only; tests turn it on over gloo to exercise the same path on CPU)."""
+        if device not in ("cpu", "cuda"):
+            raise ConfigError(f"device {device!r}: use cpu or cuda")
+        self.rank, self.world_size = rank, world_size
+        self.master_addr, self.master_port = master_addr, master_port
+        self.model_cfg, self.cfg, self.algo = model, trainer, algorithm
+        self.memory_cfg, self.sync_cfg = memory, weight_sync
+        self.device_type = device
+        self.total_steps = total_steps
+        self.release_groups = (device == "cuda") if release_process_groups is None else release_process_groups
+        self.offload = bool(memory.offload_train)
+        self.residency = TrainerResidency(f"trainer rank {rank}")
+        self.version = 0
+        self.strategy = None
+        self.connected = False
+        self.engine_dtype: torch.dtype | None = None
+        self.ref_model = None
+        self.last_rollout_id = -1
+
+    # ---- setup ------------------------------------------------------------------------------
+    def init(self) -> dict:
+        """Process groups, model (same seed on every rank), FSDP2, AdamW, schedule, memory backend."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from tidal.memory import make_backend
+        from tidal.model.load import build_model, load_tokenizer, resolve_model
+
+        t0 = time.perf_counter()
+        if self.device_type == "cuda":
+            index = int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count())
+            torch.cuda.set_device(index)
+            self.device = torch.device("cuda", index)
+        else:
+            self.device = torch.device("cpu")
+        self.groups = TrainerGroups(
+            self.rank,
+            self.world_size,
+            self.master_addr,
+            self.master_port,
+            device=self.device_type,
+            separate_compute_group=self.release_groups,
+        )
+        self.spec = resolve_model(self.model_cfg.model, self.model_cfg.tokenizer, self.model_cfg.trust_remote_code)
+        tok = load_tokenizer(self.spec)
+        self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else 0)
+        self.tokenizer = tok
+
+        param_dtype = self.cfg.param_dtype
+        if param_dtype == "auto":
+            param_dtype = "bf16" if self.device_type == "cuda" else "fp32"
+        self.compute_dtype = as_dtype(param_dtype)
+        # fp32 master parameters always; bf16 is only the compute copy FSDP all-gathers.
+        self.mp = None
+        if self.compute_dtype != torch.float32:
+            self.mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+
+        self.memory = make_backend(self.memory_cfg, device=self.device_type, role="trainer", offload_train=self.offload)
+        with self.memory.region(StateClass.WEIGHTS):
+            self.model = self._build_sharded(build_model, trainable=True)
+            if self.algo.use_kl_loss:
+                self.ref_model = self._build_sharded(build_model, trainable=False)
+
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=self.cfg.lr,
+            betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
+            eps=self.cfg.adam_eps,
+            weight_decay=self.cfg.weight_decay,
+        )
+        self.schedule = LRSchedule(
+            lr=self.cfg.lr,
+            min_lr=self.cfg.min_lr,
+            warmup_steps=self.cfg.lr_warmup_steps,
+            decay_style=self.cfg.lr_decay_style,
+            total_steps=self.total_steps,
+        )
+        self.memory.register(StateClass.WEIGHTS, self._weight_tensors)
+        self.memory.register(StateClass.OPTIMIZER, self._optimizer_tensors)
+        self.memory.register(StateClass.GRADS, self._grad_tensors)
+        num_params = sum(p.numel() for p in self.model.parameters())
+        local_bytes = sum(local_shard(p).numel() * local_shard(p).element_size() for p in self.model.parameters())
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "num_params": num_params,
+            "local_param_bytes": local_bytes,
+            "param_dtype": str(self.compute_dtype).removeprefix("torch."),
+            "use_kl_loss": self.ref_model is not None,
+            "init_s": time.perf_counter() - t0,
+        }
+
+    def _build_sharded(self, build_model, *, trainable: bool) -> torch.nn.Module:
+        """Build on the host from the shared seed, then shard: every decoder layer, then the root."""
+        from torch.distributed.fsdp import fully_shard
+
+        model = build_model(self.spec, dtype=torch.float32, seed=self.cfg.seed, device="cpu")
+        model.config.use_cache = False
+        if trainable and self.cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if not trainable:
+            model.requires_grad_(False)
+            model.eval()
+        kw = {"mesh": self.groups.mesh}
+        if self.mp is not None:
+            kw["mp_policy"] = self.mp
+        layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+        layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+        if not layers:
+            raise ConfigError(
+                f"--model {self.model_cfg.model}: found no decoder layers to shard (_no_split_modules is empty); "
+                "use a transformers causal LM"
+            )
+        for layer in layers:
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)  # moves the remaining (root) parameters onto the device too
+        return model
+
+    def _fsdp_modules(self) -> list:
+        from torch.distributed.fsdp import FSDPModule
+
+        out = []
+        for m in (self.model, self.ref_model):
+            if m is not None:
+                out += [x for x in m.modules() if isinstance(x, FSDPModule)]
+        return out
+
+    # ---- tensors per state class (called by the memory backend at every pause) -----------------
+    def _weight_tensors(self):
+        models = [m for m in (self.model, self.ref_model) if m is not None]
+        return [local_shard(p) for m in models for p in m.parameters()]
+
+    def _optimizer_tensors(self):
+        # AdamW's "step" counters are host scalars; only the moments live on the device.
+        return [
+            local_shard(v)
+            for state in self.optimizer.state.values()
+            for k, v in state.items()
+            if k != "step" and torch.is_tensor(v)
+        ]
+
+    def _grad_tensors(self):
+        return [local_shard(p.grad) for p in self.params if p.grad is not None]
+
+    # ---- training -----------------------------------------------------------------------------
+    def _forward_logits(self, model, mb: MicroBatch) -> torch.Tensor:
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+        return out.logits[:, :-1]
+
+    def train(self, samples: list[Sample], rollout_id: int) -> dict:
+        """All optimizer steps of one rollout; rank 0 returns the metrics reduced over ranks."""
+        from tidal.algos.losses import LossInputs, entropy_from_logits, grpo_loss, token_logprobs
+
+        self.residency.require_active("train")
+        t0 = time.perf_counter()
+        lengths = [s.total_len for s in samples]
+        plan = plan_rollout(
+            lengths,
+            world_size=self.world_size,
+            global_batch_size=self.cfg.global_batch_size,
+            max_tokens=self.cfg.max_tokens_per_gpu,
+        )
+        steps = [
+            [MicroBatch(samples, mb, self.pad_id, self.device) for mb in step[self.rank].micro_batches] for step in plan
+        ]
+
+        # 1. Old (and reference) log-probs with the weights before any update of this rollout.
+        self.model.train()
+        lp_abs_diff, lp_count = 0.0, 0
+        with torch.no_grad():
+            for mbs in steps:
+                for mb in mbs:
+                    logits = self._forward_logits(self.model, mb)
+                    mb.old_logprobs = token_logprobs(logits, mb.targets).float()
+                    del logits
+                    if self.ref_model is not None:
+                        mb.ref_logprobs = token_logprobs(self._forward_logits(self.ref_model, mb), mb.targets).float()
+                    sel = mb.has_engine_logprobs
+                    if sel.any():
+                        diff = (mb.old_logprobs.cpu()[sel] - mb.engine_logprobs[sel]).abs()
+                        lp_abs_diff += float(diff.sum())
+                        lp_count += int(sel.sum())
+
+        # 2. Optimizer steps.
+        sums = dict.fromkeys(("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio_mean"), 0.0)
+        tok_total, tokens_all, grad_norms, lr = 0.0, 0, [], 0.0
+        agg = self.algo.loss_agg_mode
+        from tidal.algos.losses import loss_normalizer
+
+        for mbs in steps:
+            local_norm = sum(float(loss_normalizer(mb.mask, agg)) for mb in mbs)
+            (global_norm,) = self.groups.all_reduce_host([local_norm])
+            global_norm = max(global_norm, 1.0)
+            # FSDP2 averages gradients over ranks, so each rank's share is scaled back by world_size.
+            normalizer = global_norm / self.world_size
+            for mb in mbs:
+                logits = self._forward_logits(self.model, mb)
+                logprobs = token_logprobs(logits, mb.targets)
+                if self.algo.entropy_coef != 0.0:
+                    ent = entropy_from_logits(logits)
+                else:
+                    with torch.no_grad():
+                        ent = entropy_from_logits(logits.detach())
+                inputs = LossInputs(
+                    logprobs=logprobs,
+                    old_logprobs=mb.old_logprobs,
+                    advantages=mb.advantages,
+                    mask=mb.mask,
+                    ref_logprobs=mb.ref_logprobs,
+                    entropy=ent,
+                )
+                loss, m = grpo_loss(inputs, self.algo, normalizer=normalizer)
+                with self.memory.region(StateClass.GRADS):
+                    loss.backward()
+                del logits, logprobs, ent, loss
+                n = float(m["num_tokens"])
+                tok_total += n
+                tokens_all += 0 if mb.empty else mb.tokens
+                sums["loss"] += float(m["loss_sum"]) / global_norm
+                for k in ("pg_loss", "kl", "entropy", "clipfrac", "ratio_mean"):
+                    if k in m:
+                        sums[k] += float(m[k]) * n
+            max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm=max_norm)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            grad_norms.append(float(grad_norm))
+            lr = self.schedule.apply(self.optimizer)
+            with self.memory.region(StateClass.OPTIMIZER):
+                self.optimizer.step()
+            self.schedule.advance()
+            self.optimizer.zero_grad(set_to_none=True)
+
+        for mod in self._fsdp_modules():
+            mod.reshard()  # the root keeps its all-gathered parameters after forward; free them
+        red = self.groups.all_reduce_host(
+            [
+                sums["loss"],
+                *(sums[k] for k in ("pg_loss", "kl", "entropy", "clipfrac", "ratio_mean")),
+                tok_total,
+                float(tokens_all),
+                lp_abs_diff,
+                float(lp_count),
+            ]
+        )
+        loss_sum, pg, kl, ent, clip, ratio, tok_total, tokens_all, lp_abs_diff, lp_count = red
+        train_s = time.perf_counter() - t0
+        self.last_rollout_id = rollout_id
+        if self.rank != 0:
+            return {}
+        denom = max(tok_total, 1.0)
+        out = {
+            "loss": loss_sum / max(1, len(steps)),
+            "pg_loss": pg / denom,
+            "entropy": ent / denom,
+            "clipfrac": clip / denom,
+            "ratio_mean": ratio / denom,
+            "grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
+            "lr": lr,
+            "tokens": tokens_all,
+            "response_tokens": tok_total,
+            "optimizer_steps": len(steps),
+            "tokens_per_s": tokens_all / train_s if train_s > 0 else 0.0,
+            "train_s": train_s,
+            "logprob_diff": lp_abs_diff / lp_count if lp_count else 0.0,
+        }
+        if self.ref_model is not None:
+            out["kl"] = kl / denom
+        return out
+
+    # ---- memory ---------------------------------------------------------------------------------
+    def _free_transients(self) -> None:
+        for mod in self._fsdp_modules():
+            mod.reshard()
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device_type == "cuda":
+            torch.cuda.empty_cache()
+
+    def pause(self) -> dict:
+        """Release device memory of weights, optimizer state and grads (no-op unless offload_train)."""
+        self.residency.pause()
+        if not self.offload:
+            return {"memory/trainer_pause/effective": 0}
+        t0 = time.perf_counter()
+        self._free_transients()
+        released = self.groups.release()
+        report = self.memory.pause(list(_CLASSES))
+        out = report.metrics("memory/trainer_pause")
+        out["memory/trainer_pause/effective"] = 1
+        out["memory/trainer_pause/groups_released"] = int(released)
+        out["memory/trainer_pause/total_s"] = time.perf_counter() - t0
+        return out if self.rank == 0 else {}
+
+    def resume(self) -> dict:
+        """Bring weights and optimizer state back bit for bit; grads come back as None (zeroed every step)."""
+        self.residency.resume()
+        if not self.offload:
+            return {"memory/trainer_resume/effective": 0}
+        t0 = time.perf_counter()
+        report = self.memory.resume(list(_CLASSES))
+        rebuilt = self.groups.rebuild(self._fsdp_modules())
+        out = report.metrics("memory/trainer_resume")
+        out["memory/trainer_resume/effective"] = 1
+        out["memory/trainer_resume/groups_rebuilt"] = int(rebuilt)
+        out["memory/trainer_resume/total_s"] = time.perf_counter() - t0
+        return out if self.rank == 0 else {}
+
+    @property
+    def _reading_backups(self) -> bool:
+        return self.offload and self.residency.paused
+
+    # ---- weight source --------------------------------------------------------------------------
+    def _named_params(self) -> list[tuple[str, torch.Tensor]]:
+        # named_parameters() lists tied weights once (HF names), which is what engines expect.
+        return list(self.model.named_parameters())
+
+    def iter_weights(self, dtype: str | torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """``(name, full CPU tensor in dtype)`` on rank 0, ``(name, None)`` elsewhere; all ranks iterate together."""
+        return self._iter_named(self._named_params(), as_dtype(dtype))
+
+    def _iter_named(self, named, dtype):
+        backups = self._reading_backups
+        return iter_full_tensors(
+            named,
+            dtype,
+            rank=self.rank,
+            world_size=self.world_size,
+            host_group=self.groups.host,
+            host_view=self.memory.host_view if backups else None,
+            device_gather=self.device_type == "cuda" and not backups,
+        )
+
+    def connect_engines(self, engines: list, engine_dtype: str | torch.dtype, colocated: bool | None = None) -> None:
+        """Rank 0 builds and connects the weight-sync strategy; every rank records the engine dtype."""
+        self.engine_dtype = as_dtype(engine_dtype)
+        if colocated is None:
+            colocated = self.sync_cfg.update_weight_transport in (None, "tensor")
+        if self.rank == 0:
+            from tidal.weight_sync import make_strategy
+
+            self.strategy = make_strategy(self.sync_cfg, engines, device=self.device_type, colocated=colocated)
+            self.strategy.connect()
+        self.connected = True
+
+    def update_weights(self) -> dict:
+        """Weight version += 1 and push every weight to the engines (rank 0 sends; all ranks gather)."""
+        if not self.connected:
+            raise ResidencyError("update_weights() before connect_engines(); connect the engines first")
+        self.version += 1
+        t0 = time.perf_counter()
+        it = self.iter_weights(self.engine_dtype)
+        if self.rank != 0:
+            for _ in it:
+                pass
+            return {}
+        report = self.strategy.sync(((n, t) for n, t in it), self.version)
+        out = dict(report.metrics())
+        out["sync/trainer_s"] = time.perf_counter() - t0
+        out["sync/from_backup"] = int(self._reading_backups)
+        return out
+
+    def weight_checksums(self, dtype: str | torch.dtype | None = None) -> dict[str, str]:
+        """name -> checksum of the full tensor in the engine dtype (rank 0; ``{}`` elsewhere)."""
+        from tidal.weight_sync.checksum import tensor_checksum
+
+        want = as_dtype(dtype) or self.engine_dtype or (torch.bfloat16 if self.device_type == "cuda" else torch.float32)
+        out = {}
+        for name, full in self.iter_weights(want):
+            if full is not None:
+                out[name] = tensor_checksum(full)
+        return out
+
+    def state_checksums(self) -> dict[str, str]:
+        """Checksums of the fp32 master weights and AdamW moments (rank 0): a bitwise fingerprint for tests."""
+        from tidal.weight_sync.checksum import tensor_checksum
+
+        named = list(self._named_params())
+        names = {id(p): n for n, p in named}
+        for p in self.params:
+            for k, v in sorted(self.optimizer.state.get(p, {}).items()):
+                if k != "step" and torch.is_tensor(v):
+                    named.append((f"optim/{names[id(p)]}/{k}", v))
+        out = {}
+        for name, full in self._iter_named(named, None):
+            if full is not None:
+                out[name] = tensor_checksum(full)
+        return out
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def save(self, dir: str, extra: dict | None = None) -> dict:
+        """Atomic checkpoint under ``dir/iter_{rollout:07d}/`` (see ``tidal.checkpoint``); works while paused."""
+        from tidal.checkpoint.store import save_trainer
+
+        extra = dict(extra or {})
+        extra.setdefault("rollout_id", self.last_rollout_id)
+        extra["weight_version"] = self.version
+        return save_trainer(self, dir, extra)
+
+    def load(self, dir: str) -> dict:
+        """Resume from the newest complete checkpoint in ``dir``; returns its ``extra`` ({} when there is none)."""
+        from tidal.checkpoint.store import load_trainer
+
+        self.residency.require_active("load")
+        extra = load_trainer(self, dir)
+        if extra:
+            self.version = int(extra.get("weight_version", self.version))
+            self.last_rollout_id = int(extra.get("rollout_id", self.last_rollout_id))
+        return extra
+
+    def export(self, dir: str) -> dict:
+        """A Hugging Face folder (config, safetensors, tokenizer) of the current fp32 weights, written atomically."""
+        from tidal.checkpoint.export import export_hf
+
+        return export_hf(self, dir)
+
+    def shutdown(self) -> None:
+        """Close the weight-sync strategy and the process groups (call on all ranks)."""
+        if self.strategy is not None:
+            self.strategy.close()
+        self.groups.destroy()
