@@ -123,8 +123,9 @@ def _memory_table(cfg: TidalConfig, plan: MemoryPlan) -> list[str]:
     return rows
 
 
-def explain(cfg: TidalConfig, prov: Provenance, env: Environment) -> str:
-    """The text of ``tidal explain`` for a resolved config."""
+def explain(cfg: TidalConfig, prov: Provenance, env: Environment | None = None) -> str:
+    """The text of ``tidal explain`` for a resolved config (``env``: this machine when omitted)."""
+    env = env or Environment.detect()
     shape = model_shape(cfg)
     plan = build_plan(cfg, shape, env)
     out = ["tidal explain: the resolved configuration (nothing is started)", ""]

@@ -11,7 +11,7 @@ no weights allocated) and the batch settings; their assumptions are printed by `
     engine, per engine   a full copy of the weights in the engine dtype (fp32 on CPU, bf16 on
                          GPU); a KV cache holding every sample of its share of the rollout at full
                          length; one sync bucket while weights arrive
-    reserve, per device  1 GiB + 5% on GPU (CUDA context, NCCL buffers, allocator slack); on CPU
+    reserve, per device  2 GiB + 8% on GPU (CUDA context, NCCL buffers, allocator slack); on CPU
                          the "device" is host memory and a quarter is kept for Ray and the OS
 
 Phases of a colocated step and what is resident on a device in each (t, r = offload train/rollout):
@@ -151,7 +151,7 @@ class MemoryPlan:
 def _budget(device: str, env: Environment) -> tuple[int, int]:
     if device == "cuda":
         cap = env.device_memory
-        return cap, max(0, int(cap - GIB - 0.05 * cap))
+        return cap, max(0, int(cap - 2 * GIB - 0.08 * cap))
     cap = env.host_memory
     return cap, int(cap * 0.75)
 

@@ -170,29 +170,6 @@ def _memory_backend(ctx: Context) -> None:
             )
 
 
-_TMS_VARS = re.compile(r"^(TMS_.*|LD_PRELOAD)$")
-
-
-@rule(
-    "train-env-vars",
-    "`--train-env-vars` is a JSON object of strings; it cannot set torch_memory_saver's variables, nor expandable segments under tms.",
-)
-def _train_env_vars(ctx: Context) -> None:
-    env_vars = ctx.cfg.cluster.train_env_vars
-    for key, value in env_vars.items():
-        if not isinstance(value, str):
-            raise ConfigError(f'--train-env-vars: value of {key} must be a string (write "{value}" in quotes)')
-        if _TMS_VARS.match(key):
-            raise ConfigError(
-                f"--train-env-vars: {key} is managed by the memory backend; use --memory-backend/--tms-hook-mode instead"
-            )
-    alloc = env_vars.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if ctx.cfg.memory.memory_backend == "tms" and "expandable_segments:true" in alloc.replace(" ", "").lower():
-        raise ConfigError(
-            "--train-env-vars: torch_memory_saver refuses PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; remove it or use --memory-backend portable"
-        )
-
-
 @rule(
     "offload-shorthand",
     "`--offload` sets offload-train and offload-rollout (an explicit opposite `--no-offload-*` is a conflict).",
@@ -225,6 +202,11 @@ def _critic_available(ctx: Context) -> None:
         raise ConfigError(
             "--use-critic: PPO with a critic is not implemented in this version; drop it and use --advantage-estimator grpo or dr_grpo"
         )
+
+
+@rule("model", "`--model` names a preset or a local Hugging Face folder with a config.json.")
+def _model(ctx: Context) -> None:
+    ctx.shape()
 
 
 @rule(
@@ -306,9 +288,11 @@ def _offload_needed(ctx: Context) -> None:
                 ctx.derive(name, value, "offload-needed", f"{verdict}: {describe_combo(plan, chosen)}")
     if not fits and m.check_memory_plan:
         combo = plan.combo(bool(train), bool(rollout))
+        chosen = f"offload-train {'on' if train else 'off'}, offload-rollout {'on' if rollout else 'off'}"
         raise ConfigError(
-            f"memory plan does not fit ({describe_combo(plan, combo)}); add devices (--actor-num-gpus-per-node), "
-            "use --gradient-checkpointing or a lower --max-tokens-per-gpu, or --no-check-memory-plan if the estimate is wrong"
+            f"memory plan does not fit with {chosen} ({describe_combo(plan, combo)}); add devices, lower --rollout-batch-size "
+            "or --rollout-max-response-len (engine KV), use --gradient-checkpointing or a lower --max-tokens-per-gpu, "
+            "or pass --no-check-memory-plan if the estimate is wrong (see `tidal explain`)"
         )
 
 
@@ -349,6 +333,30 @@ def _host_memory(ctx: Context) -> None:
         raise ConfigError(
             f"--offload-train: paused trainer state needs {format_bytes(need)} of host memory per node, {format_bytes(plan.host_budget)} usable; "
             "use --offload-host-memory disk --offload-disk-dir DIR, or more trainer nodes"
+        )
+
+
+@rule(
+    "train-env-vars",
+    "`--train-env-vars` is a JSON object of strings; under tms it cannot enable expandable segments, and NCCL user buffers "
+    "cannot be combined with `--offload-train` (its grad buffers are paused without backup).",
+)
+def _train_env_vars(ctx: Context) -> None:
+    env_vars = ctx.cfg.cluster.train_env_vars
+    for key, value in env_vars.items():
+        if not isinstance(value, str):
+            raise ConfigError(f'--train-env-vars: value of {key} must be a string (write "{value}" in quotes)')
+    if ctx.cfg.memory.memory_backend != "tms":
+        return
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if "expandable_segments:true" in env_vars.get(key, "").replace(" ", "").lower():
+            raise ConfigError(
+                f"--train-env-vars: torch_memory_saver cannot pause memory of {key}=expandable_segments:True; remove it or use --memory-backend portable"
+            )
+    ub = env_vars.get("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK", "0").lower()
+    if ctx.cfg.memory.offload_train and ub in ("1", "true"):
+        raise ConfigError(
+            "--train-env-vars: NCCL user buffers (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1) cannot live in paused memory; unset it or drop --offload-train"
         )
 
 
@@ -482,11 +490,6 @@ def _data(ctx: Context) -> None:
         value = ctx.get(name)
         if value is not None and not _HOOK.match(value):
             raise ConfigError(f"{_f(name)} {value}: expected module:function, e.g. my_pkg.rewards:score")
-
-
-@rule("model", "`--model` names a preset or a local Hugging Face folder with a config.json.")
-def _model(ctx: Context) -> None:
-    ctx.shape()
 
 
 @rule("output-dir", "`--output-dir` defaults to runs/<YYYYmmdd-HHMMSS>-<model>.")
