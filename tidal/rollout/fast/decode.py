@@ -1,0 +1,486 @@
+"""The fast decode path: static KV cache, on-device sampling, compaction, CUDA graphs.
+
+``FastDecoder(model, ...)`` wraps a transformers causal LM (llama / qwen2 / qwen3 style; its own
+model code runs every layer) and generates a batch of prompts:
+
+1. Rows go in waves of at most ``rows`` (what the memory budget allows, ``plan_rows``). A wave is
+   left-padded to its longest prompt ``W``, so every row decodes at the same cache column and one
+   column index serves the batch.
+2. Prefill runs eagerly, in chunks of rows bounded by ``prefill_tokens``: one forward pass per chunk
+   with a 4-D boolean mask (causal, padding excluded; a padding query sees itself so that no row of
+   the softmax is empty), keys/values written straight into the cache, last-position logits only.
+3. Decode steps feed one token per row. A step is a fixed sequence of kernels over static buffers
+   (``_step``): model forward through ``fast_attention``, ``sampling.sample``, writing the token and
+   its log-prob into per-row output buffers, stop-id / per-row length checks into a ``done`` flag.
+   On CUDA it is captured as a graph per (batch bucket, KV-length bucket, sampling mode) and
+   replayed; elsewhere (CPU) the same function runs eagerly.
+4. Every ``check_every`` steps the host reads how many rows are still running (the only host sync
+   of the loop). When they fit a smaller batch bucket, their cache rows and state move to the front
+   (compaction) and the loop continues at that bucket, so rows that finished early stop costing
+   anything and a long tail runs at a small batch. When none is left, the wave ends.
+
+The attention of a step covers only the cache columns written so far, rounded up to ``kv_block``
+(a static length per graph), not the whole cache.
+
+Log-probs are those of the raw policy (``log_softmax`` of the model's logits at temperature 1) for
+the sampled tokens, as the trainer recomputes them.
+
+Memory: ``kv_tensors()`` lists every tensor the cached graphs point into besides the weights (the
+cache and the step's state buffers), for a memory backend to release as class ``kv_cache``;
+``release()`` frees them and the graphs outright, and the next ``generate`` re-allocates. A backend
+that frees and re-allocates them in place changes their addresses: the graphs notice (their address
+signature) and are recaptured; one that keeps addresses (torch_memory_saver) keeps the graphs.
+Contents are never trusted across calls: the cache is zeroed at the start of every ``generate``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tidal.errors import UserError
+from tidal.rollout.fast import attention
+from tidal.rollout.fast.graphs import GraphSet
+from tidal.rollout.fast.sampling import SamplingMode, sample, sampling_mode
+from tidal.rollout.fast.static_cache import (
+    StaticKVCache,
+    kv_shape,
+    plan_rows,
+    prefill_workspace_bytes,
+    workspace_bytes_per_row,
+)
+
+log = logging.getLogger(__name__)
+
+_CPU_DEFAULT_BUDGET = 1 << 30
+
+
+def batch_buckets(rows: int) -> list[int]:
+    """Batch sizes graphs are captured for: 1, 2, 4, 8, then powers of two and their 1.5x, up to ``rows``."""
+    out, b = [], 1
+    while b < rows:
+        out.append(b)
+        if b >= 8 and b + b // 2 < rows:
+            out.append(b + b // 2)
+        b *= 2
+    out.append(rows)
+    return sorted(set(out))
+
+
+@dataclass
+class DecodeResult:
+    """Per row, in input order: generated token ids (cut after a stop id or the row's limit), their
+    raw-policy log-probs, and whether a stop id ended the row (else its length limit did)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    stopped: list[bool]
+    stats: dict = field(default_factory=dict)
+
+
+class FastDecoder:
+    """Batched generation over a transformers causal LM with a static cache and on-device sampling.
+
+    Memory: ``mem_bytes`` caps the cache plus the decode workspace; otherwise ``mem_fraction`` of the
+    device's total memory caps weights + cache + workspace at the peak (on CPU, without
+    ``mem_bytes``, the cache gets 1 GiB). ``max_batch`` caps the rows of one wave, ``max_seq_len``
+    the prompt + response length of one row (grown on demand, which drops the cache and graphs).
+    ``region`` is a context-manager factory wrapped around every allocation of ``kv_tensors()``
+    (a memory backend's ``region(kv_cache)``).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_batch: int = 512,
+        max_seq_len: int = 2048,
+        mem_fraction: float = 0.45,
+        mem_bytes: int | None = None,
+        cuda_graphs: bool = True,
+        kv_block: int = 256,
+        check_every: int = 8,
+        prefill_tokens: int = 16384,
+        compaction: bool = True,
+        pad_id: int = 0,
+        max_stop_ids: int = 16,
+        region: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ) -> None:
+        reason = attention.check_supported(model)
+        if reason is not None:
+            raise UserError(
+                f"fast decode cannot run model {type(model).__name__}: {reason}; turn --rollout-fast-decode off"
+            )
+        if not 0 < mem_fraction <= 1:
+            raise UserError(f"rollout memory fraction {mem_fraction}: must be in (0, 1]; fix --rollout-mem-fraction")
+        for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("kv_block", kv_block)):
+            if value < 1:
+                raise UserError(f"fast decode {name}={value}: must be at least 1")
+        self.model = model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.vocab = self.config.vocab_size
+        self.max_batch = max_batch
+        self.max_seq_len = max_seq_len
+        self.mem_fraction = mem_fraction
+        self.mem_bytes = mem_bytes
+        self.kv_block = kv_block
+        self.check_every = max(1, check_every)
+        self.prefill_tokens = max(1, prefill_tokens)
+        self.compaction = compaction
+        self.pad_id = pad_id
+        self.max_stop_ids = max_stop_ids
+        self.region = region or contextlib.nullcontext
+        self.shape = kv_shape(self.config, self.dtype)
+        self.graphs = GraphSet(self.device)
+        if not cuda_graphs and self.graphs.enabled:
+            self.graphs.enabled = False
+            self.graphs.fallback_reason = "turned off"
+        self.cache: StaticKVCache | None = None
+        self.rows = 0
+        self._gen = torch.Generator(device="cpu") if self.device.type == "cpu" else None
+        self.last_stats: dict = {}
+
+    # ------------------------------------------------------------------ memory
+
+    def budget_bytes(self) -> int:
+        """Bytes the decoder may use for cache + workspace (weights excluded)."""
+        if self.mem_bytes is not None:
+            return int(self.mem_bytes)
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            return int(self.mem_fraction * total) - weights
+        return _CPU_DEFAULT_BUDGET
+
+    def plan(self, max_seq_len: int | None = None) -> dict:
+        """How the budget splits: rows, cache bytes, workspace estimate (no allocation)."""
+        max_len = max_seq_len or self.max_seq_len
+        budget = self.budget_bytes()
+        per_row_ws = workspace_bytes_per_row(self.config, self.dtype, max_len)
+        fixed = prefill_workspace_bytes(self.config, self.dtype, self.prefill_tokens)
+        rows = plan_rows(
+            budget_bytes=budget,
+            shape=self.shape,
+            max_len=max_len,
+            per_row_workspace=per_row_ws,
+            fixed_bytes=fixed,
+            max_batch=self.max_batch,
+        )
+        return {
+            "budget_bytes": budget,
+            "rows": rows,
+            "max_seq_len": max_len,
+            "kv_bytes": rows * max_len * self.shape.bytes_per_token,
+            "workspace_bytes": rows * per_row_ws + fixed,
+        }
+
+    def allocate(self) -> None:
+        """Allocate the cache and the step's state buffers for the current ``max_seq_len``."""
+        plan = self.plan()
+        rows, max_len = plan["rows"], self.max_seq_len
+        dev = self.device
+        with self.region():
+            self.cache = StaticKVCache(self.shape, rows, max_len, dev)
+            # Per-slot state of the running batch (slot = position in the bucket).
+            self.s_tok = torch.zeros(rows, dtype=torch.long, device=dev)  # last token, fed next
+            self.s_pos = torch.zeros(rows, dtype=torch.long, device=dev)  # its RoPE position
+            self.s_start = torch.zeros(rows, dtype=torch.long, device=dev)  # first real cache column
+            self.s_limit = torch.zeros(rows, dtype=torch.long, device=dev)  # max new tokens
+            self.s_rowmap = torch.zeros(rows, dtype=torch.long, device=dev)  # wave row of the slot
+            self.s_done = torch.ones(rows, dtype=torch.bool, device=dev)
+            # Shared scalars: cache column written next, index of the token produced next.
+            self.s_cpos = torch.zeros(1, dtype=torch.long, device=dev)
+            self.s_step = torch.zeros(1, dtype=torch.long, device=dev)
+            self.s_cols = torch.arange(max_len, dtype=torch.long, device=dev)
+            self.s_stop = torch.full((self.max_stop_ids,), -1, dtype=torch.long, device=dev)
+            self.s_temp = torch.ones(1, dtype=torch.float32, device=dev)
+            self.s_top_p = torch.ones(1, dtype=torch.float32, device=dev)
+            # Outputs by wave row; the extra last row absorbs writes of empty slots.
+            self.s_out_tok = torch.zeros((rows + 1, max_len), dtype=torch.long, device=dev)
+            self.s_out_lp = torch.zeros((rows + 1, max_len), dtype=torch.float32, device=dev)
+        self.rows = rows
+        self.graphs.clear()
+        log.info(
+            "fast decode: cache of %d rows x %d tokens (%.2f GiB), budget %.2f GiB",
+            rows,
+            max_len,
+            self.cache.nbytes / 2**30,
+            plan["budget_bytes"] / 2**30,
+        )
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of memory class kv_cache: the cache and the decode state (empty when released)."""
+        if self.cache is None:
+            return []
+        return [self.cache.buf, *self._state(), self.s_start, self.s_limit, self.s_rowmap, self.s_cols]
+
+    def _state(self) -> list[torch.Tensor]:
+        """Buffers a decode step mutates (saved around graph warm-up) or reads per call."""
+        return [
+            self.s_tok,
+            self.s_pos,
+            self.s_done,
+            self.s_cpos,
+            self.s_step,
+            self.s_stop,
+            self.s_temp,
+            self.s_top_p,
+            self.s_out_tok,
+            self.s_out_lp,
+        ]
+
+    def release(self) -> None:
+        """Free the cache, the state buffers and every graph; ``generate`` re-allocates."""
+        self.graphs.clear()
+        self.cache = None
+        for name in [n for n in vars(self) if n.startswith("s_")]:
+            delattr(self, name)
+        self.rows = 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume(self) -> None:
+        """Allocate again after ``release`` (otherwise ``generate`` does it on first use)."""
+        if self.cache is None:
+            self.allocate()
+
+    def _released_in_place(self) -> bool:
+        """Whether a memory backend freed the buffers in place (storage of zero bytes)."""
+        return self.cache is not None and self.cache.buf.untyped_storage().nbytes() == 0
+
+    def _signature(self) -> tuple[int, ...]:
+        """Addresses a captured step reads or writes: weights, buffers, cache and state."""
+        ptrs = [p.data_ptr() for p in self.model.parameters()]
+        ptrs += [b.data_ptr() for b in self.model.buffers()]
+        ptrs += [t.data_ptr() for t in self.kv_tensors()]
+        return tuple(ptrs)
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int | Sequence[int],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_ids: Sequence[int] = (),
+        seed: int | None = None,
+    ) -> DecodeResult:
+        """Generate for every prompt; see ``DecodeResult``.
+
+        ``max_new_tokens`` is one limit or one per row. ``seed`` reseeds the sampling generator (on
+        CUDA the device's default generator); without it the stream continues.
+        """
+        t_start = time.perf_counter()
+        n = len(prompts)
+        limits = [int(max_new_tokens)] * n if isinstance(max_new_tokens, int) else [int(x) for x in max_new_tokens]
+        if len(limits) != n:
+            raise UserError(f"fast decode: {len(limits)} max_new_tokens for {n} prompts; give one or one per prompt")
+        if any(x < 1 for x in limits):
+            raise UserError("fast decode: max_new_tokens must be at least 1 for every prompt")
+        if any(len(p) == 0 for p in prompts):
+            raise UserError("fast decode: every prompt needs at least one token")
+        stops = list(dict.fromkeys(int(s) for s in stop_ids))
+        if len(stops) > self.max_stop_ids:
+            raise UserError(f"fast decode: {len(stops)} stop token ids, at most {self.max_stop_ids} are supported")
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+            raise UserError(
+                f"fast decode: temperature={temperature}, top_p={top_p}, top_k={top_k}: need T >= 0, 0 < top_p <= 1, top_k >= 0"
+            )
+        if n == 0:
+            return DecodeResult([], [], [], {})
+        need = max(len(p) for p in prompts) + max(limits)
+        if need > self.max_seq_len:
+            self.max_seq_len = -(-need // 64) * 64
+            self.release()
+        if self.cache is None:
+            self.allocate()
+        elif self._released_in_place():
+            raise RuntimeError("fast decode: the KV cache is released; resume kv_cache before generating")
+        self.graphs.check(self._signature())
+        self.cache.zero_()
+        mode = sampling_mode(temperature, top_p, top_k, self.vocab)
+        self.s_temp.fill_(float(temperature) if temperature > 0 else 1.0)
+        self.s_top_p.fill_(float(top_p))
+        self.s_stop.fill_(-1)
+        if stops:
+            self.s_stop[: len(stops)] = torch.tensor(stops, dtype=torch.long, device=self.device)
+        if self._gen is not None:
+            # CPU: a private generator, seeded from the global RNG unless a seed is given, so that a
+            # caller's torch.manual_seed makes the call reproducible.
+            self._gen.manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        elif seed is not None:
+            # CUDA: the device's default generator, the one captured graphs advance at every replay.
+            torch.cuda.manual_seed(int(seed))
+
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        stopped = [False] * n
+        stats = {"waves": 0, "steps": 0, "compactions": 0, "prefill_s": 0.0, "decode_s": 0.0, "buckets": []}
+        captures0, capture_s0 = self.graphs.captures, self.graphs.capture_s
+        stop_set = set(stops)
+        for lo in range(0, n, self.rows):
+            idx = list(range(lo, min(n, lo + self.rows)))
+            out_tok, out_lp = self._wave([prompts[i] for i in idx], [limits[i] for i in idx], mode, stats)
+            for j, i in enumerate(idx):
+                row = out_tok[j, : limits[i]].tolist()
+                cut = limits[i]
+                for k, tok in enumerate(row):
+                    if tok in stop_set:
+                        cut, stopped[i] = k + 1, True
+                        break
+                tokens[i] = row[:cut]
+                logprobs[i] = out_lp[j, :cut].tolist()
+            stats["waves"] += 1
+        stats.update(
+            rows=self.rows,
+            max_seq_len=self.max_seq_len,
+            mode=mode.name,
+            cuda_graphs=self.graphs.enabled,
+            fallback_reason=self.graphs.fallback_reason,
+            graph_captures=self.graphs.captures - captures0,
+            capture_s=self.graphs.capture_s - capture_s0,
+            graphs_cached=len(self.graphs.graphs),
+            new_tokens=sum(len(t) for t in tokens),
+            seconds=time.perf_counter() - t_start,
+        )
+        self.last_stats = stats
+        return DecodeResult(tokens=tokens, logprobs=logprobs, stopped=stopped, stats=stats)
+
+    def _bucket(self, n: int) -> int:
+        for b in batch_buckets(self.rows):
+            if b >= n:
+                return b
+        return self.rows
+
+    def _wave(
+        self, prompts: list[Sequence[int]], limits: list[int], mode: SamplingMode, stats: dict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Generate one wave (at most ``rows`` prompts); returns host ``[n, max_new]`` tokens and log-probs."""
+        dev = self.device
+        n = len(prompts)
+        width = max(len(p) for p in prompts)
+        max_new = max(limits)
+        bs = self._bucket(n)
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        start = width - lens
+        # Slot state: real rows first, then empty slots up to the bucket (done, writing to the spare row).
+        self.s_done.fill_(True)
+        self.s_done[:n] = False
+        self.s_start.zero_()
+        self.s_start[:n] = start.to(dev)
+        self.s_limit.zero_()
+        self.s_limit[:n] = torch.tensor(limits, dtype=torch.long).to(dev)
+        self.s_rowmap.fill_(self.rows)
+        self.s_rowmap[:n] = torch.arange(n, device=dev)
+        self.s_pos.zero_()
+        self.s_tok.fill_(self.pad_id)
+
+        t0 = time.perf_counter()
+        chunk = max(1, self.prefill_tokens // width)
+        for r0 in range(0, n, chunk):
+            self._prefill(prompts[r0 : r0 + chunk], r0, width, mode)
+        self.s_pos[:n] = lens.to(dev)
+        self.s_cpos.fill_(width)
+        self.s_step.fill_(1)
+        # A row can end on its first token (a stop id, or a limit of 1).
+        first = self.s_out_tok[:n, 0]
+        self.s_done[:n] |= (first[:, None] == self.s_stop[None, :]).any(-1) | (self.s_limit[:n] <= 1)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t1 = time.perf_counter()
+        stats["prefill_s"] += t1 - t0
+
+        steps = 0
+        for t in range(1, max_new):
+            if (t - 1) % self.check_every == 0:
+                active = torch.nonzero(~self.s_done[:bs]).squeeze(1)
+                left = int(active.numel())  # the loop's one host sync, every check_every steps
+                if left == 0:
+                    break
+                smaller = self._bucket(left)
+                if self.compaction and smaller < bs:
+                    self._compact(active, smaller, upto=width + t - 1)
+                    stats["compactions"] += 1
+                    bs = smaller
+            column = width + t - 1
+            kv_len = min(self.max_seq_len, -(-(column + 1) // self.kv_block) * self.kv_block)
+            key = (bs, kv_len, mode)
+            if (bs, kv_len, mode.name) not in stats["buckets"]:
+                stats["buckets"].append((bs, kv_len, mode.name))
+            self.graphs.run(key, lambda b=bs, k=kv_len: self._step(b, k, mode), self._state())
+            steps += 1
+        out_tok = self.s_out_tok[:n, :max_new].cpu()
+        out_lp = self.s_out_lp[:n, :max_new].cpu()
+        stats["decode_s"] += time.perf_counter() - t1
+        stats["steps"] += steps
+        return out_tok, out_lp
+
+    def _prefill(self, prompts: list[Sequence[int]], row0: int, width: int, mode: SamplingMode) -> None:
+        """One eager forward over a chunk of left-padded prompts; samples each row's first token."""
+        dev = self.device
+        m = len(prompts)
+        ids = torch.full((m, width), self.pad_id, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+        ids = ids.to(dev)
+        start = self.s_start[row0 : row0 + m]
+        col = self.s_cols[:width]
+        q, k = col[:, None], col[None, :]
+        real = k[None] >= start[:, None, None]
+        mask = ((real & (k <= q)[None]) | (k == q)[None]).unsqueeze(1)  # [m, 1, width, width]
+        pos = (col[None, :] - start[:, None]).clamp(min=0)
+        ctx = attention.AttnContext(cache=self.cache, decode=False, rows=m, row0=row0)
+        with attention.active(self.model, ctx):
+            logits = self.model(
+                input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=1
+            ).logits
+        tok, lp = sample(logits[:, -1], mode, self.s_temp, self.s_top_p, self._gen)
+        self.s_tok[row0 : row0 + m] = tok
+        self.s_out_tok[row0 : row0 + m, 0] = tok
+        self.s_out_lp[row0 : row0 + m, 0] = lp
+
+    def _step(self, bs: int, kv_len: int, mode: SamplingMode) -> None:
+        """One decode step of slots ``[0, bs)`` attending to ``kv_len`` columns; static buffers only."""
+        col = self.s_cols[:kv_len]
+        mask = ((col[None, :] >= self.s_start[:bs, None]) & (col[None, :] <= self.s_cpos)).view(bs, 1, 1, kv_len)
+        ctx = attention.AttnContext(cache=self.cache, decode=True, rows=bs, cpos=self.s_cpos, kv_len=kv_len)
+        with attention.active(self.model, ctx):
+            logits = self.model(
+                input_ids=self.s_tok[:bs, None],
+                attention_mask=mask,
+                position_ids=self.s_pos[:bs, None],
+                use_cache=False,
+                logits_to_keep=1,
+            ).logits
+        tok, lp = sample(logits[:, -1], mode, self.s_temp, self.s_top_p, self._gen)
+        where = (self.s_rowmap[:bs], self.s_step.expand(bs))
+        self.s_out_tok.index_put_(where, tok)
+        self.s_out_lp.index_put_(where, lp)
+        ended = (tok[:, None] == self.s_stop[None, :]).any(-1) | (self.s_step + 1 >= self.s_limit[:bs])
+        self.s_done[:bs].logical_or_(ended)
+        self.s_tok[:bs].copy_(tok)
+        self.s_pos[:bs].add_(1)
+        self.s_cpos.add_(1)
+        self.s_step.add_(1)
+
+    def _compact(self, active: torch.Tensor, bs: int, upto: int) -> None:
+        """Move the running slots ``active`` to the front; slots ``[len(active), bs)`` become empty."""
+        n = int(active.numel())
+        self.cache.compact(active, upto)
+        for buf in (self.s_tok, self.s_pos, self.s_start, self.s_limit, self.s_rowmap, self.s_done):
+            buf[:n] = buf.index_select(0, active)
+        self.s_done[n:bs] = True
+        self.s_rowmap[n:bs] = self.rows
+        self.s_start[n:bs] = 0
+        self.s_pos[n:bs] = 0
