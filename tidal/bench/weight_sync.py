@@ -1,0 +1,294 @@
+"""Benchmark of weight sync: every (mode, transport) on a model preset, next to the copy limit.
+
+    python -m tidal.bench.weight_sync                      # CPU: every pair on the tiny preset
+    python -m tidal.bench.weight_sync --model qwen2.5-0.5b-shape --modes full,delta --transports tensor
+
+Prints one JSON line per (mode, transport, model): mode, transport, bytes_total, bytes_sent,
+density, seconds, gbps, phase seconds, limit_gbps and bitwise_equal. ``limit_gbps`` is measured in
+the same run on the same buffer size: a plain memcpy on CPU, a device-to-device copy for colocated
+GPU syncs whose source is on the device, and a pinned host-to-device copy when the source is the
+trainer's host backup (our case: the trainer feeds host tensors).
+
+The delta case is a real RL update: the trainer-side actor runs a few GRPO-like steps (AdamW on a
+policy-gradient loss over sampled tokens with group-normalised rewards), then syncs against the
+weights the engines held before the update. Sizes and speeds are what this host gives; nothing
+is asserted.
+
+``SyncSource`` is the trainer side used here and in the tests: a real model with an fp32 master
+copy and AdamW, feeding ``strategy.sync`` a stream of host tensors in the engine dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+
+from tidal.config.schema import WeightSyncConfig
+
+
+class SyncSource:
+    """The trainer's side of a sync, as a Ray actor: model + AdamW + the weight-sync strategy."""
+
+    def __init__(
+        self,
+        model: str,
+        cfg: WeightSyncConfig,
+        engines: list,
+        *,
+        device: str = "cpu",
+        colocated: bool = True,
+        seed: int = 1234,
+        engine_dtype: str = "float32",
+        lr: float = 1e-5,
+    ):
+        from tidal.model.load import build_model, resolve_model
+        from tidal.weight_sync import make_strategy
+
+        torch.set_num_threads(max(1, min(os.cpu_count() or 1, 16)))
+        self.device = device
+        self.spec = resolve_model(model)
+        self.model = build_model(
+            self.spec, dtype=torch.float32, seed=seed, device="cuda" if device == "cuda" else "cpu"
+        )
+        self.engine_dtype = getattr(torch, engine_dtype)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+        self.strategy = make_strategy(cfg, engines, device=device, colocated=colocated)
+        self.version = 0
+        self._host: dict[str, torch.Tensor] | None = None
+
+    def connect(self) -> None:
+        self.strategy.connect()
+
+    def pause(self) -> int:
+        """Keep a host copy of the weights in the engine dtype (as a paused trainer's host backup) and free the device copy's role.
+
+        Later syncs read only from this copy, never from device memory. Returns its bytes.
+        """
+        self._host = {}
+        for name, p in self.model.named_parameters():
+            h = torch.empty(p.shape, dtype=self.engine_dtype, pin_memory=torch.cuda.is_available())
+            h.copy_(p.detach())
+            self._host[name] = h
+        return sum(t.numel() * t.element_size() for t in self._host.values())
+
+    def named_tensors(self):
+        """The stream the trainer feeds: (name, host tensor in the engine dtype), one at a time."""
+        if self._host is not None:
+            yield from self._host.items()
+            return
+        for name, p in self.model.named_parameters():
+            yield name, p.detach().to(device="cpu", dtype=self.engine_dtype)
+
+    def rl_steps(self, steps: int = 3, groups: int = 4, group_size: int = 4, seq_len: int = 32, seed: int = 0) -> float:
+        """GRPO-like updates: sample responses, reward them, normalise per group, policy-gradient step."""
+        self._host = None
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        dev = next(self.model.parameters()).device
+        vocab = self.model.config.vocab_size
+        loss_val = 0.0
+        for _ in range(steps):
+            prompts = torch.randint(0, vocab, (groups, 8), generator=gen).repeat_interleave(group_size, 0).to(dev)
+            with torch.no_grad():
+                logits = self.model(prompts).logits[:, -1].float()
+                tokens = torch.multinomial(torch.softmax(logits, -1), seq_len, replacement=True, generator=None)
+            ids = torch.cat([prompts, tokens], 1)
+            # Reward: fraction of even tokens (any verifiable function of the response will do).
+            reward = (tokens % 2 == 0).float().mean(1)
+            r = reward.view(groups, group_size)
+            adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1, 1)
+            out = self.model(ids).logits[:, prompts.shape[1] - 1 : -1].float()
+            logp = torch.log_softmax(out, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            loss = -(adv * logp).mean()
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.opt.step()
+            loss_val = float(loss)
+        return loss_val
+
+    def sync(self) -> dict:
+        self.version += 1
+        report = self.strategy.sync(self.named_tensors(), self.version)
+        return {**report.metrics(), "version": self.version}
+
+    def checksums(self) -> dict[str, str]:
+        from tidal.weight_sync.checksum import tensor_checksum
+
+        return {name: tensor_checksum(t) for name, t in self.named_tensors()}
+
+    def param_bytes(self) -> int:
+        return sum(p.numel() for p in self.model.parameters()) * self.engine_dtype.itemsize
+
+    def inject_fault(self, bucket: int = 0, attempts: tuple[int, ...] = (0,)) -> None:
+        """Test seam: flip one byte of bucket ``bucket`` on the listed send attempts, after its checksum was taken."""
+
+        def hook(index, attempt, buf):
+            if index != bucket or attempt not in attempts:
+                return
+            if isinstance(buf, str):  # disk: a shard file path
+                with open(buf, "r+b") as f:
+                    f.seek(-1, os.SEEK_END)
+                    b = f.read(1)
+                    f.seek(-1, os.SEEK_END)
+                    f.write(bytes([b[0] ^ 0xFF]))
+                return
+            buf[buf.numel() // 2 if hasattr(buf, "numel") else len(buf) // 2] ^= 0xFF
+
+        self.strategy.fault_hook = hook
+
+    def clear_fault(self) -> None:
+        self.strategy.fault_hook = None
+
+    def close(self) -> None:
+        self.strategy.close()
+
+
+# ---------------------------------------------------------------------------------------------- limits
+
+
+def memcpy_gbps(nbytes: int, device: str = "cpu", source: str = "host") -> float:
+    """The copy limit of one sync's bytes, measured here: memcpy (CPU), pinned H2D, or D2D."""
+    n = max(nbytes, 1 << 20)
+    if device == "cuda":
+        dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+        src = torch.empty(n, dtype=torch.uint8, pin_memory=True) if source == "host" else torch.empty_like(dst)
+        for _ in range(2):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        reps = 5
+        for _ in range(reps):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        return n * reps / (time.perf_counter() - t0) / 1e9
+    src = torch.ones(n, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    reps = 3
+    for _ in range(reps):
+        dst.copy_(src)
+    return n * reps / (time.perf_counter() - t0) / 1e9
+
+
+def run_case(
+    ray,
+    model: str,
+    mode: str,
+    transport: str,
+    *,
+    device: str,
+    engines_n: int,
+    buffer: int,
+    rl_steps: int,
+    disk_dir: str,
+) -> dict:
+    from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig
+    from tidal.rollout.actor import EngineActor
+    from tidal.weight_sync.verify import compare_checksums
+
+    engine_dtype = "bfloat16" if device == "cuda" else "float32"
+    cfg = WeightSyncConfig(
+        update_weight_mode=mode,
+        update_weight_transport=transport,
+        update_weight_buffer_size=buffer,
+        update_weight_disk_dir=os.path.join(disk_dir, f"{mode}-{transport}"),
+        update_weight_local_checkpoint_dir=os.path.join(disk_dir, f"{mode}-{transport}-local"),
+    )
+    gpu = 1 / (engines_n + 1) if device == "cuda" else 0
+    engine_cls = ray.remote(EngineActor).options(num_cpus=0.5, num_gpus=gpu)
+    engines = [
+        engine_cls.remote(
+            i,
+            model=ModelConfig(model=model),
+            rollout=RolloutConfig(),
+            memory=MemoryConfig(),
+            weight_sync=cfg,
+            device=device,
+        )
+        for i in range(engines_n)
+    ]
+    ray.get([e.init.remote() for e in engines])
+    source = (
+        ray.remote(SyncSource)
+        .options(num_cpus=0.5, num_gpus=gpu)
+        .remote(model, cfg, engines, device=device, colocated=transport == "tensor", engine_dtype=engine_dtype)
+    )
+    ray.get(source.connect.remote())
+    ray.get([e.randomize_weights.remote(7) for e in engines])
+    ray.get(source.pause.remote())
+    first = ray.get(source.sync.remote())
+    if mode == "delta":
+        ray.get(source.rl_steps.remote(rl_steps))
+        ray.get(source.pause.remote())
+    limit = memcpy_gbps(min(buffer, ray.get(source.param_bytes.remote())), device=device, source="host")
+    rep = ray.get(source.sync.remote()) if mode == "delta" else first
+    trainer = ray.get(source.checksums.remote())
+    equal = all(not compare_checksums(trainer, c) for c in ray.get([e.weight_checksums.remote() for e in engines]))
+    ray.get(source.close.remote())
+    for a in [source, *engines]:
+        ray.kill(a)
+    return {
+        "model": model,
+        "mode": mode,
+        "transport": transport,
+        "engines": engines_n,
+        "bytes_total": rep["sync/bytes_total"],
+        "bytes_sent": rep["sync/bytes_sent"],
+        "density": round(rep["sync/density"], 6),
+        "seconds": round(rep["sync/seconds"], 4),
+        "gather_s": round(rep["sync/gather_s"], 4),
+        "encode_s": round(rep["sync/encode_s"], 4),
+        "send_s": round(rep["sync/send_s"], 4),
+        "apply_s": round(rep["sync/apply_s"], 4),
+        "gbps": round(rep["sync/gbps"], 3),
+        "limit_gbps": round(limit, 3),
+        "bitwise_equal": equal,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="preset (default: tiny on CPU, qwen2.5-0.5b-shape on GPU)")
+    p.add_argument("--modes", default="full,delta")
+    p.add_argument("--transports", default=None, help="default: tensor,broadcast,disk on CPU; tensor,disk on GPU")
+    p.add_argument("--engines", type=int, default=1)
+    p.add_argument("--buffer-size", type=int, default=512 * 1024**2)
+    p.add_argument("--rl-steps", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    args = p.parse_args(argv)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    model = args.model or ("qwen2.5-0.5b-shape" if args.device == "cuda" else "tiny")
+    transports = args.transports or ("tensor,broadcast,disk" if args.device == "cpu" else "tensor,disk")
+    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    disk_dir = tempfile.mkdtemp(prefix="tidal-bench-ws-")
+    try:
+        for mode in args.modes.split(","):
+            for transport in transports.split(","):
+                row = run_case(
+                    ray,
+                    model,
+                    mode,
+                    transport,
+                    device=args.device,
+                    engines_n=args.engines,
+                    buffer=args.buffer_size,
+                    rl_steps=args.rl_steps,
+                    disk_dir=disk_dir,
+                )
+                print(json.dumps(row), flush=True)
+    finally:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

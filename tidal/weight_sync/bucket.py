@@ -1,0 +1,167 @@
+"""Buckets: the unit every transport moves, and the checksum that guards each one.
+
+A bucket is one flat ``uint8`` buffer plus a list of entries, each naming a tensor and where its
+bytes sit in the buffer. One flat byte buffer for all dtypes (rather than one per dtype) means one
+IPC handle, one broadcast and one checksum per bucket; every entry starts at a 64-byte aligned
+offset so a slice can be viewed as any dtype without a copy.
+
+An entry is a plain dict (it travels through Ray and JSON unchanged)::
+
+    name, dtype ("float32", "bfloat16", ...), shape, offset, nbytes, enc, checksum[, chunks]
+
+``enc`` is ``raw`` (the tensor's bytes) or a delta encoding (``tidal.weight_sync.delta``), whose
+encoded bytes sit at ``offset`` with per-chunk lengths in ``chunks``.
+
+Checksums: host buffers are hashed with xxh3-128 (~6 GB/s per core). Device buffers (CUDA IPC,
+NCCL) are hashed on the device by ``device_checksum`` so a GPU bucket never crosses PCIe just to be
+verified: two int64 sums (plain and position-weighted, wrapping modulo 2**64, so the reduction
+order does not matter) over the buffer viewed as int64 words. It is not cryptographic; it catches
+flipped, dropped and swapped words, which is what a transport fault produces.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import torch
+import xxhash
+
+ALIGN = 64
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    )
+}
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def nbytes_of(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def raw_entry(name: str, t: torch.Tensor, offset: int) -> dict:
+    return {
+        "name": name,
+        "dtype": dtype_name(t.dtype),
+        "shape": list(t.shape),
+        "offset": offset,
+        "nbytes": nbytes_of(t),
+        "enc": "raw",
+        "checksum": "",
+    }
+
+
+def host_checksum(buf) -> str:
+    """xxh3-128 of a host byte buffer (numpy array, bytes, memoryview)."""
+    return xxhash.xxh3_128_hexdigest(buf)
+
+
+_WEIGHT_MOD = 65521  # largest prime below 2**16: position weights stay small, products stay in int64
+
+
+def device_checksum(buf: torch.Tensor, chunk_words: int = 1 << 24) -> str:
+    """Order-independent checksum of a uint8 buffer computed where it lives (length: multiple of 8)."""
+    assert buf.dtype == torch.uint8 and buf.numel() % 8 == 0, "device buckets are padded to 8 bytes"
+    words = buf.view(torch.int64)
+    s1 = torch.zeros((), dtype=torch.int64, device=buf.device)
+    s2 = torch.zeros((), dtype=torch.int64, device=buf.device)
+    # Chunked so the position weights and products stay a bounded temporary (64 MiB each per chunk).
+    for start in range(0, words.numel(), chunk_words):
+        w = words[start : start + chunk_words]
+        pos = torch.arange(start, start + w.numel(), device=buf.device, dtype=torch.int64) % _WEIGHT_MOD + 1
+        s1 += w.sum()
+        s2 += (w * pos).sum()
+    return f"dev:{int(s1) & (2**64 - 1):016x}{int(s2) & (2**64 - 1):016x}{buf.numel():x}"
+
+
+def buffer_checksum(buf) -> str:
+    """The bucket checksum: on the device for device tensors, xxh3-128 for host memory."""
+    if isinstance(buf, torch.Tensor):
+        if buf.device.type != "cpu":
+            return device_checksum(buf)
+        buf = buf.numpy()
+    return host_checksum(buf)
+
+
+def plan_buckets(tensors: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group a stream of tensors into lists whose aligned size stays within ``limit`` bytes.
+
+    Consumes the stream lazily, so at most one bucket of tensors is held at a time; a tensor larger
+    than the limit travels alone.
+    """
+    group: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in tensors:
+        n = align(nbytes_of(t))
+        if group and size + n > limit:
+            yield group
+            group, size = [], 0
+        group.append((name, t))
+        size += n
+    if group:
+        yield group
+
+
+def pack(group: list[tuple[str, torch.Tensor]], device: str | torch.device = "cpu") -> tuple[torch.Tensor, list[dict]]:
+    """Copy tensors into one fresh flat uint8 buffer on ``device``; return it and its entries."""
+    entries, off = [], 0
+    for name, t in group:
+        entries.append(raw_entry(name, t, off))
+        off += align(nbytes_of(t))
+    flat = torch.empty(max(off, ALIGN), dtype=torch.uint8, device=device)
+    for (_, t), e in zip(group, entries):
+        src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat[e["offset"] : e["offset"] + e["nbytes"]].copy_(src, non_blocking=True)
+    # Zero the alignment gaps so the checksum of a bucket depends only on its tensors.
+    gaps = [(e["offset"] + e["nbytes"], align(e["offset"] + e["nbytes"])) for e in entries]
+    for a, b in gaps:
+        if b > a:
+            flat[a:b].zero_()
+    if off == 0:
+        flat.zero_()
+    if flat.device.type == "cuda":
+        torch.cuda.current_stream(flat.device).synchronize()
+    return flat, entries
+
+
+def entry_view(flat: torch.Tensor, e: dict) -> torch.Tensor:
+    """The tensor an entry describes, as a view into the flat uint8 buffer (no copy)."""
+    raw = flat[e["offset"] : e["offset"] + e["nbytes"]]
+    dtype = dtype_of(e["dtype"])
+    if raw.numel() == 0:
+        return torch.empty(e["shape"], dtype=dtype, device=flat.device)
+    return raw.view(dtype).view(e["shape"])
+
+
+def bytes_total(entries: list[dict]) -> int:
+    return sum(math.prod(e["shape"]) * dtype_of(e["dtype"]).itemsize for e in entries)
+
+
+def as_numpy_u8(t: torch.Tensor) -> np.ndarray:
+    """A uint8 numpy view of a CPU tensor's bytes (copies only if it is not contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()

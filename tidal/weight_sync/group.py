@@ -1,0 +1,84 @@
+"""A process group of the trainer's source rank and every engine, outside ``torch.distributed``'s default group.
+
+The trainer ranks already hold a default group (FSDP2), and an engine may hold one of its own, so
+the sync group cannot come from ``init_process_group``/``new_group``. It is built directly from a
+``TCPStore`` (rank 0, the trainer, hosts it) and a backend class: ``ProcessGroupGloo`` on CPU,
+``ProcessGroupNCCL`` on GPU. Rank 0 is the trainer's source rank, engines are 1..N.
+
+NCCL refuses two ranks on one GPU, so a colocated trainer and engine share weights through the
+``tensor`` transport, never through this group.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+PREFIX = "tidal-weight-sync"
+
+
+def master_store(timeout_s: float = 300.0) -> tuple[dist.TCPStore, str, int]:
+    """Host the rendezvous store on this node on a free port; returns (store, address, port)."""
+    addr = node_ip()
+    store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    return store, addr, store.port
+
+
+def node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - fall back to the hostname below
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def make_group(
+    store: dist.Store | None,
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float = 300.0,
+):
+    """Join the sync group as ``rank``; blocks until every rank joined. Returns (group, store)."""
+    timeout = timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timeout)
+    prefixed = dist.PrefixStore(PREFIX, store)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        # Loopback when the group lives on one host: the hostname may not resolve to a usable interface.
+        if master_addr.startswith("127.") or master_addr == "localhost":
+            opts._devices = [dist.ProcessGroupGloo.create_device(interface="lo")]
+        else:
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=node_ip())]
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
+    elif backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        # NCCL creates its communicator at the first collective; do it now so connect() fails early.
+        probe = torch.zeros(1, device=f"cuda:{torch.cuda.current_device()}")
+        pg.broadcast(probe, 0).wait()
+        torch.cuda.synchronize()
+    else:
+        raise ValueError(f"unknown sync backend {backend!r}; use gloo or nccl")
+    if backend == "gloo":
+        probe = torch.zeros(1)
+        pg.broadcast(probe, 0).wait()
+    return pg, store
+
+
+def broadcast(pg, tensor: torch.Tensor) -> None:
+    """Broadcast ``tensor`` from rank 0 in place on every rank."""
+    pg.broadcast(tensor, 0).wait()
+    if tensor.device.type == "cuda":
+        torch.cuda.current_stream(tensor.device).synchronize()

@@ -1,0 +1,282 @@
+"""The sync loop shared by the in-memory transports (``tensor``, ``broadcast``).
+
+``sync`` consumes the trainer's ``(name, tensor)`` stream once and turns it into buckets of at most
+``--update-weight-buffer-size`` bytes, holding at most two at a time (the one being filled and the
+one in flight, held back so the final bucket can be marked ``last``). Each bucket carries a
+checksum that every engine verifies before applying it. The transport subclass only says how one
+bucket reaches the engines (``_send``).
+
+Modes: ``full`` packs raw bytes. ``delta`` keeps a host snapshot of what the engines hold
+(``DeltaState``): the first sync is a full baseline that both sides snapshot; later syncs pack only
+the encoded changes, and the last bucket names every weight so each engine can re-load the
+unchanged ones from its own snapshot (engine weights are discarded while it sleeps).
+
+Failure handling: an engine that rejects a bucket (checksum mismatch, missing delta base) raises
+``WeightSyncError``; the bucket is re-sent once as full bytes (re-packed from its source tensors, or
+from the snapshot in delta mode), and a second rejection fails the sync loudly. After the last
+bucket every engine must report the new version.
+
+``fault_hook`` is a test-only seam: called as ``fault_hook(bucket_index, attempt, buffer)`` with the
+outgoing buffer after its checksum was taken, so a test can corrupt a bucket in flight.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import ray
+import torch
+
+from tidal.config.schema import WeightSyncConfig
+from tidal.errors import WeightSyncError
+from tidal.weight_sync.base import NamedTensors, SyncReport, WeightSyncStrategy
+from tidal.weight_sync.bucket import (
+    ALIGN,
+    align,
+    as_numpy_u8,
+    buffer_checksum,
+    dtype_name,
+    entry_view,
+    nbytes_of,
+    pack,
+    plan_buckets,
+)
+from tidal.weight_sync.delta import DeltaState
+
+
+@dataclass
+class Bucket:
+    """One message: a header (entries, checksum, flags) and its flat byte buffer."""
+
+    index: int
+    mode: str  # "full" (raw bytes) or "delta" (encoded)
+    entries: list[dict]
+    data: torch.Tensor  # flat uint8, host or device
+    names: list[str]
+    group: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # full: the source tensors, for a re-send
+    last: bool = False
+    all_names: list[str] = field(default_factory=list)
+
+    def header(self, version: int, base_version: int | None, keep_snapshot: bool, encoding: dict) -> dict:
+        return {
+            "version": version,
+            "base_version": base_version,
+            "index": self.index,
+            "mode": self.mode,
+            "entries": self.entries,
+            "nbytes": self.data.numel(),
+            "checksum": buffer_checksum(self.data),
+            "keep_snapshot": keep_snapshot,
+            "last": self.last,
+            "all_names": self.all_names if self.last else [],
+            **encoding,
+        }
+
+
+class StreamingStrategy(WeightSyncStrategy):
+    """Bucketed sync with per-bucket verification and a one-shot full re-send; transports implement ``_send``."""
+
+    transport = "abstract"
+
+    def __init__(self, cfg: WeightSyncConfig, engines: list, *, device: str = "cpu", colocated: bool = True):
+        self.cfg = cfg
+        self.engines = list(engines)
+        self.device = device
+        self.colocated = colocated
+        self.mode = cfg.update_weight_mode
+        self.limit = int(cfg.update_weight_buffer_size)
+        self.delta = (
+            DeltaState(cfg.update_weight_delta_encoding, cfg.update_weight_compression, cfg.update_weight_checksum)
+            if self.mode == "delta"
+            else None
+        )
+        self.fault_hook: Callable[[int, int, object], None] | None = None
+        self.version: int | None = None  # the version every engine holds
+
+    # -- transport ---------------------------------------------------------------------------------
+
+    def _pack_device(self) -> str:
+        """Where full buckets are packed: on the device for CUDA IPC / NCCL, else host memory."""
+        return "cpu"
+
+    @abc.abstractmethod
+    def _send(self, bucket: Bucket, header: dict, attempt: int) -> list[dict]:
+        """Deliver one bucket to every engine; return each engine's stats. Raises WeightSyncError on rejection."""
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def sync(self, tensors: NamedTensors, version: int) -> SyncReport:
+        report = SyncReport(mode=self.mode, transport=self.transport, version=version)
+        start = time.perf_counter()
+        delta = self.delta is not None and self.delta.has_base and self.version is not None
+        all_names: list[str] = []
+        pending: Bucket | None = None
+        for bucket in self._buckets(self._timed(tensors, report, all_names), delta, report):
+            if pending is not None:
+                self._deliver(pending, version, delta, report)
+            pending = bucket
+        if pending is None:  # nothing changed (delta) or nothing to send: still commit the version
+            empty = torch.zeros(ALIGN, dtype=torch.uint8)
+            pending = Bucket(index=0, mode="delta" if delta else "full", entries=[], data=empty, names=[])
+        pending.last = True
+        pending.all_names = all_names
+        self._deliver(pending, version, delta, report)
+        self._check_versions(version)
+        self.version = version
+        if self.delta is not None:
+            self.delta.version = version
+        report.seconds = time.perf_counter() - start
+        if not delta:
+            report.changed_bytes = report.bytes_total
+        return report
+
+    def _timed(self, tensors: NamedTensors, report: SyncReport, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Pass the stream through, timing the trainer's gather and counting bytes."""
+        it = iter(tensors)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                name, t = next(it)
+            except StopIteration:
+                return
+            report.gather_s += time.perf_counter() - t0
+            if t.device.type != "cpu":
+                raise WeightSyncError(f"weight {name} arrived on {t.device}; the trainer feeds host tensors")
+            report.bytes_total += nbytes_of(t)
+            names.append(name)
+            yield name, t
+
+    def _buckets(self, stream, delta: bool, report: SyncReport) -> Iterator[Bucket]:
+        index = 0
+        if not delta:
+            for group in plan_buckets(stream, self.limit):
+                t0 = time.perf_counter()
+                if self.delta is not None:  # baseline: remember what the engines will hold
+                    for name, t in group:
+                        self.delta.record(name, as_numpy_u8(t), dtype_name(t.dtype), list(t.shape))
+                data, entries = pack(group, self._pack_device())
+                report.encode_s += time.perf_counter() - t0
+                yield Bucket(index, "full", entries, data, [n for n, _ in group], group=group)
+                index += 1
+            return
+        entries: list[dict] = []
+        parts: list[bytes] = []
+        size = 0
+        for name, t in stream:
+            t0 = time.perf_counter()
+            changed, records, tparts, csum = self.delta.encode(name, as_numpy_u8(t), dtype_name(t.dtype), list(t.shape))
+            report.changed_bytes += changed
+            if changed:
+                n = sum(len(p) for p in tparts)
+                entries.append(
+                    {
+                        "name": name,
+                        "dtype": dtype_name(t.dtype),
+                        "shape": list(t.shape),
+                        "offset": size,
+                        "nbytes": n,
+                        "enc": self.delta.encoding,
+                        "chunks": records,
+                        "checksum": csum,
+                    }
+                )
+                parts.extend(tparts)
+                size += align(n)
+                # Align each entry so offsets stay 64-byte aligned, like raw buckets.
+                if align(n) > n:
+                    parts.append(b"\0" * (align(n) - n))
+            report.encode_s += time.perf_counter() - t0
+            if size >= self.limit:
+                yield self._delta_bucket(index, entries, parts, report)
+                index += 1
+                entries, parts, size = [], [], 0
+        if entries:
+            yield self._delta_bucket(index, entries, parts, report)
+
+    def _delta_bucket(self, index: int, entries: list[dict], parts: list[bytes], report: SyncReport) -> Bucket:
+        t0 = time.perf_counter()
+        buf = np.empty(max(sum(len(p) for p in parts), ALIGN), dtype=np.uint8)
+        pos = 0
+        for p in parts:
+            buf[pos : pos + len(p)] = np.frombuffer(p, dtype=np.uint8)
+            pos += len(p)
+        buf[pos:] = 0
+        report.encode_s += time.perf_counter() - t0
+        return Bucket(index, "delta", entries, torch.from_numpy(buf), [e["name"] for e in entries])
+
+    def _full_again(self, b: Bucket) -> Bucket:
+        """The same tensors as full raw bytes in a fresh buffer (from the source tensors, or the snapshot)."""
+        if b.group:
+            group = b.group
+        else:
+            group = []
+            for name in b.names:
+                dtype, shape = self.delta.meta[name]
+                flat = torch.from_numpy(self.delta.snapshot[name])
+                group.append(
+                    (name, entry_view(flat, {"offset": 0, "nbytes": flat.numel(), "dtype": dtype, "shape": shape}))
+                )
+        data, entries = pack(group, self._pack_device())
+        return Bucket(b.index, "full", entries, data, b.names, group=group, last=b.last, all_names=b.all_names)
+
+    def _deliver(self, b: Bucket, version: int, delta: bool, report: SyncReport) -> None:
+        encoding = {
+            "encoding": self.cfg.update_weight_delta_encoding,
+            "compression": self.cfg.update_weight_compression,
+            "checksum_format": self.cfg.update_weight_checksum,
+        }
+        base = self.version if delta else None
+        for attempt in range(2):
+            t0 = time.perf_counter()
+            header = b.header(version, base, self.delta is not None, encoding)
+            report.encode_s += time.perf_counter() - t0
+            if self.fault_hook is not None:
+                self.fault_hook(b.index, attempt, b.data)
+            t0 = time.perf_counter()
+            try:
+                stats = self._send(b, header, attempt)
+            except WeightSyncError as e:
+                report.send_s += time.perf_counter() - t0
+                if attempt == 1:
+                    raise WeightSyncError(
+                        f"weight sync v{version}: bucket {b.index} rejected again after a full re-send: {_first_line(e)}"
+                    ) from None
+                report.retried = True
+                b = self._full_again(b)
+                continue
+            elapsed = time.perf_counter() - t0
+            apply_s = max((s.get("apply_s", 0.0) for s in stats), default=0.0)
+            report.apply_s += apply_s
+            report.send_s += max(elapsed - apply_s, 0.0)
+            report.bytes_sent += header["nbytes"] if b.entries else 0
+            return
+
+    def _check_versions(self, version: int) -> None:
+        got = ray.get([e.get_weight_version.remote() for e in self.engines])
+        bad = [i for i, v in enumerate(got) if v != version]
+        if bad:
+            raise WeightSyncError(f"weight sync v{version}: engines {bad} report versions {[got[i] for i in bad]}")
+
+
+def gather_results(refs: list) -> list[dict]:
+    """Wait for every engine (so none is left mid-bucket), then raise the first rejection."""
+    ray.wait(refs, num_returns=len(refs))
+    out, err = [], None
+    for r in refs:
+        try:
+            out.append(ray.get(r))
+        except WeightSyncError as e:
+            err = err or e
+    if err is not None:
+        raise err
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    # Ray prefixes remote errors with a traceback header; the cause's message is the last line.
+    return text[-1] if text else type(e).__name__
