@@ -1,0 +1,546 @@
+"""Every resolution rule of ``tidal.config.resolve``, one table-driven test per rule.
+
+Each case is command-line flags and a machine (a made-up ``Environment``, so GPU rules run on a CPU
+machine); it asserts either the resolved fields or the error message. In the spirit of slime's
+tests/test_megatron_argument_validation.py, including the cases that file is missing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tidal.config import Environment, parse, resolve
+from tidal.config.validate import RULES, Context, rule_by_id
+from tidal.errors import ConfigError
+
+GIB = 1024**3
+CPU = Environment(cuda_available=False, host_memory=16 * GIB, cpu_count=2)
+GPU1 = Environment(
+    cuda_available=True, device_count=1, device_memory=80 * GIB, host_memory=256 * GIB, tms_available=True
+)
+GPU8 = Environment(
+    cuda_available=True, device_count=8, device_memory=80 * GIB, host_memory=1024 * GIB, tms_available=True
+)
+GPU8_NO_TMS = Environment(cuda_available=True, device_count=8, device_memory=80 * GIB, host_memory=1024 * GIB)
+TINY_GPU = ["--model", "tiny", "--device", "cuda"]
+
+
+def run(argv, env=CPU):
+    cfg, prov = parse(argv)
+    return resolve(cfg, prov, env), prov
+
+
+def field(cfg, name):
+    for section in vars(cfg).values():
+        if hasattr(section, name):
+            return getattr(section, name)
+    raise KeyError(name)
+
+
+def check(argv, env, expect):
+    """``expect``: dict of resolved fields, or an error substring."""
+    if isinstance(expect, str):
+        with pytest.raises(ConfigError) as exc:
+            run(argv, env)
+        msg = str(exc.value)
+        assert expect in msg, msg
+        assert "\n" not in msg, "errors are one line"
+        return None
+    cfg, prov = run(argv, env)
+    for name, value in expect.items():
+        assert field(cfg, name) == value, (name, field(cfg, name), value)
+    return prov
+
+
+def test_every_rule_has_a_test_here():
+    tested = {name[len("test_rule_") :].replace("_", "-") for name in globals() if name.startswith("test_rule_")}
+    missing = {r.id for r in RULES} - tested
+    assert not missing, f"rules without a test_rule_<id> test: {sorted(missing)}"
+
+
+def test_default_on_cpu_resolves_to_the_embedded_run():
+    cfg, prov = run([])
+    assert (cfg.cluster.device, cfg.cluster.colocate, cfg.cluster.rollout_num_gpus) == ("cpu", True, 1)
+    assert cfg.cluster.actor_num_nodes * cfg.cluster.actor_num_gpus_per_node == 1
+    assert cfg.weight_sync.update_weight_transport == "tensor"
+    assert (cfg.memory.offload_train, cfg.memory.offload_rollout, cfg.memory.memory_backend) == (
+        False,
+        False,
+        "portable",
+    )
+    assert "not needed" in prov.of("offload_train").detail
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["--rollout-batch-size", "0"], "--rollout-batch-size: must be at least 1, got 0"),
+        (["--lr", "-1"], "--lr: must be at least 0"),
+        (["--actor-num-gpus-per-node", "0"], "--actor-num-gpus-per-node: must be at least 1"),
+    ],
+)
+def test_rule_values(argv, expect):
+    check(argv, CPU, expect)
+
+
+def test_rule_values_catches_configs_built_in_code():
+    cfg, prov = parse([])
+    cfg.rollout.n_samples_per_prompt = 0
+    with pytest.raises(ConfigError, match="--n-samples-per-prompt: must be at least 1"):
+        resolve(cfg, prov, CPU)
+    cfg.rollout.n_samples_per_prompt = 4
+    cfg.cluster.device = "tpu"
+    with pytest.raises(ConfigError, match="--device: 'tpu' is not a choice"):
+        resolve(cfg, prov, CPU)
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["--debug-rollout-only"], {"colocate": False, "offload_train": False, "offload_rollout": False}),
+        (["--debug-rollout-only", "--offload"], {"colocate": False, "offload_train": False, "offload_rollout": False}),
+        (["--debug-rollout-only", "--offload-train", "--colocate"], {"colocate": False, "offload_train": False}),
+        (["--debug-rollout-only", "--global-batch-size", "7"], "does not divide"),
+    ],
+)
+def test_rule_debug_rollout_only(argv, expect):
+    prov = check(argv, CPU, expect)
+    if prov is not None and "--colocate" in argv:
+        assert "colocate" in prov.overridden  # an explicit value changed by a rule is reported
+
+
+@pytest.mark.parametrize(
+    "argv, env, expect",
+    [
+        ([], CPU, {"device": "cpu"}),
+        (TINY_GPU[:2], GPU1, {"device": "cuda"}),
+        (["--device", "cpu"], GPU1, {"device": "cpu"}),
+        (["--device", "cuda"], CPU, "--device cuda: no CUDA device is visible; use --device cpu"),
+    ],
+)
+def test_rule_device(argv, env, expect):
+    check(argv, env, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, env, expect",
+    [
+        ([], CPU, {"param_dtype": "fp32"}),
+        (TINY_GPU, GPU1, {"param_dtype": "bf16"}),
+        (TINY_GPU + ["--param-dtype", "fp32"], GPU1, {"param_dtype": "fp32"}),
+        (["--param-dtype", "bf16"], CPU, {"param_dtype": "bf16"}),
+    ],
+)
+def test_rule_param_dtype(argv, env, expect):
+    check(argv, env, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, env, expect",
+    [
+        ([], CPU, {"memory_backend": "portable"}),
+        (TINY_GPU, GPU1, {"memory_backend": "tms"}),
+        (TINY_GPU, GPU8_NO_TMS, {"memory_backend": "portable"}),
+        (TINY_GPU + ["--memory-backend", "portable"], GPU1, {"memory_backend": "portable"}),
+        (["--memory-backend", "tms"], CPU, "--memory-backend tms needs --device cuda"),
+        (TINY_GPU + ["--memory-backend", "tms"], GPU8_NO_TMS, "torch_memory_saver is not installed"),
+    ],
+)
+def test_rule_memory_backend(argv, env, expect):
+    check(argv, env, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["--offload"], {"offload_train": True, "offload_rollout": True}),
+        (["--no-offload"], {"offload_train": False, "offload_rollout": False}),
+        (["--offload", "--offload-train"], {"offload_train": True, "offload_rollout": True}),
+        (["--offload", "--no-offload-train"], "--offload conflicts with --no-offload-train"),
+        (["--no-offload", "--offload-rollout"], "--no-offload conflicts with --offload-rollout"),
+    ],
+)
+def test_rule_offload_shorthand(argv, expect):
+    check(argv, CPU, expect)
+
+
+@pytest.mark.parametrize(
+    "offload_train, expect",
+    [(None, True), (False, True), (True, True)],  # slime: critic + --no-offload-train => True
+)
+def test_rule_critic_offload(offload_train, expect):
+    cfg, prov = parse([] if offload_train is None else ["--offload-train" if offload_train else "--no-offload-train"])
+    cfg.algorithm.use_critic = True
+    ctx = Context(cfg, prov, CPU)
+    rule_by_id("critic-offload").fn(ctx)
+    assert cfg.memory.offload_train is expect
+    assert prov.of("offload_train").kind == ("flag" if offload_train else "derived")
+    if offload_train is False:
+        assert prov.overridden["offload_train"][0] is False
+
+
+def test_rule_critic_available():
+    check(["--use-critic"], CPU, "--use-critic: PPO with a critic is not implemented")
+
+
+@pytest.mark.parametrize(
+    "argv, env, expect",
+    [
+        ([], CPU, {"rollout_num_gpus": 1}),
+        (["--actor-num-gpus-per-node", "2", "--global-batch-size", "64"], CPU, {"rollout_num_gpus": 2}),
+        (["--no-colocate"], CPU, {"rollout_num_gpus": 1}),
+        (["--no-colocate", "--rollout-num-gpus", "3"], CPU, {"rollout_num_gpus": 3}),
+        (
+            ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "3"],
+            CPU,
+            "--rollout-num-gpus 3 exceeds the trainer's 2 device(s)",
+        ),
+        (["--rollout-num-gpus-per-engine", "2"], CPU, "the embedded engine runs on one device"),
+        (["--actor-num-nodes", "2"], CPU, "more than one node needs an existing Ray cluster; pass --ray-address"),
+        (TINY_GPU + ["--actor-num-gpus-per-node", "8"], GPU8, {"rollout_num_gpus": 8}),
+        (TINY_GPU + ["--actor-num-gpus-per-node", "2"], GPU1, "trainer need 2 GPUs but 1 are visible"),
+        (
+            TINY_GPU + ["--no-colocate", "--actor-num-gpus-per-node", "8"],
+            GPU8,
+            "trainer + rollout need 9 GPUs but 8 are visible",
+        ),
+        (
+            TINY_GPU + ["--no-colocate", "--actor-num-gpus-per-node", "4", "--rollout-num-gpus", "4"],
+            GPU8,
+            {"rollout_num_gpus": 4},
+        ),
+    ],
+)
+def test_rule_cluster(argv, env, expect):
+    check(argv, env, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["--no-colocate"], {"offload_train": False, "offload_rollout": False}),
+        (["--no-colocate", "--offload-train"], "--offload-train needs --colocate"),
+        (["--no-colocate", "--offload"], "--offload-train needs --colocate"),
+        (["--no-colocate", "--offload-rollout"], "--offload-rollout needs --colocate"),
+    ],
+)
+def test_rule_offload_needs_colocate(argv, expect):
+    check(argv, CPU, expect)
+
+
+SEVEN_B = ["--preset", "qwen2.5-7b-8gpu"]
+
+
+@pytest.mark.parametrize(
+    "argv, env, expect",
+    [
+        # Tiny model on CPU: fits, so colocation does not turn offload on.
+        ([], CPU, {"offload_train": False, "offload_rollout": False}),
+        # Explicit flags win even when nothing needs the room (how CI tests pausing on CPU).
+        (["--offload-train"], CPU, {"offload_train": True, "offload_rollout": False}),
+        (["--offload-rollout"], CPU, {"offload_train": False, "offload_rollout": True}),
+        # slime's missing case: colocate + --no-offload-train stays False.
+        (["--no-offload-train"], CPU, {"offload_train": False}),
+        # 7B on 8 x 80 GiB: side by side does not fit; releasing the engines is enough.
+        (SEVEN_B, GPU8, {"offload_train": False, "offload_rollout": True}),
+        # ... unless the user keeps the engines resident: then the trainer must pause.
+        (SEVEN_B + ["--no-offload-rollout"], GPU8, "memory plan does not fit with offload-train"),
+        # On 141 GiB GPUs everything fits.
+        (
+            SEVEN_B,
+            Environment(True, 8, 141 * GIB, 2048 * GIB, tms_available=True),
+            {"offload_train": False, "offload_rollout": False},
+        ),
+        # On 40 GiB GPUs nothing fits: a clear error, unless the check is turned off.
+        (
+            SEVEN_B,
+            Environment(True, 8, 40 * GIB, 1024 * GIB, tms_available=True),
+            "memory plan does not fit with offload-train on, offload-rollout on",
+        ),
+        (
+            SEVEN_B + ["--no-check-memory-plan"],
+            Environment(True, 8, 40 * GIB, 1024 * GIB, tms_available=True),
+            {"offload_train": True, "offload_rollout": True},
+        ),
+        # More samples per engine: the KV cache also forces the trainer off the device while generating.
+        (
+            SEVEN_B + ["--rollout-max-response-len", "7000", "--max-tokens-per-gpu", "8192"],
+            GPU8,
+            {"offload_train": True, "offload_rollout": True},
+        ),
+    ],
+)
+def test_rule_offload_needed(argv, env, expect):
+    prov = check(argv, env, expect)
+    if prov is not None and not any("offload-train" in a for a in argv):
+        assert prov.of("offload_train").detail.startswith("offload-needed: ")
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        ([], {"train_grads_backup": False}),
+        (["--offload-train"], {"train_grads_backup": False}),  # slime PR #1924
+        (["--offload"], {"train_grads_backup": False}),
+        (["--train-grads-backup"], {"train_grads_backup": True}),  # trainer never pauses: harmless
+        (
+            ["--offload-train", "--train-grads-backup"],
+            "--train-grads-backup with --offload-train only costs host memory",
+        ),
+    ],
+)
+def test_rule_grads_backup(argv, expect):
+    check(argv, CPU, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, env, expect",
+    [
+        (["--offload-host-memory", "disk"], CPU, "--offload-host-memory disk needs --offload-disk-dir"),
+        (["--offload-disk-dir", "/tmp/x"], CPU, "--offload-disk-dir is only used with --offload-host-memory disk"),
+        (["--offload-host-memory", "disk", "--offload-disk-dir", "/tmp/x"], CPU, {"offload_host_memory": "disk"}),
+        (SEVEN_B + ["--offload"], GPU8, {"offload_train": True}),
+        (
+            SEVEN_B + ["--offload"],
+            Environment(True, 8, 80 * GIB, 64 * GIB, tms_available=True),
+            "of host memory per node",
+        ),
+        (
+            SEVEN_B + ["--offload", "--offload-host-memory", "disk", "--offload-disk-dir", "/nvme"],
+            Environment(True, 8, 80 * GIB, 64 * GIB, tms_available=True),
+            {"offload_train": True},
+        ),
+    ],
+)
+def test_rule_host_memory(argv, env, expect):
+    check(argv, env, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, env, expect",
+    [
+        (["--train-env-vars", '{"OMP_NUM_THREADS": "1"}'], CPU, {"train_env_vars": {"OMP_NUM_THREADS": "1"}}),
+        (
+            ["--train-env-vars", '{"OMP_NUM_THREADS": 1}'],
+            CPU,
+            "--train-env-vars: value of OMP_NUM_THREADS must be a string",
+        ),
+        (["--train-env-vars", "[1]"], CPU, "--train-env-vars: expected a dict"),
+        (["--train-env-vars", "{bad"], CPU, "--train-env-vars: expected a JSON object"),
+        (
+            TINY_GPU + ["--train-env-vars", '{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}'],
+            GPU1,
+            "expandable_segments",
+        ),
+        (
+            TINY_GPU
+            + [
+                "--memory-backend",
+                "portable",
+                "--train-env-vars",
+                '{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}',
+            ],
+            GPU1,
+            {"memory_backend": "portable"},
+        ),
+        (
+            TINY_GPU
+            + ["--offload-train", "--train-env-vars", '{"TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK": "1"}'],
+            GPU1,
+            "NCCL user buffers",
+        ),
+    ],
+)
+def test_rule_train_env_vars(argv, env, expect):
+    check(argv, env, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        ([], {"update_weight_transport": "tensor"}),
+        (["--no-colocate"], {"update_weight_transport": "broadcast"}),
+        (["--update-weight-transport", "nccl"], {"update_weight_transport": "broadcast"}),
+        (["--colocate", "--update-weight-transport", "broadcast"], {"update_weight_transport": "broadcast"}),
+        (["--no-colocate", "--update-weight-transport", "tensor"], "--update-weight-transport tensor needs --colocate"),
+        (["--update-weight-transport", "disk"], "--update-weight-transport disk needs --update-weight-disk-dir"),
+        (
+            ["--update-weight-transport", "disk", "--update-weight-disk-dir", "/tmp/w"],
+            {"update_weight_transport": "disk"},
+        ),
+        (
+            ["--update-weight-disk-dir", "/tmp/w"],
+            "--update-weight-disk-dir is only used with --update-weight-transport disk",
+        ),
+    ],
+)
+def test_rule_transport(argv, expect):
+    check(argv, CPU, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["--update-weight-mode", "delta"], {"update_weight_mode": "delta", "update_weight_transport": "tensor"}),
+        (["--update-weight-mode", "delta", "--no-colocate"], {"update_weight_transport": "broadcast"}),
+        (
+            [
+                "--update-weight-mode",
+                "delta",
+                "--update-weight-transport",
+                "disk",
+                "--update-weight-disk-dir",
+                "/tmp/w",
+            ],
+            "needs --update-weight-local-checkpoint-dir",
+        ),
+        (
+            [
+                "--update-weight-mode",
+                "delta",
+                "--update-weight-transport",
+                "disk",
+                "--update-weight-disk-dir",
+                "/tmp/w",
+                "--update-weight-local-checkpoint-dir",
+                "/tmp/l",
+            ],
+            {"update_weight_local_checkpoint_dir": "/tmp/l"},
+        ),
+        (
+            ["--update-weight-local-checkpoint-dir", "/tmp/l"],
+            "only used with --update-weight-mode delta --update-weight-transport disk",
+        ),
+    ],
+)
+def test_rule_delta(argv, expect):
+    check(argv, CPU, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        ([], {"global_batch_size": 256}),
+        (["--rollout-batch-size", "4", "--n-samples-per-prompt", "2"], {"global_batch_size": 8}),
+        (["--global-batch-size", "64"], {"global_batch_size": 64}),
+        (["--global-batch-size", "100"], "--global-batch-size 100 does not divide the 256 samples of a rollout"),
+        (
+            ["--actor-num-gpus-per-node", "2", "--rollout-batch-size", "3", "--n-samples-per-prompt", "1"],
+            "--global-batch-size 3 is not a multiple of the 2 trainer ranks",
+        ),
+        (["--actor-num-gpus-per-node", "2", "--global-batch-size", "128"], {"global_batch_size": 128}),
+        (
+            ["--max-tokens-per-gpu", "100"],
+            "--max-tokens-per-gpu 100 is below the longest sample (512 prompt + 4 response tokens)",
+        ),
+    ],
+)
+def test_rule_batch(argv, expect):
+    check(argv, CPU, expect)
+
+
+def test_rule_batch_suggests_a_divisor_that_works():
+    with pytest.raises(ConfigError, match="use a divisor such as 128"):
+        run(["--global-batch-size", "100", "--actor-num-gpus-per-node", "2"])
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        ([], {"eps_clip_high": 0.2}),
+        (["--eps-clip", "0.1"], {"eps_clip_high": 0.1}),
+        (["--eps-clip-high", "0.28"], {"eps_clip_high": 0.28, "eps_clip": 0.2}),
+    ],
+)
+def test_rule_eps_clip_high(argv, expect):
+    check(argv, CPU, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["--kl-loss-coef", "0.01"], "--kl-loss-coef 0.01 has no effect without --use-kl-loss"),
+        (["--kl-loss-coef", "0.01", "--use-kl-loss"], {"kl_loss_coef": 0.01, "use_kl_loss": True}),
+    ],
+)
+def test_rule_kl(argv, expect):
+    check(argv, CPU, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [(["--min-lr", "1", "--lr", "0.1"], "--min-lr 1.0 is above --lr 0.1"), (["--min-lr", "0.001"], {"min_lr": 0.001})],
+)
+def test_rule_lr(argv, expect):
+    check(argv, CPU, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["--save-interval", "5"], "--save-interval 5 needs --save DIR"),
+        (["--save-interval", "5", "--save", "/tmp/ck"], {"save_interval": 5}),
+    ],
+)
+def test_rule_checkpoint(argv, expect):
+    check(argv, CPU, expect)
+
+
+def test_rule_data(tmp_path):
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    check(["--prompt-data", str(rows)], CPU, {"prompt_data": str(rows)})
+    check(["--prompt-data", str(tmp_path / "none.jsonl")], CPU, "no such file")
+    check(["--prompt-data", str(tmp_path / "p.csv")], CPU, "expected a .jsonl or .parquet file")
+    check(["--custom-rm-path", "my_rewards.score"], CPU, "--custom-rm-path my_rewards.score: expected module:function")
+    check(["--custom-rm-path", "my_pkg.rewards:score"], CPU, {"custom_rm_path": "my_pkg.rewards:score"})
+    check(
+        ["--custom-generate-function-path", "gen"], CPU, "--custom-generate-function-path gen: expected module:function"
+    )
+
+
+def test_rule_model(tmp_path):
+    check(["--model", "qwen2.5-0.5b-shape", "--max-tokens-per-gpu", "1024"], CPU, {"model": "qwen2.5-0.5b-shape"})
+    check(["--model", str(tmp_path / "missing")], CPU, "no such folder or preset")
+    check(["--model", str(tmp_path)], CPU, "folder has no config.json")
+
+
+def test_rule_output_dir():
+    cfg, prov = run([])
+    assert os.path.dirname(cfg.logging.output_dir) == "runs"
+    assert cfg.logging.output_dir.endswith("-tiny") and len(os.path.basename(cfg.logging.output_dir)) == len(
+        "20260101-120000-tiny"
+    )
+    assert prov.of("output_dir").kind == "derived"
+    check(["--output-dir", "/tmp/run1"], CPU, {"output_dir": "/tmp/run1"})
+
+
+@pytest.mark.parametrize(
+    "argv, env, expect",
+    [
+        (["--record-memory-history"], CPU, "--record-memory-history needs CUDA"),
+        (
+            TINY_GPU + ["--record-memory-history", "--output-dir", "/tmp/r"],
+            GPU1,
+            {"memory_snapshot_dir": "/tmp/r/memory-snapshots"},
+        ),
+        (
+            TINY_GPU + ["--record-memory-history", "--memory-snapshot-dir", "/tmp/s"],
+            GPU1,
+            {"memory_snapshot_dir": "/tmp/s"},
+        ),
+        (["--memory-snapshot-dir", "/tmp/s"], CPU, "--memory-snapshot-dir is only used with --record-memory-history"),
+    ],
+)
+def test_rule_memory_history(argv, env, expect):
+    check(argv, env, expect)
+
+
+def test_resolve_is_idempotent_and_does_not_mutate_its_input():
+    cfg, prov = parse(["--offload"])
+    once = resolve(cfg, prov, CPU)
+    assert cfg.memory.offload_train is None  # input untouched
+    twice = resolve(once, prov, CPU)
+    assert once == twice
