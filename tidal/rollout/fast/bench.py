@@ -1,0 +1,280 @@
+"""Benchmark cases of the fast decode path, each next to transformers ``generate`` on the same batch.
+
+Run: ``python -m tidal.rollout.fast.bench`` (CPU default: tiny preset) or, on the GPU host,
+``python -m tidal.rollout.fast.bench --shape qwen2.5-0.5b-shape --prompts 64 --samples 8
+--prompt-len 64 --new-tokens 256 --varlen-max 1024`` (``python -m tidal.bench.rollout --fast``
+runs the same cases). One JSON line per configuration:
+
+- ``fast``: CUDA graphs on (where there is CUDA), fixed lengths: every row generates ``new_tokens``
+  at temperature 1 (no EOS). ``tokens_per_s`` / ``seconds`` are a warm call; ``cold_seconds`` is the
+  first call, graph capture included (``capture_s``). ``logprob_max_abs_diff`` /
+  ``logprob_mean_abs_diff``: the returned log-probs against a teacher-forced forward of the same
+  model and dtype (what the trainer recomputes); ``fp32_logprob_*`` against an fp32 copy of it on
+  the first ``--fp32-rows`` rows. ``peak_gpu_bytes`` (weights included) is checked against
+  ``budget_bytes`` (``mem_fraction`` of the device).
+- ``fast-eager``: the same with graphs off: what the graphs buy.
+- ``fast-varlen`` / ``fast-varlen-nocompact``: per-row length limits drawn uniformly in
+  ``[--varlen-min, --varlen-max]``, EOS a stop id, with and without compaction; tokens counted up to
+  each row's end. Their ``hf_generate_tokens_per_s`` runs ``generate`` to the longest limit (it
+  has no per-row limit) and counts the same useful tokens.
+- ``fast-recapture``: after ``release()`` (what a memory backend that moves buffers forces), the
+  next call's capture time (``capture_s``) against a warm call: the price of recapturing graphs.
+
+Every line has ``hf_generate_tokens_per_s`` measured in the same run, ``cuda_graphs`` and
+``fallback_reason`` (why graphs are off, when they are), and the decoder's step statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import time
+
+import torch
+
+from tidal.model import build_model, resolve_model
+from tidal.rollout.fast.decode import FastDecoder
+from tidal.rollout.generate import left_pad, teacher_forced_logprobs
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_prompts(prompts: int, samples: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    """``prompts`` random prompts of ``prompt_len`` tokens (ids 3..vocab), each repeated ``samples`` times."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(prompts):
+        ids = torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
+        out += [list(ids) for _ in range(samples)]
+    return out
+
+
+def hf_generate(
+    model, prompts, *, max_new_tokens: int, temperature: float, pad_id: int, seed: int
+) -> tuple[torch.Tensor, float]:
+    """Plain ``model.generate`` on the whole left-padded batch, no EOS: (new token ids, seconds)."""
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompts, pad_id, device)
+    torch.manual_seed(seed)
+    _sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        seq = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=temperature > 0,
+            temperature=temperature or 1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            eos_token_id=None,
+            pad_token_id=pad_id,
+        )
+    _sync(device)
+    return seq[:, ids.shape[1] :], time.perf_counter() - t0
+
+
+def _diffs(got: list[list[float]], ref: list[list[float]]) -> tuple[float, float]:
+    flat = torch.tensor([abs(a - b) for g, r in zip(got, ref) for a, b in zip(g, r)] or [0.0], dtype=torch.float64)
+    return float(flat.max()), float(flat.mean())
+
+
+def _timed(dec: FastDecoder, prompts, **kw) -> tuple:
+    _sync(dec.device)
+    if dec.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dec.device)
+    t0 = time.perf_counter()
+    res = dec.generate(prompts, **kw)
+    _sync(dec.device)
+    peak = torch.cuda.max_memory_allocated(dec.device) if dec.device.type == "cuda" else 0
+    return res, time.perf_counter() - t0, peak
+
+
+def _line(case: str, args, dec: FastDecoder, res, seconds: float, peak: int, hf_tps: float, **extra) -> dict:
+    tokens = sum(len(t) for t in res.tokens)
+    stats = dict(res.stats)
+    budget = (
+        int(args.mem_fraction * torch.cuda.get_device_properties(dec.device).total_memory)
+        if dec.device.type == "cuda"
+        else 0
+    )
+    line = {
+        "case": case,
+        "shape": args.shape,
+        "device": str(dec.device),
+        "gpu": torch.cuda.get_device_name(dec.device) if dec.device.type == "cuda" else None,
+        "dtype": str(dec.dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "rows": len(res.tokens),
+        "tokens": tokens,
+        "seconds": round(seconds, 4),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "hf_generate_tokens_per_s": round(hf_tps, 1),
+        "speedup_vs_hf": round(tokens / seconds / hf_tps, 2) if hf_tps else None,
+        "peak_gpu_bytes": int(peak),
+        "budget_bytes": budget,
+        "within_budget": (peak <= budget) if budget else None,
+        "cuda_graphs": stats.get("cuda_graphs"),
+        "fallback_reason": stats.get("fallback_reason"),
+        "decoder_rows": stats.get("rows"),
+        "kv_cache_bytes": dec.cache.nbytes if dec.cache is not None else 0,
+        "steps": stats.get("steps"),
+        "compactions": stats.get("compactions"),
+        "prefill_s": round(stats.get("prefill_s", 0.0), 4),
+        "decode_s": round(stats.get("decode_s", 0.0), 4),
+        "capture_s": round(stats.get("capture_s", 0.0), 4),
+        "graph_captures": stats.get("graph_captures"),
+        "buckets": stats.get("buckets"),
+    }
+    line.update(extra)
+    return line
+
+
+def run_cases(args: argparse.Namespace) -> list[dict]:
+    """Every case, one dict per JSON line (printed as they finish)."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    spec = resolve_model(args.shape)
+    model = build_model(spec, dtype=dtype, seed=args.seed, device=device).eval()
+    model.requires_grad_(False)
+    vocab = model.config.get_text_config().vocab_size
+    prompts = make_prompts(args.prompts, args.samples, args.prompt_len, vocab, args.seed)
+    eos = 2  # the char tokenizer's EOS; with random weights it is as likely as any other token
+    pad = 0
+    lines: list[dict] = []
+
+    def emit(line: dict) -> None:
+        lines.append(line)
+        print(json.dumps(line), flush=True)
+
+    def decoder(**kw) -> FastDecoder:
+        opts = dict(
+            max_batch=len(prompts),
+            max_seq_len=args.prompt_len + max(args.new_tokens, args.varlen_max),
+            mem_fraction=args.mem_fraction,
+            pad_id=pad,
+            kv_block=args.kv_block,
+        )
+        opts.update(kw)
+        return FastDecoder(model, **opts)
+
+    # transformers generate, the limit every case is measured against (after a short warm-up).
+    hf_generate(model, prompts[:4], max_new_tokens=4, temperature=1.0, pad_id=pad, seed=0)
+    hf_new, hf_s = hf_generate(
+        model, prompts, max_new_tokens=args.new_tokens, temperature=1.0, pad_id=pad, seed=args.seed
+    )
+    hf_tps = hf_new.numel() / hf_s
+
+    fixed = dict(max_new_tokens=args.new_tokens, temperature=1.0, seed=args.seed)
+    for case, graphs in (("fast", True), ("fast-eager", False)):
+        if case == "fast-eager" and device.type != "cuda":
+            continue
+        dec = decoder(cuda_graphs=graphs)
+        cold, cold_s, _ = _timed(dec, prompts, **fixed)
+        res, seconds, peak = _timed(dec, prompts, **fixed)
+        extra = {"cold_seconds": round(cold_s, 4), "capture_s": round(cold.stats["capture_s"], 4)}
+        if case == "fast":
+            forced = teacher_forced_logprobs(model, prompts, res.tokens)
+            extra["logprob_max_abs_diff"], extra["logprob_mean_abs_diff"] = _diffs(res.logprobs, forced)
+            if args.fp32_rows and dtype != torch.float32:
+                ref = copy.deepcopy(model).float()
+                k = min(args.fp32_rows, len(prompts))
+                forced32 = teacher_forced_logprobs(ref, prompts[:k], res.tokens[:k])
+                extra["fp32_logprob_max_abs_diff"], extra["fp32_logprob_mean_abs_diff"] = _diffs(
+                    res.logprobs[:k], forced32
+                )
+                del ref
+            extra["mean_logprob"] = sum(sum(x) for x in res.logprobs) / max(1, sum(len(x) for x in res.logprobs))
+        line = _line(case, args, dec, res, seconds, peak, hf_tps, **extra)
+        if case == "fast":
+            # Release (drops graphs) then generate again: the capture cost a moving memory backend pays.
+            t0 = time.perf_counter()
+            dec.release()
+            release_s = time.perf_counter() - t0
+            again, again_s, _ = _timed(dec, prompts, **fixed)
+            emit(line)
+            emit(
+                _line(
+                    "fast-recapture",
+                    args,
+                    dec,
+                    again,
+                    again_s,
+                    0,
+                    hf_tps,
+                    release_s=round(release_s, 4),
+                    warm_seconds=round(seconds, 4),
+                )
+            )
+        else:
+            emit(line)
+        del dec
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # Variable lengths: per-row limits spread over [varlen_min, varlen_max], EOS a stop id.
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    limits = torch.randint(args.varlen_min, args.varlen_max + 1, (len(prompts),), generator=gen).tolist()
+    var = dict(max_new_tokens=limits, temperature=1.0, stop_ids=[eos], seed=args.seed)
+    hf_var_tps = 0.0
+    if not args.skip_hf_varlen:
+        hf_var, hf_var_s = hf_generate(
+            model, prompts, max_new_tokens=max(limits), temperature=1.0, pad_id=pad, seed=args.seed
+        )
+        useful = 0
+        for row, lim in zip(hf_var.tolist(), limits):
+            row = row[:lim]
+            useful += row.index(eos) + 1 if eos in row else len(row)
+        hf_var_tps = useful / hf_var_s
+    for case, compaction in (("fast-varlen", True), ("fast-varlen-nocompact", False)):
+        dec = decoder(compaction=compaction)
+        _timed(dec, prompts, **var)  # cold: captures the buckets this batch visits
+        res, seconds, peak = _timed(dec, prompts, **var)
+        extra = {
+            "limits_min": min(limits),
+            "limits_max": max(limits),
+            "limits_sum": sum(limits),
+            "stopped_rows": sum(res.stopped),
+        }
+        emit(_line(case, args, dec, res, seconds, peak, hf_var_tps, **extra))
+        del dec
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return lines
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", default="tiny", help="model preset (tiny, tiny-qwen2, qwen2.5-0.5b-shape, ...)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--varlen-min", type=int, default=16)
+    p.add_argument("--varlen-max", type=int, default=64)
+    p.add_argument("--skip-hf-varlen", action="store_true", help="skip generate on the variable-length batch")
+    p.add_argument("--mem-fraction", type=float, default=0.45, help="device memory the engine may hold at its peak")
+    p.add_argument("--kv-block", type=int, default=256, help="attention length granularity of decode steps")
+    p.add_argument("--fp32-rows", type=int, default=64, help="rows checked against an fp32 teacher-forced pass")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m tidal.rollout.fast.bench", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    run_cases(args)
+
+
+if __name__ == "__main__":
+    main()
