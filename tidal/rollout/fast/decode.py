@@ -308,7 +308,9 @@ class FastDecoder:
         elif self._released_in_place():
             raise RuntimeError("fast decode: the KV cache is released; resume kv_cache before generating")
         self.graphs.check(self._signature())
-        self.cache.zero_()
+        # Buffers whose contents a step trusts are rewritten every call: a memory backend may have
+        # handed them back uninitialised (the cache is cleared per wave, in ``_wave``).
+        torch.arange(self.max_seq_len, out=self.s_cols)
         mode = sampling_mode(temperature, top_p, top_k, self.vocab)
         self.s_temp.fill_(float(temperature) if temperature > 0 else 1.0)
         self.s_top_p.fill_(float(top_p))
@@ -385,6 +387,8 @@ class FastDecoder:
         self.s_rowmap[:n] = torch.arange(n, device=dev)
         self.s_pos.zero_()
         self.s_tok.fill_(self.pad_id)
+        # Columns a step may read (its KV length rounds up to kv_block) must hold finite values.
+        self.cache.zero_(rows=bs, cols=min(self.max_seq_len, -(-(width + max_new) // self.kv_block) * self.kv_block))
 
         t0 = time.perf_counter()
         chunk = max(1, self.prefill_tokens // width)

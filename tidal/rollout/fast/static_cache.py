@@ -122,9 +122,9 @@ class StaticKVCache:
     def values(self, layer: int) -> torch.Tensor:
         return self.buf[layer, 1]
 
-    def zero_(self) -> None:
-        """Clear every entry (after allocation or a resume the memory holds arbitrary bytes)."""
-        self.buf.zero_()
+    def zero_(self, rows: int | None = None, cols: int | None = None) -> None:
+        """Clear the first ``rows`` rows and ``cols`` columns (after a resume the memory holds arbitrary bytes)."""
+        self.buf[:, :, :rows, :, :cols].zero_()
 
     def compact(self, index: torch.Tensor, upto: int) -> None:
         """Move rows ``index`` (ascending) to the front, keeping columns ``[0, upto)``.

@@ -1,0 +1,249 @@
+"""The fast decode path on CPU: same tokens as transformers, policy log-probs, compaction, limits, memory."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from tidal.errors import UserError
+from tidal.memory.base import StateClass, engine_policy
+from tidal.memory.portable import PortableBackend
+from tidal.model import build_model, resolve_model
+from tidal.model.load import ModelSpec
+from tidal.rollout.fast import FastDecoder, batch_buckets, sample, sampling_mode
+from tidal.rollout.fast.static_cache import kv_shape, prefill_workspace_bytes, workspace_bytes_per_row
+from tidal.rollout.generate import left_pad, teacher_forced_logprobs
+
+NAMES = ("tiny", "tiny-qwen2")
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: build_model(resolve_model(name), seed=0).eval() for name in NAMES}
+
+
+def _prompts(n: int, seed: int, lo: int = 2, hi: int = 12) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=gen).tolist()
+    return [torch.randint(3, 64, (k,), generator=gen).tolist() for k in lens]
+
+
+def _hf_greedy(model, prompts, new: int) -> list[list[int]]:
+    ids, mask = left_pad(prompts, 0)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new, pad_token_id=0, eos_token_id=None
+        )
+    return out[:, ids.shape[1] :].tolist()
+
+
+def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(x) for x in a] == [len(x) for x in b]
+    return max((abs(x - y) for r, s in zip(a, b) for x, y in zip(r, s)), default=0.0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_equals_transformers_generate(models, name):
+    model = models[name]
+    prompts = _prompts(11, seed=1)
+    dec = FastDecoder(model, max_batch=16, max_seq_len=64, check_every=2)
+    res = dec.generate(prompts, max_new_tokens=12, temperature=0)
+    assert res.tokens == _hf_greedy(model, prompts, 12)
+    assert res.stopped == [False] * len(prompts)
+    # Greedy log-probs are still the raw policy's.
+    assert _max_diff(res.logprobs, teacher_forced_logprobs(model, prompts, res.tokens)) < 1e-5
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sampled_logprobs_match_teacher_forced(models, name):
+    model = models[name]
+    prompts = _prompts(9, seed=2)
+    dec = FastDecoder(model, max_batch=16, max_seq_len=64)
+    for temperature, top_k, top_p in ((1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 8, 0.95), (1.0, 5, 1.0)):
+        res = dec.generate(prompts, max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p, seed=3)
+        forced = teacher_forced_logprobs(model, prompts, res.tokens)
+        assert _max_diff(res.logprobs, forced) < 1e-5, (temperature, top_k, top_p)
+        assert all(len(t) == 10 for t in res.tokens)
+    # Sampling really samples: not the greedy continuation.
+    assert res.tokens != dec.generate(prompts, max_new_tokens=10, temperature=0).tokens
+
+
+def test_top_k_samples_stay_in_the_top_k(models):
+    model = models["tiny"]
+    prompts = _prompts(6, seed=4)
+    res = FastDecoder(model, max_batch=8, max_seq_len=64).generate(prompts, max_new_tokens=8, top_k=3, seed=5)
+    for p, toks in zip(prompts, res.tokens):
+        ids = torch.tensor([p + toks])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(p) - 1 : -1]
+        top = logits.topk(3, dim=-1).indices
+        assert all(t in top[i].tolist() for i, t in enumerate(toks))
+
+
+def test_compaction_and_waves_do_not_change_outputs(models):
+    model = models["tiny-qwen2"]
+    prompts = _prompts(13, seed=6)
+    limits = [1, 2, 3, 5, 8, 13, 20, 2, 4, 6, 1, 17, 9]
+    plain = FastDecoder(model, max_batch=16, max_seq_len=64, compaction=False).generate(
+        prompts, max_new_tokens=limits, temperature=0
+    )
+    compact = FastDecoder(model, max_batch=16, max_seq_len=64, check_every=1)
+    res = compact.generate(prompts, max_new_tokens=limits, temperature=0)
+    assert res.stats["compactions"] >= 2
+    assert [b for b, _, _ in res.stats["buckets"]][-1] < 16
+    assert res.tokens == plain.tokens
+    assert _max_diff(res.logprobs, plain.logprobs) < 1e-5
+    assert [len(t) for t in res.tokens] == limits
+    waves = FastDecoder(model, max_batch=4, max_seq_len=64, check_every=3).generate(
+        prompts, max_new_tokens=limits, temperature=0
+    )
+    assert waves.stats["waves"] == 4
+    assert waves.tokens == plain.tokens
+
+
+def test_row_limits_and_stop_ids(models):
+    model = models["tiny"]
+    prompts = _prompts(8, seed=7)
+    limits = [3, 12, 7, 12, 1, 12, 5, 10]
+    dec = FastDecoder(model, max_batch=8, max_seq_len=64, check_every=2)
+    free = dec.generate(prompts, max_new_tokens=12, temperature=0).tokens
+    stop = free[1][4]
+    res = dec.generate(prompts, max_new_tokens=limits, temperature=0, stop_ids=[stop, 63])
+    for row, lim, got, ended in zip(free, limits, res.tokens, res.stopped):
+        row = row[:lim]
+        cut = row.index(stop) + 1 if stop in row else (row.index(63) + 1 if 63 in row else lim)
+        if 63 in row and stop in row:
+            cut = min(row.index(stop), row.index(63)) + 1
+        assert got == row[:cut]
+        assert ended == (cut < lim or row[cut - 1] in (stop, 63))
+    assert res.stopped[1] and len(res.tokens[1]) <= 5
+    assert all(len(t) == len(lp) for t, lp in zip(res.tokens, res.logprobs))
+
+
+def test_seed_makes_sampling_reproducible(models):
+    dec = FastDecoder(models["tiny"], max_batch=8, max_seq_len=48)
+    prompts = _prompts(5, seed=8)
+    a = dec.generate(prompts, max_new_tokens=9, seed=11)
+    b = dec.generate(prompts, max_new_tokens=9, seed=11)
+    c = dec.generate(prompts, max_new_tokens=9, seed=12)
+    assert a.tokens == b.tokens and a.logprobs == b.logprobs
+    assert a.tokens != c.tokens
+    torch.manual_seed(5)
+    d = dec.generate(prompts, max_new_tokens=9)
+    torch.manual_seed(5)
+    assert dec.generate(prompts, max_new_tokens=9).tokens == d.tokens
+
+
+def _warped_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """What transformers samples from: temperature, then top-k, then top-p, then softmax."""
+    scores = logits[None].clone()
+    if temperature != 1.0:
+        scores = TemperatureLogitsWarper(temperature)(None, scores)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.softmax(scores, dim=-1)[0]
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.0, 4, 1.0), (1.0, 0, 0.7), (1.5, 6, 0.8)]
+)
+def test_sampling_distribution_follows_transformers_warpers(temperature, top_k, top_p):
+    vocab, rows = 12, 60000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 1.5
+    mode = sampling_mode(temperature, top_p, top_k, vocab)
+    gen = torch.Generator().manual_seed(1)
+    tokens, logprobs = sample(logits.expand(rows, vocab), mode, torch.tensor([temperature]), torch.tensor([top_p]), gen)
+    freq = torch.bincount(tokens, minlength=vocab).double() / rows
+    expected = _warped_probs(logits, temperature, top_k, top_p).double()
+    assert (freq - expected).abs().max() < 0.01, (freq, expected)
+    assert freq[expected == 0].sum() == 0  # filtered tokens are never drawn
+    raw = torch.log_softmax(logits, dim=-1)
+    assert torch.allclose(logprobs, raw[tokens], atol=1e-6)
+
+
+def test_sampling_modes():
+    assert sampling_mode(0.0, 0.5, 3, 100).greedy
+    assert sampling_mode(1.0, 1.0, 100, 100).top_k == 0  # k >= vocab is no filter
+    assert sampling_mode(1.0, 1.0, 0, 100).name == "sample"
+    assert sampling_mode(0.5, 0.9, 4, 100).name == "topk4+topp+temp"
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(100) == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 100]
+
+
+def test_memory_budget_sets_rows_and_rejects_too_small(models):
+    model = models["tiny"]
+    prompts = _prompts(7, seed=9)
+    big = FastDecoder(model, max_batch=16, max_seq_len=32).generate(prompts, max_new_tokens=6, temperature=0)
+    cfg = model.config
+    per_row = kv_shape(cfg, torch.float32).bytes_per_token * 32 + workspace_bytes_per_row(cfg, torch.float32, 32)
+    fixed = prefill_workspace_bytes(cfg, torch.float32, 64)
+    budget = fixed + 3 * per_row + per_row // 2
+    small = FastDecoder(model, max_batch=16, max_seq_len=32, prefill_tokens=64, mem_bytes=budget)
+    assert small.plan()["rows"] == 3
+    res = small.generate(prompts, max_new_tokens=6, temperature=0)
+    assert res.stats["rows"] == 3 and res.stats["waves"] == 3
+    assert res.tokens == big.tokens
+    with pytest.raises(UserError, match="rollout-mem-fraction"):
+        FastDecoder(model, max_seq_len=32, mem_bytes=1000).generate(prompts, max_new_tokens=4)
+    with pytest.raises(UserError, match="max_new_tokens"):
+        FastDecoder(model).generate(prompts, max_new_tokens=[1, 2])
+
+
+def test_memory_backend_pause_resume_and_release(models):
+    model = models["tiny-qwen2"]
+    prompts = _prompts(6, seed=10)
+    backend = PortableBackend(engine_policy(), device="cpu", label="engine")
+    dec = FastDecoder(model, max_batch=8, max_seq_len=48, region=lambda: backend.region(StateClass.KV_CACHE))
+    backend.register(StateClass.KV_CACHE, dec.kv_tensors)
+    first = dec.generate(prompts, max_new_tokens=7, temperature=0)
+    cache_bytes = dec.cache.nbytes
+    report = backend.pause([StateClass.KV_CACHE])
+    assert report.classes[0].bytes >= cache_bytes
+    assert dec.cache.buf.untyped_storage().nbytes() == 0
+    with pytest.raises(RuntimeError, match="released"):
+        dec.generate(prompts, max_new_tokens=7, temperature=0)
+    backend.resume([StateClass.KV_CACHE])
+    # Resumed memory is uninitialised: garbage must not leak into the next call.
+    dec.cache.buf.fill_(math.nan)
+    dec.s_cols.fill_(-7)
+    dec.s_out_lp.fill_(math.nan)
+    again = dec.generate(prompts, max_new_tokens=7, temperature=0)
+    assert again.tokens == first.tokens
+    assert _max_diff(again.logprobs, first.logprobs) < 1e-6
+    dec.release()
+    assert dec.kv_tensors() == [] and dec.cache is None
+    assert dec.generate(prompts, max_new_tokens=7, temperature=0).tokens == first.tokens
+
+
+def test_longer_requests_grow_the_cache(models):
+    dec = FastDecoder(models["tiny"], max_batch=4, max_seq_len=16)
+    prompts = _prompts(3, seed=11)
+    res = dec.generate(prompts, max_new_tokens=30, temperature=0)
+    assert dec.max_seq_len >= max(len(p) for p in prompts) + 30
+    assert res.tokens == _hf_greedy(models["tiny"], prompts, 30)
+
+
+def test_unsupported_model_is_a_user_error():
+    spec = ModelSpec(
+        name="sliding",
+        arch="qwen2",
+        config_kwargs=dict(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=0,
+        ),
+    )
+    model = build_model(spec, seed=0)
+    with pytest.raises(UserError, match="fast-decode"):
+        FastDecoder(model)
