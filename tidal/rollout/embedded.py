@@ -112,7 +112,9 @@ class EmbeddedEngine(RolloutEngine):
         if rollout.custom_generate_function_path:
             from tidal.rollout.plugins import load_callable
 
-            self._custom_generate = load_callable(rollout.custom_generate_function_path)
+            self._custom_generate = load_callable(
+                rollout.custom_generate_function_path, "--custom-generate-function-path"
+            )
         self._end_ids = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self._end_ids[0]
         # A neutral generation config: a pretrained folder's generation_config.json (repetition
@@ -130,8 +132,23 @@ class EmbeddedEngine(RolloutEngine):
         if not samples:
             return []
         if self._custom_generate is not None:
-            return self._custom_generate(self, samples, sampling)
+            return self._check_custom(self._custom_generate(self, samples, sampling), len(samples))
         return self.generate_default(samples, sampling)
+
+    def _check_custom(self, out: Any, expected: int) -> list[Sample]:
+        """A custom generate function's result must be as complete as the built-in one's."""
+        where = f"--custom-generate-function-path {self.rollout.custom_generate_function_path}"
+        if not isinstance(out, list) or len(out) != expected:
+            got = f"{len(out)} items" if isinstance(out, list) else type(out).__name__
+            raise UserError(f"{where}: returned {got}, expected the list of {expected} samples it was given")
+        for s in out:
+            if len(s.response_logprobs) != len(s.response_ids) or s.status not in ("completed", "truncated"):
+                raise UserError(
+                    f"{where}: sample {s.index} has {len(s.response_ids)} response ids, {len(s.response_logprobs)} "
+                    f"log-probs and status {s.status!r}; fill one log-prob per token and status completed or truncated"
+                )
+            s.weight_version = self._version
+        return out
 
     def generate_default(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
         """The built-in generate step (a custom generate function may call it for its inner sampling)."""
@@ -194,11 +211,15 @@ class EmbeddedEngine(RolloutEngine):
         """
         ids, mask = left_pad(prompts, self._pad_id, self.device)
         greedy = sampling.temperature == 0
+        # Greedy decoding takes no sampling knobs (transformers warns about them when given).
+        knobs = (
+            {}
+            if greedy
+            else dict(temperature=float(sampling.temperature), top_k=int(sampling.top_k), top_p=float(sampling.top_p))
+        )
         config = GenerationConfig(
             do_sample=not greedy,
-            temperature=1.0 if greedy else float(sampling.temperature),
-            top_k=0 if greedy else int(sampling.top_k),
-            top_p=1.0 if greedy else float(sampling.top_p),
+            **knobs,
             max_new_tokens=int(sampling.max_new_tokens),
             min_new_tokens=0,
             eos_token_id=end_ids or None,

@@ -1,0 +1,296 @@
+"""The embedded rollout engine on CPU: generation, policy log-probs, residency, weight loading, its Ray actor."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, WeightSyncConfig
+from tidal.errors import ResidencyError, UserError, WeightSyncError
+from tidal.model import build_model, resolve_model
+from tidal.rollout.embedded import EmbeddedEngine
+from tidal.rollout.generate import finish_response, teacher_forced_logprobs
+from tidal.rollout.types import Sample, SamplingParams
+from tidal.weight_sync.bucket import pack, plan_buckets
+from tidal.weight_sync.checksum import tensor_checksum
+from tidal.weight_sync.stream import Bucket
+
+PROMPTS = ["12+34=", "7*8=", "what is 9-4? ", "5", "3+3+3=", "abc"]
+
+
+def make_engine(model: str = "tiny", **rollout) -> EmbeddedEngine:
+    return EmbeddedEngine(ModelConfig(model=model), RolloutConfig(**rollout), MemoryConfig())
+
+
+def make_samples(engine: EmbeddedEngine, repeat: int = 4) -> list[Sample]:
+    texts = PROMPTS * repeat
+    return [
+        Sample(index=i, group=i % len(PROMPTS), prompt=t, prompt_ids=engine.tokenizer.encode(t))
+        for i, t in enumerate(texts)
+    ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and spinning threads on shared CI cores cost a lot."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def engine() -> EmbeddedEngine:
+    """An AWAKE engine used read-only by the generation tests."""
+    return make_engine()
+
+
+def test_generate_fills_responses_and_cuts_at_end_tokens(engine):
+    tok = engine.tokenizer
+    digits = [tok.convert_tokens_to_ids(c) for c in "0123456789"]
+    samples = make_samples(engine)
+    sp = SamplingParams(max_new_tokens=8, stop_token_ids=digits, seed=7)
+    out = engine.generate(samples, sp)
+    assert [s.index for s in out] == list(range(len(samples)))
+    end = set(digits) | {tok.eos_token_id}
+    statuses = set()
+    for s in out:
+        assert 1 <= len(s.response_ids) <= 8
+        assert len(s.response_logprobs) == len(s.response_ids)
+        assert all(lp <= 0.0 for lp in s.response_logprobs)
+        assert not end & set(s.response_ids[:-1]), "an end token before the last position was not cut"
+        if s.status == "completed":
+            assert s.response_ids[-1] in end
+        else:
+            assert s.status == "truncated" and len(s.response_ids) == 8
+        assert s.response_text == tok.decode(s.response_ids, skip_special_tokens=True)
+        assert s.weight_version == -1
+        statuses.add(s.status)
+    assert statuses == {"completed", "truncated"}
+
+
+def test_finish_response_cuts_after_eos_and_stop_strings(engine):
+    tok = engine.tokenizer
+    eos = tok.eos_token_id
+    ids = tok.encode("12") + [eos] + tok.encode("34")
+    done = finish_response(ids, [-0.1] * len(ids), end_ids=[eos], stop=[], tokenizer=tok)
+    assert done.ids == ids[:3] and done.logprobs == [-0.1] * 3 and done.status == "completed" and done.text == "12"
+
+    ids = tok.encode("ab=12=3")
+    lps = [-float(i) for i in range(len(ids))]
+    done = finish_response(ids, lps, end_ids=[eos], stop=["=1", "zz"], tokenizer=tok)
+    assert done.text == "ab=1" and done.ids == ids[:4] and done.logprobs == lps[:4] and done.status == "completed"
+
+    done = finish_response(ids, lps, end_ids=[eos], stop=["zz"], tokenizer=tok)
+    assert done.ids == ids and done.status == "truncated"
+
+
+def test_stop_strings_end_generation(engine):
+    stop = ["1", "2", "3", "a"]
+    out = engine.generate(make_samples(engine), SamplingParams(max_new_tokens=16, stop=stop, seed=3))
+    completed = [s for s in out if s.status == "completed" and s.response_ids[-1] != engine.tokenizer.eos_token_id]
+    assert completed, "no row hit a stop string"
+    for s in completed:
+        assert any(s.response_text.endswith(x) for x in stop)
+        before = engine.tokenizer.decode(s.response_ids[:-1], skip_special_tokens=True)
+        assert not any(x in before for x in stop), "generation ran past a stop string"
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-qwen2"])
+def test_logprobs_are_the_policy_and_match_teacher_forcing(model):
+    eng = make_engine(model)
+    # Temperature, top-k and top-p change the sampling distribution but not the policy log-probs.
+    sp = SamplingParams(temperature=0.7, top_k=8, top_p=0.9, max_new_tokens=12, seed=11)
+    out = eng.generate(make_samples(eng, repeat=3), sp)
+    forced = teacher_forced_logprobs(eng.model, [s.prompt_ids for s in out], [s.response_ids for s in out])
+    got = torch.tensor([x for s in out for x in s.response_logprobs])
+    want = torch.tensor([x for f in forced for x in f])
+    assert got.shape == want.shape and got.numel() > 50
+    assert (got - want).abs().max().item() < 1e-5
+    # The processed (temperature-scaled, truncated) distribution is measurably different.
+    assert (got - want / 0.7).abs().max().item() > 1e-2
+
+
+def test_sampling_is_deterministic_given_a_seed(engine):
+    sp = SamplingParams(max_new_tokens=10, seed=5)
+    a = engine.generate(make_samples(engine), sp)
+    b = engine.generate(make_samples(engine), sp)
+    c = engine.generate(make_samples(engine), SamplingParams(max_new_tokens=10, seed=6))
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    assert [s.response_logprobs for s in a] == [s.response_logprobs for s in b]
+    assert [s.response_ids for s in a] != [s.response_ids for s in c]
+
+
+def test_chunked_generation_equals_one_batch():
+    eng = make_engine()
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8)
+    whole = eng.generate(make_samples(eng), sp)
+    eng.max_rows = 5  # 24 rows in 5 chunks, each padded to its own width
+    parts = eng.generate(make_samples(eng), sp)
+    assert [s.response_ids for s in whole] == [s.response_ids for s in parts]
+    diff = max(abs(a - b) for x, y in zip(whole, parts) for a, b in zip(x.response_logprobs, y.response_logprobs))
+    assert diff < 1e-5
+
+
+def bucket_payloads(named: dict[str, torch.Tensor], version: int, limit: int) -> list[dict]:
+    """The colocated transport's messages for a full sync, buckets of at most ``limit`` bytes."""
+    import ray
+
+    groups = list(plan_buckets(named.items(), limit))
+    payloads = []
+    for i, group in enumerate(groups):
+        data, entries = pack(group)
+        b = Bucket(i, "full", entries, data, [n for n, _ in group], last=i == len(groups) - 1, all_names=list(named))
+        payloads.append({**b.header(version, None, False, {}), "data": ("object", ray.put(data.numpy()))})
+    return payloads
+
+
+def test_residency_errors_come_before_memory_is_touched(ray_cluster):
+    eng = make_engine()
+    named = eng.named_weights()
+    payloads = bucket_payloads(named, 1, limit=1 << 30)
+    with pytest.raises(ResidencyError, match="kv_cache"):
+        eng.release_memory(["weights"])  # would leave the KV cache resident
+    eng.release_memory()
+    storage_bytes = [p.untyped_storage().nbytes() for p in eng.model.parameters()]
+    assert sum(storage_bytes) == 0
+    with pytest.raises(ResidencyError, match="ASLEEP"):
+        eng.generate(make_samples(eng, 1), SamplingParams(max_new_tokens=2))
+    with pytest.raises(ResidencyError, match="ASLEEP"):
+        eng.update_weights_from_tensor(payloads[0], 1)
+    with pytest.raises(ResidencyError, match="ASLEEP"):
+        eng.load_weights(named.items())
+    with pytest.raises(ResidencyError):
+        eng.release_memory()  # double release
+    with pytest.raises(ResidencyError):
+        eng.resume_memory(["kv_cache"])  # KV before weights
+    assert eng.get_weight_version() == -1
+    assert [p.untyped_storage().nbytes() for p in eng.model.parameters()] == storage_bytes
+    eng.resume_memory(["weights"])
+    with pytest.raises(ResidencyError, match="WEIGHTS_ONLY"):
+        eng.generate(make_samples(eng, 1), SamplingParams(max_new_tokens=2))
+    eng.resume_memory(["kv_cache"])
+    with pytest.raises(ResidencyError, match="never synced"):
+        eng.generate(make_samples(eng, 1), SamplingParams(max_new_tokens=2))
+
+
+def test_release_frees_weights_and_a_sync_restores_generation(ray_cluster):
+    eng = make_engine()
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8)
+    before = eng.generate(make_samples(eng), sp)
+    named = eng.named_weights()
+    param_bytes = eng.param_bytes()
+
+    report = eng.release_memory(["kv_cache", "weights"])
+    assert report["residency"] == "ASLEEP"
+    assert report["memory/engine_release/weights/bytes"] == param_bytes
+    assert sum(p.untyped_storage().nbytes() for p in eng.model.parameters()) == 0
+
+    eng.resume_memory(["weights"])
+    assert sum(p.untyped_storage().nbytes() for p in eng.model.parameters()) == param_bytes
+    payloads = bucket_payloads(named, 1, limit=64 * 1024)
+    assert len(payloads) > 2
+    for p in payloads[:-1]:
+        stats = eng.update_weights_from_tensor(p, 1)
+        assert not stats["complete"] and eng.get_weight_version() == -1  # not adopted until the last bucket
+    assert eng.update_weights_from_tensor(payloads[-1], 1)["complete"]
+    assert eng.get_weight_version() == 1
+    assert eng.resume_memory(["kv_cache"])["residency"] == "AWAKE"
+
+    after = eng.generate(make_samples(eng), sp)
+    assert [s.response_ids for s in after] == [s.response_ids for s in before]
+    assert [s.response_logprobs for s in after] == [s.response_logprobs for s in before]
+    assert all(s.weight_version == 1 for s in after)
+
+
+def test_load_weights_checks_names_shapes_and_dtypes():
+    eng = make_engine("tiny-qwen2")  # tied embeddings: lm_head.weight is the embedding
+    emb = eng.model.get_input_embeddings().weight
+    with pytest.raises(WeightSyncError, match="model.layers.9.mlp.up_proj.weight"):
+        eng.load_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(3))])
+    with pytest.raises(WeightSyncError, match="shape"):
+        eng.load_weights([("model.norm.weight", torch.zeros(7))])
+    with pytest.raises(WeightSyncError, match="bfloat16"):
+        eng.load_weights([("model.norm.weight", torch.zeros(64, dtype=torch.bfloat16))])
+    new = torch.randn(emb.shape)
+    assert eng.load_weights([("lm_head.weight", new)]) == new.numel() * 4
+    assert torch.equal(emb, new) and torch.equal(eng.model.get_output_embeddings().weight, new)
+    sums = eng.weight_checksums()
+    assert "lm_head.weight" not in sums and list(sums) == [n for n, _ in eng.model.named_parameters()]
+    assert sums["model.embed_tokens.weight"] == tensor_checksum(new)
+
+
+def test_randomize_weights_changes_every_parameter():
+    eng = make_engine()
+    ref = build_model(resolve_model("tiny"), seed=1234)
+    want = {n: tensor_checksum(p) for n, p in ref.named_parameters()}
+    assert eng.weight_checksums() == want  # same preset and seed as the trainer: same initial weights
+    eng.randomize_weights(99)
+    got = eng.weight_checksums()
+    assert got.keys() == want.keys() and all(got[n] != want[n] for n in want)
+
+
+def test_custom_generate_function_replaces_the_generate_step(tmp_path):
+    plugin = tmp_path / "my_gen.py"
+    plugin.write_text(
+        textwrap.dedent(
+            """
+            def gen(engine, samples, sampling):
+                for s in samples:
+                    s.response_ids, s.response_logprobs = [5, 6], [-1.0, -2.0]
+                    s.response_text, s.status = engine.tokenizer.decode([5, 6]), "completed"
+                return samples
+
+            def bad(engine, samples, sampling):
+                return samples[:1]
+            """
+        )
+    )
+    eng = make_engine(custom_generate_function_path=f"{plugin}:gen")
+    out = eng.generate(make_samples(eng, 1), SamplingParams(max_new_tokens=4))
+    assert all(s.response_ids == [5, 6] and s.weight_version == -1 for s in out)
+    eng = make_engine(custom_generate_function_path=f"{plugin}:bad")
+    with pytest.raises(UserError, match="custom-generate-function-path"):
+        eng.generate(make_samples(eng, 1), SamplingParams(max_new_tokens=4))
+
+
+def test_bad_sampling_and_prompts_are_user_errors(engine):
+    with pytest.raises(UserError, match="top_p"):
+        engine.generate(make_samples(engine, 1), SamplingParams(top_p=0.0))
+    with pytest.raises(UserError, match="positions"):
+        engine.generate(make_samples(engine, 1), SamplingParams(max_new_tokens=1000))
+
+
+def test_engine_actor_over_ray(ray_cluster):
+    from tidal.rollout.actor import EngineActor
+    from tidal.weight_sync.tensor import TensorStrategy
+
+    ray = ray_cluster
+    cfgs = dict(model=ModelConfig(), rollout=RolloutConfig(), memory=MemoryConfig(), weight_sync=WeightSyncConfig())
+    actor = ray.remote(EngineActor).options(num_cpus=0.5).remote(0, device="cpu", **cfgs)
+    info = ray.get(actor.init.remote())
+    assert info["torch_threads"] == 1 and info["dtype"] == "float32" and info["param_bytes"] > 0
+
+    trainer_model = build_model(resolve_model("tiny"), seed=1234)
+    with torch.no_grad():
+        for p in trainer_model.parameters():
+            p.add_(0.01)  # a "trained" step
+    want = {n: tensor_checksum(p) for n, p in trainer_model.named_parameters()}
+
+    ray.get(actor.randomize_weights.remote(5))
+    ray.get(actor.release_memory.remote(["kv_cache", "weights"]))
+    ray.get(actor.resume_memory.remote(["weights"]))
+    strategy = TensorStrategy(WeightSyncConfig(update_weight_buffer_size=128 * 1024), [actor], device="cpu")
+    strategy.connect()
+    report = strategy.sync([(n, p.detach()) for n, p in trainer_model.named_parameters()], 1)
+    assert report.version == 1 and ray.get(actor.get_weight_version.remote()) == 1
+    assert ray.get(actor.weight_checksums.remote()) == want
+    ray.get(actor.resume_memory.remote(["kv_cache"]))
+
+    tok = EmbeddedEngine(ModelConfig(), RolloutConfig(), MemoryConfig()).tokenizer
+    samples = [Sample(index=i, group=0, prompt="1+2=", prompt_ids=tok.encode("1+2=")) for i in range(4)]
+    out = ray.get(actor.generate.remote(samples, SamplingParams(max_new_tokens=6, seed=1)))
+    assert len(out) == 4 and all(s.response_ids and s.weight_version == 1 for s in out)
+    ray.kill(actor)
