@@ -54,7 +54,7 @@ class Session:
         self.dataset = PromptDataset.build(cfg.data, cfg.rollout, self.tokenizer, seed=cfg.trainer.seed)
         self.reward_fn = get_reward_fn(cfg.data.rm_type, cfg.data.custom_rm_path)
         self.run = RunDir(cfg)
-        self.timeline = MemoryTimeline(device=self.device)
+        self.timeline = MemoryTimeline()
         self.display = Display(cfg.rollout.num_rollout, enabled=cfg.logging.progress)
         self.display.info(f"run directory: {self.run.path}")
         try:
@@ -106,7 +106,7 @@ class Session:
                 if self.run.history:
                     plot_curves(self.run.history, os.path.join(self.run.path, "curves.png"))
                 if self.timeline is not None:
-                    self.timeline.save(os.path.join(self.run.path, "memory.png"))
+                    self.timeline.write_png(os.path.join(self.run.path, "memory.png"))
                 self.run.close()
         finally:
             if ray.is_initialized():
