@@ -1,8 +1,9 @@
 """Weight sync between real actors: a trainer-side source and real engine actors, tiny model, real Ray.
 
 Every (mode, transport) pair must leave the engines bitwise equal to the trainer after randomising
-them first; delta syncs after real optimizer steps must send fewer bytes than the model; a bucket
-corrupted in flight is re-sent once, and corrupted twice fails loudly.
+them first; delta syncs after real optimizer steps send only changed bytes; a bucket corrupted in
+flight is re-sent once, and one corrupted on every attempt fails loudly. One source and two engines
+serve the whole module (starting actors dominates the cost on a small machine).
 """
 
 from __future__ import annotations
@@ -13,12 +14,17 @@ from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, Weight
 from tidal.weight_sync.verify import compare_checksums
 
 MODEL = "tiny"
+# Small buckets: the tiny model (~400 KB) spans a few buckets, and its embedding (64 KB) exceeds none.
+BUFFER = 150_000
 
 
-def _setup(ray, cfg: WeightSyncConfig, n_engines: int = 2):
+@pytest.fixture(scope="module")
+def actors(ray_cluster):
     from tidal.bench.weight_sync import SyncSource
     from tidal.rollout.actor import EngineActor
 
+    ray = ray_cluster
+    cfg = WeightSyncConfig(update_weight_transport="tensor", update_weight_buffer_size=BUFFER)
     engine_cls = ray.remote(EngineActor).options(num_cpus=0.25)
     engines = [
         engine_cls.remote(
@@ -29,18 +35,24 @@ def _setup(ray, cfg: WeightSyncConfig, n_engines: int = 2):
             weight_sync=cfg,
             device="cpu",
         )
-        for i in range(n_engines)
+        for i in range(2)
     ]
     ray.get([e.init.remote() for e in engines])
-    source = (
-        ray.remote(SyncSource)
-        .options(num_cpus=0.25)
-        .remote(MODEL, cfg, engines, colocated=cfg.update_weight_transport == "tensor", lr=1e-3)
-    )
+    source = ray.remote(SyncSource).options(num_cpus=0.25).remote(MODEL, cfg, engines, lr=1e-3)
+    yield ray, source, engines
+    ray.get(source.close.remote())
+    for a in [source, *engines]:
+        ray.kill(a)
+
+
+def _use(actors, seed: int, **kw):
+    """Switch the source to a new strategy and randomise the engines (a missed tensor keeps random bytes)."""
+    ray, source, engines = actors
+    cfg = WeightSyncConfig(update_weight_buffer_size=BUFFER, **kw)
+    ray.get(source.reconfigure.remote(cfg, colocated=kw.get("update_weight_transport") == "tensor"))
     ray.get(source.connect.remote())
-    # Random engine weights: any tensor the sync misses would keep these bytes and show below.
-    ray.get([e.randomize_weights.remote(11 + i) for i, e in enumerate(engines)])
-    return source, engines
+    ray.get([e.randomize_weights.remote(seed + i) for i, e in enumerate(engines)])
+    return ray, source, engines
 
 
 def _mismatches(ray, source, engines) -> list[str]:
@@ -51,36 +63,30 @@ def _mismatches(ray, source, engines) -> list[str]:
     return out
 
 
-def _teardown(ray, source, engines):
-    ray.get(source.close.remote())
-    for a in [source, *engines]:
-        ray.kill(a)
+def _versions(ray, engines) -> list[int]:
+    return ray.get([e.get_weight_version.remote() for e in engines])
 
 
 @pytest.mark.parametrize("transport", ["tensor", "broadcast"])
 @pytest.mark.parametrize("mode", ["full", "delta"])
-def test_sync_is_bitwise_equal(ray_cluster, tmp_path, transport, mode):
-    ray = ray_cluster
-    # A small bucket so the tiny model spans several buckets (and a tensor larger than a bucket travels alone).
-    cfg = WeightSyncConfig(update_weight_mode=mode, update_weight_transport=transport, update_weight_buffer_size=40_000)
-    source, engines = _setup(ray, cfg)
-    try:
-        assert _mismatches(ray, source, engines), "randomised engines should differ before the first sync"
-        first = ray.get(source.sync.remote())
+def test_sync_is_bitwise_equal(actors, transport, mode):
+    ray, source, engines = _use(actors, 11, update_weight_mode=mode, update_weight_transport=transport)
+    assert _mismatches(ray, source, engines), "randomised engines should differ before the first sync"
+    first = ray.get(source.sync.remote())
+    assert _mismatches(ray, source, engines) == []
+    assert first["sync/bytes_sent"] >= first["sync/bytes_total"] > 0
+    assert first["sync/changed_bytes"] == first["sync/bytes_total"]
+    assert _versions(ray, engines) == [1, 1]
+    ray.get(source.rl_steps.remote(1))
+    second = ray.get(source.sync.remote())
+    assert _mismatches(ray, source, engines) == []
+    assert _versions(ray, engines) == [2, 2]
+    assert second["sync/transport"] == transport and second["sync/mode"] == mode
+    assert not second["sync/retried"]
+    if mode == "delta":
+        assert 0 < second["sync/changed_bytes"] <= second["sync/bytes_total"]
+        # Nothing changed: only the commit travels, and the engines still move to the new version.
+        third = ray.get(source.sync.remote())
+        assert third["sync/changed_bytes"] == 0 and third["sync/bytes_sent"] == 0
         assert _mismatches(ray, source, engines) == []
-        assert first["sync/bytes_sent"] >= first["sync/bytes_total"]
-        assert ray.get([e.get_weight_version.remote() for e in engines]) == [1, 1]
-        ray.get(source.rl_steps.remote(2))
-        second = ray.get(source.sync.remote())
-        assert _mismatches(ray, source, engines) == []
-        assert ray.get([e.get_weight_version.remote() for e in engines]) == [2, 2]
-        assert second["sync/transport"] == transport and second["sync/mode"] == mode
-        if mode == "delta":
-            assert 0 < second["sync/changed_bytes"] <= second["sync/bytes_total"]
-            # Nothing changed: only the commit travels, and the engines still move to the new version.
-            third = ray.get(source.sync.remote())
-            assert third["sync/changed_bytes"] == 0 and third["sync/bytes_sent"] == 0
-            assert _mismatches(ray, source, engines) == []
-            assert ray.get([e.get_weight_version.remote() for e in engines]) == [3, 3]
-    finally:
-        _teardown(ray, source, engines)
+        assert _versions(ray, engines) == [3, 3]

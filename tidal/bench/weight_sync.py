@@ -58,12 +58,21 @@ class SyncSource:
         )
         self.engine_dtype = getattr(torch, engine_dtype)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+        self.engines = engines
         self.strategy = make_strategy(cfg, engines, device=device, colocated=colocated)
         self.version = 0
         self._host: dict[str, torch.Tensor] | None = None
 
     def connect(self) -> None:
         self.strategy.connect()
+
+    def reconfigure(self, cfg: WeightSyncConfig, colocated: bool = True) -> None:
+        """A fresh strategy (new transport or mode) over the same engines; versions restart at 1."""
+        from tidal.weight_sync import make_strategy
+
+        self.strategy.close()
+        self.strategy = make_strategy(cfg, self.engines, device=self.device, colocated=colocated)
+        self.version = 0
 
     def pause(self) -> int:
         """Keep a host copy of the weights in the engine dtype (as a paused trainer's host backup) and free the device copy's role.
@@ -109,7 +118,7 @@ class SyncSource:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.opt.step()
-            loss_val = float(loss)
+            loss_val = float(loss.detach())
         return loss_val
 
     def sync(self) -> dict:

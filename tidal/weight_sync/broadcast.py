@@ -12,7 +12,7 @@ from __future__ import annotations
 import ray
 
 from tidal.weight_sync.group import broadcast, make_group, master_store
-from tidal.weight_sync.stream import Bucket, StreamingStrategy, gather_results
+from tidal.weight_sync.stream import Bucket, StreamingStrategy
 
 
 class BroadcastStrategy(StreamingStrategy):
@@ -41,7 +41,7 @@ class BroadcastStrategy(StreamingStrategy):
     def _pack_device(self) -> str:
         return "cuda" if self.backend == "nccl" else "cpu"
 
-    def _send(self, bucket: Bucket, header: dict, attempt: int) -> list[dict]:
+    def _send(self, bucket: Bucket, header: dict, attempt: int) -> list:
         if self.pg is None:
             self.connect()
         refs = [e.update_weights_from_distributed.remote(header, header["version"]) for e in self.engines]
@@ -49,7 +49,7 @@ class BroadcastStrategy(StreamingStrategy):
         if self.backend == "nccl" and data.device.type != "cuda":
             data = data.cuda()
         broadcast(self.pg, data)
-        return gather_results(refs)
+        return refs
 
     def close(self) -> None:
         # Dropping the group and the store closes their sockets; engines drop theirs on their next join.

@@ -70,7 +70,10 @@ def _compress(buf: np.ndarray, compression: str) -> bytes:
 
 def _decompress(blob, n: int, compression: str) -> np.ndarray:
     if compression == "zstd":
-        out = _dctx().decompress(blob, max_output_size=n)
+        try:
+            out = _dctx().decompress(blob, max_output_size=n)
+        except zstandard.ZstdError as e:
+            raise WeightSyncError(f"delta chunk does not decompress ({e}); the payload is corrupt") from None
     else:
         out = bytes(blob)
     if len(out) != n:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -77,6 +78,15 @@ class Bucket:
         }
 
 
+@dataclass
+class InFlight:
+    bucket: Bucket
+    header: dict
+    refs: list
+    attempt: int
+    t0: float
+
+
 class StreamingStrategy(WeightSyncStrategy):
     """Bucketed sync with per-bucket verification and a one-shot full re-send; transports implement ``_send``."""
 
@@ -96,6 +106,8 @@ class StreamingStrategy(WeightSyncStrategy):
         )
         self.fault_hook: Callable[[int, int, object], None] | None = None
         self.version: int | None = None  # the version every engine holds
+        self.depth = 2  # buckets in flight: the next one travels while engines apply the previous one
+        self._inflight: deque[InFlight] = deque()
 
     # -- transport ---------------------------------------------------------------------------------
 
@@ -104,8 +116,8 @@ class StreamingStrategy(WeightSyncStrategy):
         return "cpu"
 
     @abc.abstractmethod
-    def _send(self, bucket: Bucket, header: dict, attempt: int) -> list[dict]:
-        """Deliver one bucket to every engine; return each engine's stats. Raises WeightSyncError on rejection."""
+    def _send(self, bucket: Bucket, header: dict, attempt: int) -> list:
+        """Start delivering one bucket to every engine; return the engines' result refs (stats dicts)."""
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -125,7 +137,6 @@ class StreamingStrategy(WeightSyncStrategy):
         pending.last = True
         pending.all_names = all_names
         self._deliver(pending, version, delta, report)
-        self._check_versions(version)
         self.version = version
         if self.delta is not None:
             self.delta.version = version
@@ -223,43 +234,73 @@ class StreamingStrategy(WeightSyncStrategy):
         data, entries = pack(group, self._pack_device())
         return Bucket(b.index, "full", entries, data, b.names, group=group, last=b.last, all_names=b.all_names)
 
-    def _deliver(self, b: Bucket, version: int, delta: bool, report: SyncReport) -> None:
-        encoding = {
+    def _encoding(self) -> dict:
+        return {
             "encoding": self.cfg.update_weight_delta_encoding,
             "compression": self.cfg.update_weight_compression,
             "checksum_format": self.cfg.update_weight_checksum,
         }
-        base = self.version if delta else None
-        for attempt in range(2):
-            t0 = time.perf_counter()
-            header = b.header(version, base, self.delta is not None, encoding)
-            report.encode_s += time.perf_counter() - t0
-            if self.fault_hook is not None:
-                self.fault_hook(b.index, attempt, b.data)
+
+    def _submit(self, b: Bucket, version: int, delta: bool, attempt: int, report: SyncReport) -> InFlight:
+        t0 = time.perf_counter()
+        header = b.header(
+            version, self.version if delta and b.mode == "delta" else None, self.delta is not None, self._encoding()
+        )
+        report.encode_s += time.perf_counter() - t0
+        if self.fault_hook is not None:
+            self.fault_hook(b.index, attempt, b.data)
+        t0 = time.perf_counter()
+        refs = self._send(b, header, attempt)
+        report.send_s += time.perf_counter() - t0
+        return InFlight(b, header, refs, attempt, time.perf_counter())
+
+    def _complete(self, f: InFlight, version: int, delta: bool, report: SyncReport) -> list[dict]:
+        """Wait for one bucket; on rejection re-send it once in full (synchronously), then give up loudly."""
+        while True:
             t0 = time.perf_counter()
             try:
-                stats = self._send(b, header, attempt)
+                stats = gather_results(f.refs)
             except WeightSyncError as e:
-                report.send_s += time.perf_counter() - t0
-                if attempt == 1:
+                if f.attempt == 1:
                     raise WeightSyncError(
-                        f"weight sync v{version}: bucket {b.index} rejected again after a full re-send: {_first_line(e)}"
+                        f"weight sync v{version}: bucket {f.bucket.index} rejected again after a full re-send: {_first_line(e)}"
                     ) from None
                 report.retried = True
-                b = self._full_again(b)
+                f = self._submit(self._full_again(f.bucket), version, delta, 1, report)
                 continue
-            elapsed = time.perf_counter() - t0
             apply_s = max((s.get("apply_s", 0.0) for s in stats), default=0.0)
             report.apply_s += apply_s
-            report.send_s += max(elapsed - apply_s, 0.0)
-            report.bytes_sent += header["nbytes"] if b.entries else 0
-            return
+            report.send_s += max(time.perf_counter() - t0 - apply_s, 0.0)
+            report.bytes_sent += f.header["nbytes"] if f.bucket.entries else 0
+            return stats
 
-    def _check_versions(self, version: int) -> None:
-        got = ray.get([e.get_weight_version.remote() for e in self.engines])
-        bad = [i for i, v in enumerate(got) if v != version]
-        if bad:
-            raise WeightSyncError(f"weight sync v{version}: engines {bad} report versions {[got[i] for i in bad]}")
+    def _drain(self, version: int, delta: bool, report: SyncReport, keep: int = 0) -> None:
+        try:
+            while len(self._inflight) > keep:
+                self._complete(self._inflight.popleft(), version, delta, report)
+        except BaseException:
+            # Leave no engine mid-bucket: wait for the rest before the error propagates.
+            rest = [r for f in self._inflight for r in f.refs]
+            self._inflight.clear()
+            if rest:
+                ray.wait(rest, num_returns=len(rest))
+            raise
+
+    def _deliver(self, b: Bucket, version: int, delta: bool, report: SyncReport) -> None:
+        """Send a bucket with up to ``depth`` in flight; the last one only after all others were applied."""
+        if b.last:
+            self._drain(version, delta, report)
+            stats = self._complete(self._submit(b, version, delta, 0, report), version, delta, report)
+            bad = [
+                i for i, s in enumerate(stats) if s.get("version", version) != version or not s.get("complete", True)
+            ]
+            if bad:
+                raise WeightSyncError(
+                    f"weight sync v{version}: engines {bad} did not complete the version: {[stats[i] for i in bad]}"
+                )
+            return
+        self._inflight.append(self._submit(b, version, delta, 0, report))
+        self._drain(version, delta, report, keep=self.depth - 1)
 
 
 def gather_results(refs: list) -> list[dict]:

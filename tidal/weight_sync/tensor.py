@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ray
 
-from tidal.weight_sync.stream import Bucket, StreamingStrategy, gather_results
+from tidal.weight_sync.stream import Bucket, StreamingStrategy
 
 
 class TensorStrategy(StreamingStrategy):
@@ -31,7 +31,7 @@ class TensorStrategy(StreamingStrategy):
     def _pack_device(self) -> str:
         return "cuda" if self.device == "cuda" else "cpu"
 
-    def _send(self, bucket: Bucket, header: dict, attempt: int) -> list[dict]:
+    def _send(self, bucket: Bucket, header: dict, attempt: int) -> list:
         data = bucket.data
         if data.device.type == "cuda":
             from torch.multiprocessing.reductions import reduce_tensor
@@ -42,5 +42,5 @@ class TensorStrategy(StreamingStrategy):
             ref = ray.put(data.numpy())
             payload = {**header, "data": ("object", ref)}
         refs = [e.update_weights_from_tensor.remote(payload, header["version"]) for e in self.engines]
-        # The device buffer (and the object) must outlive every engine's copy: wait before dropping them.
-        return gather_results(refs)
+        # The bucket (device buffer or object) stays referenced by the in-flight record until every engine acknowledged.
+        return refs
