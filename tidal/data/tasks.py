@@ -6,11 +6,19 @@ tokenizer (``tidal.model.tokenizer``); answers are scored with the ``exact`` rew
 
 ``digit-sum`` (the embedded default)
     ``a+b=`` with ``a, b`` in 0..4; the answer is the single digit ``a+b`` followed by the end
-    token. Its 25 prompts are learnable from random initialisation by a 2-layer, ~100k-parameter
-    model in a minute or two of GRPO on a 2-core CPU. The reward depends on the prompt: always
-    answering the most frequent sum (4) scores 5/25, so a rising reward means the sums are being
-    learnt, not one favourite token. The space is too small to hold prompts out (a tiny model does
-    not generalise addition to pairs it never saw), so eval is the greedy accuracy over all 25.
+    token. The reward depends on the prompt: no fixed answer is right for more than 1/9 of the
+    training prompts, because each sum 0..8 is drawn equally often (the 25 pairs are repeated so
+    that, e.g., ``0+0=`` comes up as often as the five pairs that sum to 4 together). With the
+    natural frequencies, answering "4" to everything is right 5 times in 25, and GRPO from random
+    initialisation reliably collapses onto that answer before it learns the sums; with equal
+    frequencies a rising reward means the sums are being learnt. The space is too small to hold
+    prompts out (a tiny model does not generalise addition to pairs it never saw), so eval is the
+    greedy accuracy over all 25 pairs, each once.
+
+    Learnability from random init (2-layer, 100k-parameter llama, char tokenizer, 32 prompts x 8
+    samples, AdamW 3e-3, exact reward; in-process loop on a loaded 2-core CPU): with at most 2
+    response tokens the reward rises from ~0.01 to ~0.6 in 100 steps; with 1 token it reaches ~0.7
+    in 70; with 4 tokens most early steps are spent learning to stop, and it is ~0.2 after 100.
 ``arith``
     ``ab+cd=`` or ``ab-cd=`` with two-digit operands 10..99 (subtraction keeps the larger operand
     first, so answers are non-negative); answers have up to three digits. One prompt in ten,
@@ -44,8 +52,13 @@ def _held_out(prompt: str, one_in: int) -> bool:
 
 
 def digit_sum() -> TaskSplits:
-    rows = [(f"{a}+{b}=", str(a + b)) for a in range(5) for b in range(5)]
-    return TaskSplits(train=rows, eval=list(rows))
+    pairs = [(f"{a}+{b}=", str(a + b)) for a in range(5) for b in range(5)]
+    train: list[Row] = []
+    for total in range(9):
+        same_sum = [row for row in pairs if row[1] == str(total)]
+        # 60 is a multiple of every group size (1..5): each sum then fills 60 rows of the 540.
+        train += [row for row in same_sum for _ in range(60 // len(same_sum))]
+    return TaskSplits(train=train, eval=pairs)
 
 
 def arith() -> TaskSplits:
