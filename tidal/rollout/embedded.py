@@ -209,6 +209,12 @@ class EmbeddedEngine(RolloutEngine):
 
         The only place that runs the model for generation; a faster decoding path replaces this.
         """
+        # Fast decode path (tidal.rollout.fast): static KV cache, on-device sampling, CUDA graphs.
+        from tidal.rollout.fast.plug import fast_generate_chunk
+
+        fast = fast_generate_chunk(self, prompts, sampling, end_ids)
+        if fast is not None:
+            return fast
         ids, mask = left_pad(prompts, self._pad_id, self.device)
         greedy = sampling.temperature == 0
         # Greedy decoding takes no sampling knobs (transformers warns about them when given).

@@ -1,0 +1,88 @@
+"""How ``EmbeddedEngine`` uses the fast decode path: one call at its generation step.
+
+``fast_generate_chunk(engine, prompts, sampling, end_ids)`` returns what the engine's
+``_generate_chunk`` returns (token ids and raw-policy log-probs per row), or ``None`` when the
+transformers ``generate`` path should run instead: fast decode turned off, a model it cannot run
+(logged once), or more stop ids than it holds. Stop *strings* need no special case: rows run to
+their end id or length and ``finish_response`` cuts them at the first stop string, as it does for
+``generate``'s output.
+
+The decoder is built on first use and kept on the engine (``engine._fast_decoder``). Its cache and
+state buffers are allocated inside the engine backend's ``region(kv_cache)`` and registered as class
+``kv_cache``, so ``release_memory`` / ``resume_memory`` free and restore them with the rest of the
+engine's KV memory.
+
+Settings, read from the engine's ``RolloutConfig`` when it has them (defaults otherwise):
+
+    rollout_fast_decode   bool   True   use this path
+    rollout_mem_fraction  float  0.45   device memory the engine may hold at its peak (weights + KV + workspace)
+    rollout_cuda_graphs   bool   True   capture decode steps in CUDA graphs (CUDA only)
+    rollout_max_batch     int    512    rows decoded together (the cache holds at most this many)
+    rollout_kv_block      int    256    attention length granularity of a decode step
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from tidal.errors import UserError
+from tidal.memory.base import StateClass
+from tidal.rollout.fast.decode import FastDecoder
+from tidal.rollout.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_OFF = "off"
+
+
+def _decoder(engine) -> FastDecoder | None:
+    dec = getattr(engine, "_fast_decoder", None)
+    if dec is _OFF:
+        return None
+    if dec is not None:
+        return dec
+    cfg = engine.rollout
+    if not getattr(cfg, "rollout_fast_decode", True):
+        engine._fast_decoder = _OFF
+        return None
+    limit = getattr(engine.model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30
+    seq = min(limit, cfg.rollout_max_prompt_len + cfg.rollout_max_response_len)
+    try:
+        dec = FastDecoder(
+            engine.model,
+            max_batch=getattr(cfg, "rollout_max_batch", 512),
+            max_seq_len=seq,
+            mem_fraction=getattr(cfg, "rollout_mem_fraction", 0.45),
+            cuda_graphs=getattr(cfg, "rollout_cuda_graphs", True),
+            kv_block=getattr(cfg, "rollout_kv_block", 256),
+            pad_id=engine._pad_id,
+            region=lambda: engine.backend.region(StateClass.KV_CACHE),
+        )
+    except UserError as exc:
+        log.warning("%s: transformers generate instead of fast decode (%s)", engine.residency.name, exc)
+        engine._fast_decoder = _OFF
+        return None
+    engine.backend.register(StateClass.KV_CACHE, dec.kv_tensors)
+    engine._fast_decoder = dec
+    return dec
+
+
+def fast_generate_chunk(
+    engine, prompts: Sequence[Sequence[int]], sampling: SamplingParams, end_ids: list[int]
+) -> tuple[list[list[int]], list[list[float]]] | None:
+    """New token ids and their policy log-probs per row, or None to fall back to ``generate``."""
+    dec = _decoder(engine)
+    if dec is None or len(end_ids) > dec.max_stop_ids:
+        return None
+    # No seed: the engine has seeded torch for this call (CPU: the decoder draws its seed from it;
+    # CUDA: the default generator the graphs use is the one torch.manual_seed set).
+    res = dec.generate(
+        prompts,
+        max_new_tokens=int(sampling.max_new_tokens),
+        temperature=float(sampling.temperature),
+        top_p=float(sampling.top_p),
+        top_k=int(sampling.top_k),
+        stop_ids=end_ids,
+    )
+    return res.tokens, res.logprobs
