@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, WeightSyncConfig
+from tidal.errors import WeightSyncError
 from tidal.weight_sync.verify import compare_checksums
 
 MODEL = "tiny"
@@ -45,9 +46,12 @@ def actors(ray_cluster):
         ray.kill(a)
 
 
-def _use(actors, seed: int, **kw):
+def _use(actors, seed: int, tmp_path=None, **kw):
     """Switch the source to a new strategy and randomise the engines (a missed tensor keeps random bytes)."""
     ray, source, engines = actors
+    if kw.get("update_weight_transport") == "disk":
+        kw.setdefault("update_weight_disk_dir", str(tmp_path / "disk"))
+        kw.setdefault("update_weight_local_checkpoint_dir", str(tmp_path / "local"))
     cfg = WeightSyncConfig(update_weight_buffer_size=BUFFER, **kw)
     ray.get(source.reconfigure.remote(cfg, colocated=kw.get("update_weight_transport") == "tensor"))
     ray.get(source.connect.remote())
@@ -67,10 +71,10 @@ def _versions(ray, engines) -> list[int]:
     return ray.get([e.get_weight_version.remote() for e in engines])
 
 
-@pytest.mark.parametrize("transport", ["tensor", "broadcast"])
+@pytest.mark.parametrize("transport", ["tensor", "broadcast", "disk"])
 @pytest.mark.parametrize("mode", ["full", "delta"])
-def test_sync_is_bitwise_equal(actors, transport, mode):
-    ray, source, engines = _use(actors, 11, update_weight_mode=mode, update_weight_transport=transport)
+def test_sync_is_bitwise_equal(actors, tmp_path, transport, mode):
+    ray, source, engines = _use(actors, 11, tmp_path, update_weight_mode=mode, update_weight_transport=transport)
     assert _mismatches(ray, source, engines), "randomised engines should differ before the first sync"
     first = ray.get(source.sync.remote())
     assert _mismatches(ray, source, engines) == []
@@ -87,6 +91,33 @@ def test_sync_is_bitwise_equal(actors, transport, mode):
         assert 0 < second["sync/changed_bytes"] <= second["sync/bytes_total"]
         # Nothing changed: only the commit travels, and the engines still move to the new version.
         third = ray.get(source.sync.remote())
-        assert third["sync/changed_bytes"] == 0 and third["sync/bytes_sent"] == 0
+        assert third["sync/changed_bytes"] == 0
+        if transport != "disk":  # a disk version always has its index file
+            assert third["sync/bytes_sent"] == 0
         assert _mismatches(ray, source, engines) == []
         assert _versions(ray, engines) == [3, 3]
+
+
+@pytest.mark.parametrize(("transport", "mode"), [("tensor", "full"), ("broadcast", "delta"), ("disk", "delta")])
+def test_bucket_corrupted_in_flight_is_resent_in_full(actors, tmp_path, transport, mode):
+    ray, source, engines = _use(actors, 21, tmp_path, update_weight_mode=mode, update_weight_transport=transport)
+    if mode == "delta":
+        ray.get(source.sync.remote())  # baseline; the corrupted bucket is then a delta one
+        ray.get(source.rl_steps.remote(1))
+    ray.get(source.inject_fault.remote(bucket=0, attempts=(0,)))
+    report = ray.get(source.sync.remote())
+    ray.get(source.clear_fault.remote())
+    assert report["sync/retried"]
+    assert _mismatches(ray, source, engines) == []
+
+
+@pytest.mark.parametrize(("transport", "mode"), [("tensor", "full"), ("broadcast", "full"), ("disk", "full")])
+def test_bucket_corrupted_on_every_attempt_fails_loudly(actors, tmp_path, transport, mode):
+    ray, source, engines = _use(actors, 31, tmp_path, update_weight_mode=mode, update_weight_transport=transport)
+    ray.get(source.inject_fault.remote(bucket=0, attempts=(0, 1)))
+    with pytest.raises(WeightSyncError):
+        ray.get(source.sync.remote())
+    ray.get(source.clear_fault.remote())
+    # The engines refused the bad bucket and are still usable: the next sync repairs everything.
+    ray.get(source.sync.remote())
+    assert _mismatches(ray, source, engines) == []

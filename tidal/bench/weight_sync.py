@@ -86,6 +86,12 @@ class SyncSource:
             self._host[name] = h
         return sum(t.numel() * t.element_size() for t in self._host.values())
 
+    @torch.no_grad()
+    def poison_device_weights(self) -> None:
+        """Overwrite the device copy with NaN, as paused device memory holds garbage: a sync must not read it."""
+        for p in self.model.parameters():
+            p.fill_(float("nan"))
+
     def named_tensors(self):
         """The stream the trainer feeds: (name, host tensor in the engine dtype), one at a time."""
         if self._host is not None:
@@ -130,6 +136,15 @@ class SyncSource:
         from tidal.weight_sync.checksum import tensor_checksum
 
         return {name: tensor_checksum(t) for name, t in self.named_tensors()}
+
+    def checksums_of_nan(self) -> dict[str, str]:
+        """Checksums of NaN-filled tensors shaped like the weights (what a read of poisoned device memory gives)."""
+        from tidal.weight_sync.checksum import tensor_checksum
+
+        return {
+            name: tensor_checksum(torch.full(p.shape, float("nan"), dtype=self.engine_dtype))
+            for name, p in self.model.named_parameters()
+        }
 
     def param_bytes(self) -> int:
         return sum(p.numel() for p in self.model.parameters()) * self.engine_dtype.itemsize
