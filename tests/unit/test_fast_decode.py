@@ -20,6 +20,15 @@ from tidal.rollout.generate import left_pad, teacher_forced_logprobs
 NAMES = ("tiny", "tiny-qwen2")
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny matmuls: a second intra-op thread only adds contention on a shared 2-core machine.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def models():
     return {name: build_model(resolve_model(name), seed=0).eval() for name in NAMES}
@@ -223,9 +232,9 @@ def test_memory_backend_pause_resume_and_release(models):
 def test_longer_requests_grow_the_cache(models):
     dec = FastDecoder(models["tiny"], max_batch=4, max_seq_len=16)
     prompts = _prompts(3, seed=11)
-    res = dec.generate(prompts, max_new_tokens=30, temperature=0)
-    assert dec.max_seq_len >= max(len(p) for p in prompts) + 30
-    assert res.tokens == _hf_greedy(models["tiny"], prompts, 30)
+    res = dec.generate(prompts, max_new_tokens=20, temperature=0)
+    assert dec.max_seq_len >= max(len(p) for p in prompts) + 20
+    assert res.tokens == _hf_greedy(models["tiny"], prompts, 20)
 
 
 def test_unsupported_model_is_a_user_error():
@@ -247,3 +256,32 @@ def test_unsupported_model_is_a_user_error():
     model = build_model(spec, seed=0)
     with pytest.raises(UserError, match="fast-decode"):
         FastDecoder(model)
+
+
+def test_embedded_engine_generates_through_the_fast_path():
+    from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig
+    from tidal.rollout.embedded import EmbeddedEngine
+    from tidal.rollout.types import Sample, SamplingParams
+
+    engine = EmbeddedEngine(ModelConfig(model="tiny"), RolloutConfig(), MemoryConfig(), device="cpu")
+    samples = [Sample(index=i, group=i // 2, prompt=None, prompt_ids=[5, 6, 7 + i]) for i in range(6)]
+    out = engine.generate(samples, SamplingParams(max_new_tokens=10, stop_token_ids=[9]))
+    dec = engine._fast_decoder
+    assert isinstance(dec, FastDecoder) and dec.last_stats["new_tokens"] > 0
+    forced = teacher_forced_logprobs(engine.model, [s.prompt_ids for s in out], [s.response_ids for s in out])
+    assert _max_diff([s.response_logprobs for s in out], forced) < 1e-5
+    for s in out:
+        ended = bool(s.response_ids) and s.response_ids[-1] in (9, engine.tokenizer.eos_token_id)
+        assert s.status == ("completed" if ended else "truncated")
+        assert 1 <= len(s.response_ids) <= 10
+    # The cache is the engine's kv_cache class: releasing the engine frees it.
+    cache_bytes = dec.cache.nbytes
+    report = engine.release_memory()
+    assert report["memory/engine_release/kv_cache/bytes"] >= cache_bytes
+    assert dec.cache.buf.untyped_storage().nbytes() == 0
+
+    off = RolloutConfig()
+    off.rollout_fast_decode = False  # the field the config section will carry
+    plain = EmbeddedEngine(ModelConfig(model="tiny"), off, MemoryConfig(), device="cpu")
+    plain.generate([Sample(index=0, group=0, prompt=None, prompt_ids=[5, 6])], SamplingParams(max_new_tokens=3))
+    assert plain._fast_decoder == "off"
