@@ -265,6 +265,8 @@ def load_trainer(trainer, root: str) -> dict:
             f"(e.g. {missing[0]}); load it with the model it was saved from ({meta.get('model')})"
         )
     models = ShardedReader(path, meta["model_index"])
+    for mod in trainer._fsdp_modules():
+        mod.reshard()  # an unsharded compute copy left by a forward would otherwise go stale
     with torch.no_grad():
         for name, p in params.items():
             full = models.get(name)

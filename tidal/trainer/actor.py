@@ -393,8 +393,8 @@ class TrainerActor:
             "train_s": train_s,
             "logprob_diff": lp_abs_diff / lp_count if lp_count else 0.0,
         }
-        if self.ref_model is not None:
-            out["kl"] = kl / denom
+        # Without a reference model there is no KL term; 0 keeps the metric schema the same.
+        out["kl"] = kl / denom if self.ref_model is not None else 0.0
         return out
 
     # ---- memory ---------------------------------------------------------------------------------
