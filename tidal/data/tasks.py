@@ -1,31 +1,32 @@
-"""Built-in tasks: prompts and reference answers generated in code, so tidal runs with no data file.
+"""Built-in tasks: (prompt, label) rows generated in code, so a run needs no data file.
 
-Each task enumerates its prompts deterministically and splits them into a train and an eval split.
-Prompts are short (at most 8 characters) and use only characters of the tiny presets' char
-tokenizer (``tidal.model.tokenizer``); answers are scored with the ``exact`` reward.
+Prompts are at most 8 characters, all in the character vocabulary of the tiny presets
+(``tidal.model.tokenizer``), and end with ``=``; the label is the answer written as digits, scored by
+the ``exact`` reward (the response must be the answer and then the end token) or ``math``.
 
 ``digit-sum`` (the embedded default)
-    ``a+b=`` with ``a, b`` in 0..4; the answer is the single digit ``a+b`` followed by the end
-    token. The reward depends on the prompt: no fixed answer is right for more than 1/9 of the
-    training prompts, because each sum 0..8 is drawn equally often (the 25 pairs are repeated so
-    that, e.g., ``0+0=`` comes up as often as the five pairs that sum to 4 together). With the
-    natural frequencies, answering "4" to everything is right 5 times in 25, and GRPO from random
-    initialisation reliably collapses onto that answer before it learns the sums; with equal
-    frequencies a rising reward means the sums are being learnt. The space is too small to hold
-    prompts out (a tiny model does not generalise addition to pairs it never saw), so eval is the
-    greedy accuracy over all 25 pairs, each once.
+    ``a+b=`` with ``a, b`` in 0..4, answer ``a+b`` (one digit). Made to be learnt from random
+    initialisation by a 2-layer ~100k-parameter model within minutes of GRPO on a 2-core CPU:
 
-    Learnability from random init (2-layer, 100k-parameter llama, char tokenizer, 32 prompts x 8
-    samples, AdamW 3e-3, exact reward; in-process loop on a loaded 2-core CPU): with at most 2
-    response tokens the reward rises from ~0.01 to ~0.6 in 100 steps; with 1 token it reaches ~0.7
-    in 70; with 4 tokens most early steps are spent learning to stop, and it is ~0.2 after 100.
+    * the answer is a single token, so a random policy finds it now and then, and every GRPO group
+      with one success carries a gradient;
+    * the answer depends on both digits of the prompt, so no fixed token scores well;
+    * the train split is *balanced by answer*: each of the 9 sums is equally frequent (pairs of a
+      rare sum such as 0+0 repeat more often). With the natural frequencies one answer (4) is right
+      for 5 of 25 prompts and a fresh policy collapses onto it, after which every group is all-right
+      or all-wrong and GRPO has no gradient left. Balanced, the best constant answer scores 1/9, so
+      a mean reward well above 0.11 means the sums are being learnt.
+
+    Its 25 prompts are too few to hold some out (a model this small does not generalise addition to
+    pairs it never saw), so its eval split is every distinct prompt once, decoded greedily.
 ``arith``
-    ``ab+cd=`` or ``ab-cd=`` with two-digit operands 10..99 (subtraction keeps the larger operand
-    first, so answers are non-negative); answers have up to three digits. One prompt in ten,
-    chosen by a hash of its text (so independent of the seed), is held out for eval.
+    ``ab+cd=`` or ``ab-cd=`` with two-digit operands 10..99 (subtraction puts the larger operand
+    first, so answers are non-negative), answers of one to three digits. One prompt in ten, chosen by
+    a hash of its text (the same on every machine), is held out as the eval split.
 
-The seed picks the order of the train split (shuffled again each epoch by the dataset) and which
-held-out prompts are evaluated when ``eval_size`` caps them.
+The seed decides the order of the train split (the dataset reshuffles it every epoch from the seed
+as well) and which held-out prompts are evaluated when ``eval_size`` caps them; the same ``(name,
+seed)`` always gives the same rows.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ from tidal.errors import UserError
 
 Row = tuple[str, str]  # (prompt, label)
 
+# Held-out prompts evaluated per eval round: greedy decoding of 64 short prompts takes about a second
+# with the tiny presets on a 2-core CPU.
+DEFAULT_EVAL_SIZE = 64
+
 
 @dataclass(frozen=True)
 class TaskSplits:
@@ -47,50 +52,45 @@ class TaskSplits:
 
 
 def _held_out(prompt: str, one_in: int) -> bool:
-    """Whether a prompt belongs to the eval split: a stable hash, the same on every machine and run."""
+    """Whether a prompt is in the eval split: a stable hash of its text, independent of seed and host."""
     return int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:4], "little") % one_in == 0
 
 
 def digit_sum() -> TaskSplits:
-    pairs = [(f"{a}+{b}=", str(a + b)) for a in range(5) for b in range(5)]
-    train: list[Row] = []
-    for total in range(9):
-        same_sum = [row for row in pairs if row[1] == str(total)]
-        # 60 is a multiple of every group size (1..5): each sum then fills 60 rows of the 540.
-        train += [row for row in same_sum for _ in range(60 // len(same_sum))]
-    return TaskSplits(train=train, eval=pairs)
+    by_sum: dict[int, list[Row]] = {}
+    for a in range(5):
+        for b in range(5):
+            by_sum.setdefault(a + b, []).append((f"{a}+{b}=", str(a + b)))
+    # Repeat each pair so every sum gets the same weight: sums have 1..5 pairs, and 60 is the least
+    # common multiple of 1..5, so each sum contributes exactly 60 rows (540 in all).
+    train = [row for rows in by_sum.values() for row in rows for _ in range(60 // len(rows))]
+    distinct = [row for rows in by_sum.values() for row in rows]
+    return TaskSplits(train=train, eval=sorted(distinct))
 
 
 def arith() -> TaskSplits:
-    train: list[Row] = []
-    held: list[Row] = []
+    rows: dict[str, str] = {}
     for a in range(10, 100):
         for b in range(10, 100):
-            for prompt, label in ((f"{a}+{b}=", str(a + b)), (f"{max(a, b)}-{min(a, b)}=", str(abs(a - b)))):
-                (held if _held_out(prompt, 10) else train).append((prompt, label))
-    # a-b and b-a give the same prompt: keep each once.
-    return TaskSplits(train=list(dict.fromkeys(train)), eval=list(dict.fromkeys(held)))
+            rows[f"{a}+{b}="] = str(a + b)
+            rows[f"{max(a, b)}-{min(a, b)}="] = str(abs(a - b))  # a-b and b-a: the same prompt, kept once
+    train = [(p, lab) for p, lab in rows.items() if not _held_out(p, 10)]
+    held = [(p, lab) for p, lab in rows.items() if _held_out(p, 10)]
+    return TaskSplits(train=train, eval=held)
 
 
 TASKS: dict[str, Callable[[], TaskSplits]] = {"digit-sum": digit_sum, "arith": arith}
 
-# Held-out prompts evaluated per eval round: greedy decoding of 64 short prompts is about a second
-# on a 2-core CPU with the tiny presets.
-DEFAULT_EVAL_SIZE = 64
-
 
 def task_rows(name: str, seed: int, eval_size: int | None = DEFAULT_EVAL_SIZE) -> TaskSplits:
-    """The task's (prompt, label) rows: train in a seed-dependent order, eval capped at ``eval_size``.
-
-    The same ``(name, seed)`` always gives the same rows in the same order.
-    """
+    """The task's rows: train in a seed-dependent order, eval capped at ``eval_size`` (None: all)."""
     if name not in TASKS:
         raise UserError(f"--task {name!r}: no such built-in task; use one of {', '.join(TASKS)} or pass --prompt-data")
     splits = TASKS[name]()
-    rng = random.Random(f"{name}/{seed}")
+    rng = random.Random(f"tidal-task/{name}/{seed}")
     train = list(splits.train)
     rng.shuffle(train)
     held = list(splits.eval)
     if eval_size is not None and len(held) > eval_size:
-        held = rng.sample(held, eval_size)
+        held = sorted(rng.sample(held, eval_size))
     return TaskSplits(train=train, eval=held)
