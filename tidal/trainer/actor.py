@@ -207,6 +207,11 @@ class TrainerActor:
         self.memory.register(StateClass.WEIGHTS, self._weight_tensors)
         self.memory.register(StateClass.OPTIMIZER, self._optimizer_tensors)
         self.memory.register(StateClass.GRADS, self._grad_tensors)
+        # Everything alive now (imported modules, the model) lives for the whole run. Freezing it out of
+        # the collector's generations makes the gc.collect() before every pause scan only what was
+        # created since (about 1 s -> milliseconds on a 2-core host with transformers loaded).
+        gc.collect()
+        gc.freeze()
         num_params = sum(p.numel() for p in self.model.parameters())
         local_bytes = sum(local_shard(p).numel() * local_shard(p).element_size() for p in self.model.parameters())
         return {
@@ -413,9 +418,11 @@ class TrainerActor:
             return {"memory/trainer_pause/effective": 0}
         t0 = time.perf_counter()
         self._free_transients()
+        t1 = time.perf_counter()
         released = self.groups.release()
         report = self.memory.pause(list(_CLASSES))
         out = report.metrics("memory/trainer_pause")
+        out["memory/trainer_pause/free_transients_s"] = t1 - t0
         out["memory/trainer_pause/effective"] = 1
         out["memory/trainer_pause/groups_released"] = int(released)
         out["memory/trainer_pause/total_s"] = time.perf_counter() - t0

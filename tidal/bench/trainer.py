@@ -1,0 +1,178 @@
+"""Benchmark: the trainer's step throughput, pause/resume and checkpoint speed, each next to its limit.
+
+    python -m tidal.bench.trainer                                     # CPU: tiny preset
+    python -m tidal.bench.trainer --model smollm2-135m --samples 16   # CPU: a real 135M model
+    python -m tidal.bench.trainer --device cuda --model qwen2.5-0.5b-shape --samples 64 \\
+        --prompt-len 256 --response-len 256                           # GPU
+
+One rank in this process (a 1-rank FSDP2 group; the code path of every rank). Prints one JSON line:
+
+    train_tokens_per_s       ``TrainerActor.train`` on one rollout (old log-prob recompute, loss,
+                             backward, clipping, AdamW), real tokens / seconds
+    limit_tokens_per_s       the same micro-batches through the bare transformers model (no FSDP,
+                             one forward + backward + AdamW step, no recompute), same run
+    train_vs_limit           ratio; the trainer runs two forwards per micro-batch (recompute + train)
+                             so ~0.6-0.7 means its own overhead is small
+    pause_s / resume_s       trainer pause/resume (weights + AdamW state) with offload on
+    pause_gbps / resume_gbps backed-up bytes / seconds
+    copy_gbps                the limit: a large host memcpy (CPU) or pinned D2H copy (CUDA)
+    save_s / save_gbps       an atomic checkpoint of weights + optimizer (written while paused)
+    write_gbps               the limit: the same bytes written as one safetensors file, same run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import tempfile
+import time
+
+import torch
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _samples(n: int, plen: int, rlen: int, vocab: int, seed: int = 0):
+    from tidal.rollout.types import Sample
+
+    rng = random.Random(seed)
+    hi = min(vocab - 1, 48) if vocab <= 64 else vocab - 1
+    return [
+        Sample(
+            index=i,
+            group=i // 4,
+            prompt="",
+            prompt_ids=[rng.randint(4, hi) for _ in range(plen)],
+            response_ids=[rng.randint(4, hi) for _ in range(rlen)],
+            advantage=1.0 if i % 2 else -1.0,
+        )
+        for i in range(n)
+    ]
+
+
+def _copy_gbps(device: str, nbytes: int) -> float:
+    if device == "cuda":
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        return nbytes / (time.perf_counter() - t) / 1e9
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t = time.perf_counter()
+    dst.copy_(src)
+    return nbytes / (time.perf_counter() - t) / 1e9
+
+
+def _limit_tokens_per_s(actor, samples) -> float:
+    """The bare model on the trainer's own micro-batches: one forward + backward + AdamW step."""
+    from tidal.algos.losses import token_logprobs
+    from tidal.model.load import build_model
+    from tidal.trainer.actor import MicroBatch
+    from tidal.trainer.packing import pack_micro_batches
+
+    model = build_model(actor.spec, dtype=torch.float32, seed=0, device=actor.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    lengths = [s.total_len for s in samples]
+    mbs = [
+        MicroBatch(samples, mb, actor.pad_id, actor.device)
+        for mb in pack_micro_batches(lengths, actor.cfg.max_tokens_per_gpu)
+    ]
+    autocast = torch.autocast(
+        "cuda", dtype=actor.compute_dtype, enabled=actor.device_type == "cuda" and actor.compute_dtype != torch.float32
+    )
+    t = time.perf_counter()
+    for mb in mbs:
+        with autocast:
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1]
+        lp = token_logprobs(logits, mb.targets)
+        (-(lp * mb.mask).sum() / mb.mask.sum().clamp(min=1)).backward()
+    opt.step()
+    if actor.device_type == "cuda":
+        torch.cuda.synchronize()
+    return sum(lengths) / (time.perf_counter() - t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from safetensors.torch import save_file
+
+    from tidal.config.schema import AlgorithmConfig, MemoryConfig, ModelConfig, TrainerConfig, WeightSyncConfig
+    from tidal.trainer.actor import TrainerActor
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=24)
+    ap.add_argument("--response-len", type=int, default=16)
+    ap.add_argument("--max-tokens-per-gpu", type=int, default=4096)
+    args = ap.parse_args(argv)
+
+    actor = TrainerActor(
+        0,
+        1,
+        "127.0.0.1",
+        _port(),
+        model=ModelConfig(model=args.model),
+        trainer=TrainerConfig(lr=1e-6, max_tokens_per_gpu=args.max_tokens_per_gpu),
+        algorithm=AlgorithmConfig(),
+        memory=MemoryConfig(offload_train=True),
+        weight_sync=WeightSyncConfig(),
+        device=args.device,
+    )
+    info = actor.init()
+    vocab = actor.model.config.vocab_size
+    samples = _samples(args.samples, args.prompt_len, args.response_len, vocab)
+    actor.train(samples, 0)  # warm-up: allocator, optimizer state
+    m = actor.train(_samples(args.samples, args.prompt_len, args.response_len, vocab, seed=1), 1)
+    limit = _limit_tokens_per_s(actor, samples)
+
+    p = actor.pause()
+    kept = p["memory/trainer_pause/weights/backup_bytes"] + p["memory/trainer_pause/optimizer/backup_bytes"]
+    with tempfile.TemporaryDirectory() as d:
+        t = time.perf_counter()
+        s = actor.save(os.path.join(d, "ckpt"), {"rollout_id": 1})
+        save_s = time.perf_counter() - t
+        flat = {f"t{i}": torch.ones(max(1, s["checkpoint/bytes"] // 4 // 8), dtype=torch.float32) for i in range(8)}
+        t = time.perf_counter()
+        save_file(flat, os.path.join(d, "limit.safetensors"))
+        write_s = time.perf_counter() - t
+    r = actor.resume()
+    row = {
+        "model": args.model,
+        "device": args.device,
+        "params": info["num_params"],
+        "tokens": m["tokens"],
+        "train_s": round(m["train_s"], 3),
+        "train_tokens_per_s": round(m["tokens_per_s"], 1),
+        "limit_tokens_per_s": round(limit, 1),
+        "train_vs_limit": round(m["tokens_per_s"] / limit, 3),
+        "backup_bytes": kept,
+        "pause_s": round(p["memory/trainer_pause/total_s"], 4),
+        "resume_s": round(r["memory/trainer_resume/total_s"], 4),
+        "pause_gbps": round(kept / p["memory/trainer_pause/total_s"] / 1e9, 2),
+        "resume_gbps": round(kept / r["memory/trainer_resume/total_s"] / 1e9, 2),
+        "copy_gbps": round(_copy_gbps(args.device, max(kept, 1 << 26)), 2),
+        "checkpoint_bytes": s["checkpoint/bytes"],
+        "save_s": round(save_s, 3),
+        "save_gbps": round(s["checkpoint/bytes"] / save_s / 1e9, 3),
+        "write_gbps": round(s["checkpoint/bytes"] / write_s / 1e9, 3),
+    }
+    print(json.dumps(row))
+    actor.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
