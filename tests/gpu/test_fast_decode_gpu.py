@@ -116,14 +116,17 @@ def test_weight_update_in_place_keeps_graphs_and_reallocation_recaptures():
         prompts, max_new_tokens=20, temperature=0
     )
     assert res.tokens == ref.tokens
+    before = dec._signature()
     t0 = time.perf_counter()
     backend.pause([StateClass.KV_CACHE])
     backend.resume([StateClass.KV_CACHE])
     cycle = time.perf_counter() - t0
+    moved = dec._signature() != before
     again = dec.generate(prompts, max_new_tokens=20, temperature=0)
     _show("after portable pause/resume", again)
-    print(f"[portable kv cycle] {cycle:.4f} s, recapture {again.stats['capture_s']:.4f} s")
-    assert again.stats["graph_captures"] >= 1  # new addresses: graphs were recaptured
+    print(f"[portable kv cycle] {cycle:.4f} s, addresses moved {moved}, recapture {again.stats['capture_s']:.4f} s")
+    # New addresses: graphs are recaptured; the same addresses (the allocator may hand them back): kept.
+    assert (again.stats["graph_captures"] >= 1) == moved
     assert again.tokens == res.tokens
 
 

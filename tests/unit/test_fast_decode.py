@@ -285,3 +285,17 @@ def test_embedded_engine_generates_through_the_fast_path():
     plain = EmbeddedEngine(ModelConfig(model="tiny"), off, MemoryConfig(), device="cpu")
     plain.generate([Sample(index=0, group=0, prompt=None, prompt_ids=[5, 6])], SamplingParams(max_new_tokens=3))
     assert plain._fast_decoder == "off"
+
+
+def test_graph_warmup_restore_leaves_no_trace(models):
+    """Capture warms each step up twice and restores the state: outputs must not notice (CPU rehearsal)."""
+    model = models["tiny-qwen2"]
+    prompts = _prompts(10, seed=12)
+    limits = [3, 9, 14, 2, 11, 14, 6, 1, 8, 14]
+    for kw in (dict(temperature=0), dict(temperature=0.9, top_k=6, seed=4), dict(temperature=1.0, seed=5)):
+        plain = FastDecoder(model, max_batch=16, max_seq_len=48, check_every=2, kv_block=16)
+        rehearsed = FastDecoder(model, max_batch=16, max_seq_len=48, check_every=2, kv_block=16, rehearse_graphs=True)
+        a = plain.generate(prompts, max_new_tokens=limits, stop_ids=[7], **kw)
+        b = rehearsed.generate(prompts, max_new_tokens=limits, stop_ids=[7], **kw)
+        assert len(rehearsed.graphs.rehearsed) >= 3  # several (bucket, KV length) keys were rehearsed
+        assert a.tokens == b.tokens and a.logprobs == b.logprobs and a.stopped == b.stopped

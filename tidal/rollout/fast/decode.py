@@ -91,7 +91,8 @@ class FastDecoder:
     ``mem_bytes``, the cache gets 1 GiB). ``max_batch`` caps the rows of one wave, ``max_seq_len``
     the prompt + response length of one row (grown on demand, which drops the cache and graphs).
     ``region`` is a context-manager factory wrapped around every allocation of ``kv_tensors()``
-    (a memory backend's ``region(kv_cache)``).
+    (a memory backend's ``region(kv_cache)``). ``rehearse_graphs`` runs graph capture's warm-up and
+    state restore where there are no graphs (tests on CPU).
     """
 
     def __init__(
@@ -110,6 +111,7 @@ class FastDecoder:
         pad_id: int = 0,
         max_stop_ids: int = 16,
         region: Callable[[], contextlib.AbstractContextManager] | None = None,
+        rehearse_graphs: bool = False,
     ) -> None:
         reason = attention.check_supported(model)
         if reason is not None:
@@ -138,13 +140,13 @@ class FastDecoder:
         self.max_stop_ids = max_stop_ids
         self.region = region or contextlib.nullcontext
         self.shape = kv_shape(self.config, self.dtype)
-        self.graphs = GraphSet(self.device)
-        if not cuda_graphs and self.graphs.enabled:
-            self.graphs.enabled = False
-            self.graphs.fallback_reason = "turned off"
         self.cache: StaticKVCache | None = None
         self.rows = 0
         self._gen = torch.Generator(device="cpu") if self.device.type == "cpu" else None
+        self.graphs = GraphSet(self.device, rehearse=rehearse_graphs, generator=self._gen)
+        if not cuda_graphs and self.graphs.enabled:
+            self.graphs.enabled = False
+            self.graphs.fallback_reason = "turned off"
         self.last_stats: dict = {}
 
     # ------------------------------------------------------------------ memory
@@ -323,7 +325,8 @@ class FastDecoder:
             self._gen.manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
         elif seed is not None:
             # CUDA: the device's default generator, the one captured graphs advance at every replay.
-            torch.cuda.manual_seed(int(seed))
+            with torch.cuda.device(self.device):
+                torch.cuda.manual_seed(int(seed))
 
         tokens: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
@@ -334,15 +337,16 @@ class FastDecoder:
         for lo in range(0, n, self.rows):
             idx = list(range(lo, min(n, lo + self.rows)))
             out_tok, out_lp = self._wave([prompts[i] for i in idx], [limits[i] for i in idx], mode, stats)
+            all_tok, all_lp = out_tok.tolist(), out_lp.tolist()
             for j, i in enumerate(idx):
-                row = out_tok[j, : limits[i]].tolist()
+                row = all_tok[j][: limits[i]]
                 cut = limits[i]
                 for k, tok in enumerate(row):
                     if tok in stop_set:
                         cut, stopped[i] = k + 1, True
                         break
                 tokens[i] = row[:cut]
-                logprobs[i] = out_lp[j, :cut].tolist()
+                logprobs[i] = all_lp[j][:cut]
             stats["waves"] += 1
         stats.update(
             rows=self.rows,

@@ -35,9 +35,16 @@ log = logging.getLogger(__name__)
 class GraphSet:
     """Captured decode steps by key, on one CUDA device."""
 
-    def __init__(self, device: torch.device, *, warmup: int = 2) -> None:
+    def __init__(
+        self, device: torch.device, *, warmup: int = 2, rehearse: bool = False, generator: torch.Generator | None = None
+    ) -> None:
         self.device = device
         self.warmup = warmup
+        # Without CUDA: run the capture's warm-up and restore (not the capture) before the first
+        # eager step of each key, so that CPU tests check that the restore leaves no trace.
+        self.rehearse = rehearse
+        self.generator = generator
+        self.rehearsed: set[Hashable] = set()
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.signature: tuple[int, ...] = ()
@@ -49,6 +56,7 @@ class GraphSet:
     def clear(self) -> None:
         """Drop every graph and the pool (their memory returns to the allocator)."""
         self.graphs.clear()
+        self.rehearsed.clear()
         self.pool = None
         self.signature = ()
 
@@ -71,6 +79,13 @@ class GraphSet:
     def run(self, key: Hashable, step: Callable[[], None], state: Sequence[torch.Tensor]) -> None:
         """Replay the graph of ``key``, capturing it first; eager ``step()`` when graphs are off."""
         if not self.enabled:
+            if self.rehearse and key not in self.rehearsed:
+                restore, rng = self._snapshot(state)
+                for _ in range(self.warmup):
+                    step()
+                    restore()
+                self._set_rng(rng)
+                self.rehearsed.add(key)
             step()
             return
         graph = self.graphs.get(key)
@@ -81,15 +96,27 @@ class GraphSet:
                 return
         graph.replay()
 
-    def _capture(self, key: Hashable, step: Callable[[], None], state: Sequence[torch.Tensor]):
-        t0 = time.perf_counter()
+    def _snapshot(self, state: Sequence[torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        """A function that puts ``state`` back as it is now, and the RNG state now."""
         saved = [t.clone() for t in state]
-        rng = torch.cuda.get_rng_state(self.device)
 
         def restore() -> None:
             for dst, src in zip(state, saved):
                 dst.copy_(src)
 
+        if self.generator is not None:
+            return restore, self.generator.get_state()
+        return restore, torch.cuda.get_rng_state(self.device)
+
+    def _set_rng(self, rng: torch.Tensor) -> None:
+        if self.generator is not None:
+            self.generator.set_state(rng)
+        else:
+            torch.cuda.set_rng_state(rng, self.device)
+
+    def _capture(self, key: Hashable, step: Callable[[], None], state: Sequence[torch.Tensor]):
+        t0 = time.perf_counter()
+        restore, rng = self._snapshot(state)
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -109,13 +136,13 @@ class GraphSet:
             except Exception:  # a broken capture may leave an error pending; eager steps will surface it
                 pass
             restore()
-            torch.cuda.set_rng_state(rng, self.device)
+            self._set_rng(rng)
             self.disable(
                 f"capture of {key} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             )
             return None
         restore()
-        torch.cuda.set_rng_state(rng, self.device)
+        self._set_rng(rng)
         torch.cuda.synchronize(self.device)
         self.graphs[key] = graph
         self.captures += 1
