@@ -171,9 +171,11 @@ class PortableBackend(MemoryBackend):
         report = MemoryReport(op="pause", backend=self.name)
         report.host_rss_before, report.device_used_before = host_rss_bytes(), device_used_bytes(self.device)
         t0 = time.perf_counter()
-        if StateClass.ACTIVATIONS in classes:
-            # Activations are whatever the last step left reachable only through reference cycles:
-            # collect them so their blocks are free before anything is measured or backed up.
+        if StateClass.ACTIVATIONS in classes and self._on_cuda:
+            # Activations are what the last step left reachable only through reference cycles: collect
+            # them so that their blocks go back to the driver with the cache. On a CPU device they are
+            # plain heap memory that the trim below returns; a full collection (about a second with
+            # torch and transformers loaded on a busy 2-core machine) would buy nothing there.
             gc.collect()
         for c in classes:
             report.classes.append(self._pause_class(c))

@@ -28,9 +28,15 @@ _LIBC: ctypes.CDLL | None = None
 _LIBC_LOADED = False
 
 
+_PROC: psutil.Process | None = None
+
+
 def host_rss_bytes() -> int:
     """Resident set size of this process in bytes."""
-    return psutil.Process().memory_info().rss
+    global _PROC
+    if _PROC is None or _PROC.pid != os.getpid():  # a forked child must not read its parent
+        _PROC = psutil.Process()
+    return _PROC.memory_info().rss
 
 
 def device_used_bytes(device: str | torch.device) -> int:

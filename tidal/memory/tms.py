@@ -1,6 +1,6 @@
 """The torch_memory_saver backend (CUDA): pause unmaps physical pages, the virtual addresses stay.
 
-Each state class is one torch_memory_saver tag. Allocations of a class must happen inside
+Each state class is one torch_memory_saver tag (``<label>.<class>``, e.g. ``trainer.optimizer``). Allocations of a class must happen inside
 ``region(state_class)``, which opens a tms region with that class's policy: CPU backup for
 backed-up classes (disk backup for the optimizer state under ``--offload-host-memory disk``), no
 backup for discarded ones. In preload mode every other ``cudaMalloc`` of the process is a tms
@@ -96,7 +96,7 @@ class TmsBackend(MemoryBackend):
             raise ResidencyError(f"{self.label}: allocation in region {c.value} while it is paused")
         disk = self._on_disk(c)
         with self._tms.region(
-            tag=c.value, enable_cpu_backup=self.policy[c].backup and not disk, enable_disk_backup=disk
+            tag=self._tag(c), enable_cpu_backup=self.policy[c].backup and not disk, enable_disk_backup=disk
         ):
             yield
 
@@ -130,10 +130,16 @@ class TmsBackend(MemoryBackend):
                     seen.setdefault(st._cdata, st.nbytes())
         return sum(seen.values())
 
+    def _tag(self, c: StateClass) -> str:
+        # The label keeps two backends of one process (a trainer and an engine in one benchmark) apart.
+        return f"{self.label}.{c.value}"
+
     def _tags(self, c: StateClass) -> list[str]:
         # In preload mode allocations made outside regions (model load, FSDP buffers) carry the default
         # tag with backup; they travel with the weights.
-        return [c.value, DEFAULT_TAG] if (self.hook_mode == "preload" and c is StateClass.WEIGHTS) else [c.value]
+        if self.hook_mode == "preload" and c is StateClass.WEIGHTS:
+            return [self._tag(c), DEFAULT_TAG]
+        return [self._tag(c)]
 
     def pause(self, classes: Sequence[StateClass]) -> MemoryReport:
         classes = self._check(classes, want_paused=False, op="pause")
