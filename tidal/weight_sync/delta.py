@@ -51,7 +51,7 @@ def _cctx() -> zstandard.ZstdCompressor:
     # Compressor objects are not thread safe: one per worker thread.
     c = getattr(_local, "cctx", None)
     if c is None:
-        c = _local.cctx = zstandard.ZstdCompressor(level=_LEVEL)
+        c = _local.cctx = zstandard.ZstdCompressor(level=_LEVEL, write_checksum=True)
     return c
 
 
@@ -81,22 +81,32 @@ def _decompress(blob, n: int, compression: str) -> np.ndarray:
     return np.frombuffer(out, dtype=np.uint8)
 
 
+def _scratch(name: str, n: int, dtype=np.uint8) -> np.ndarray:
+    """A per-thread reusable buffer: fresh allocations per chunk cost more in page faults than the work itself."""
+    buf = getattr(_local, name, None)
+    if buf is None or buf.size < n:
+        buf = np.empty(max(n, CHUNK), dtype=dtype)
+        setattr(_local, name, buf)
+    return buf[:n]
+
+
 def _encode_chunk(new: np.ndarray, old: np.ndarray, off: int, encoding: str, compression: str):
     """Encode one chunk and update the snapshot chunk ``old`` to ``new``; None when unchanged."""
     n = new.size
     if encoding == "xor":
-        diff = np.bitwise_xor(new, old)
+        diff = np.bitwise_xor(new, old, out=_scratch("diff", n))
         changed = int(np.count_nonzero(diff))
         if changed == 0:
             return None
         np.copyto(old, new)
         part = _compress(diff, compression)
         return changed, [off, n, len(part)], [part]
-    mask = new != old
+    mask = np.not_equal(new, old, out=_scratch("mask", n, np.bool_))
     changed = int(np.count_nonzero(mask))
     if changed == 0:
         return None
-    values = np.where(mask, new, np.uint8(0))
+    # The new bytes where they changed, zero elsewhere (long zero runs compress to almost nothing).
+    values = np.multiply(new, mask, out=_scratch("values", n))
     np.copyto(old, new)
     bits = np.packbits(mask)
     p1, p2 = _compress(bits, compression), _compress(values, compression)

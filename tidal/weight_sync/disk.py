@@ -389,6 +389,10 @@ class DiskStrategy(WeightSyncStrategy):
                     self._verify_folder(path)
                 self._load(path, version, report)
             except WeightSyncError as second:
+                # What the engines hold is unknown now: the next sync must be a full version.
+                self.version = None
+                if self.delta is not None:
+                    self.delta.version = None
                 raise WeightSyncError(
                     f"weight sync v{version} over disk failed after a retry: {_last_line(second)} (first: {_last_line(first)})"
                 ) from None

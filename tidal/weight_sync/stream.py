@@ -127,16 +127,23 @@ class StreamingStrategy(WeightSyncStrategy):
         delta = self.delta is not None and self.delta.has_base and self.version is not None
         all_names: list[str] = []
         pending: Bucket | None = None
-        for bucket in self._buckets(self._timed(tensors, report, all_names), delta, report):
-            if pending is not None:
-                self._deliver(pending, version, delta, report)
-            pending = bucket
-        if pending is None:  # nothing changed (delta) or nothing to send: still commit the version
-            empty = torch.zeros(ALIGN, dtype=torch.uint8)
-            pending = Bucket(index=0, mode="delta" if delta else "full", entries=[], data=empty, names=[])
-        pending.last = True
-        pending.all_names = all_names
-        self._deliver(pending, version, delta, report)
+        try:
+            for bucket in self._buckets(self._timed(tensors, report, all_names), delta, report):
+                if pending is not None:
+                    self._deliver(pending, version, delta, report)
+                pending = bucket
+            if pending is None:  # nothing changed (delta) or nothing to send: still commit the version
+                empty = torch.zeros(ALIGN, dtype=torch.uint8)
+                pending = Bucket(index=0, mode="delta" if delta else "full", entries=[], data=empty, names=[])
+            pending.last = True
+            pending.all_names = all_names
+            self._deliver(pending, version, delta, report)
+        except BaseException:
+            # The engines may hold a mix of versions now: the next sync must be a full baseline.
+            self.version = None
+            if self.delta is not None:
+                self.delta.version = None
+            raise
         self.version = version
         if self.delta is not None:
             self.delta.version = version

@@ -1,0 +1,108 @@
+"""Delta codec, bucket packing and checksums, without actors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tidal.errors import WeightSyncError
+from tidal.weight_sync import delta
+from tidal.weight_sync.bucket import device_checksum, entry_view, host_checksum, pack, plan_buckets
+from tidal.weight_sync.verify import compare_checksums
+
+
+def _pair(n: int, frac: float, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    old = rng.integers(0, 256, n, dtype=np.uint8)
+    new = old.copy()
+    idx = rng.choice(n, int(n * frac), replace=False)
+    new[idx] ^= rng.integers(1, 256, idx.size, dtype=np.uint8)  # every picked byte really changes
+    return old, new, idx.size
+
+
+@pytest.mark.parametrize("encoding", ["overwrite", "xor"])
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_encode_apply_roundtrip_over_chunks(monkeypatch, encoding, compression):
+    monkeypatch.setattr(delta, "CHUNK", 4096)  # many chunks, encoded and applied on the pool
+    old, new, n_changed = _pair(50_000, 0.01)
+    snap = old.copy()
+    changed, records, parts = delta.encode(new, snap, encoding, compression)
+    assert changed == n_changed
+    assert np.array_equal(snap, new), "the snapshot becomes the new bytes"
+    assert all(r[1] <= 4096 for r in records) and len(records) > 1
+    target = old.copy()
+    delta.apply(target, b"".join(parts), records, encoding, compression)
+    assert np.array_equal(target, new)
+    if compression == "zstd":
+        assert sum(map(len, parts)) < new.size // 4  # 1% density compresses well below a quarter
+    again = target.copy()
+    delta.apply(again, b"".join(parts), records, encoding, compression)
+    # overwrite is idempotent; xor applied twice reverts the changed bytes.
+    assert np.array_equal(again, new) == (encoding == "overwrite")
+
+
+def test_unchanged_tensor_encodes_to_nothing():
+    old, _, _ = _pair(10_000, 0.0)
+    assert delta.encode(old.copy(), old.copy(), "overwrite", "zstd") == (0, [], [])
+
+
+def test_corrupt_or_truncated_payload_is_refused():
+    old, new, _ = _pair(20_000, 0.05)
+    _, records, parts = delta.encode(new, old.copy(), "overwrite", "zstd")
+    blob = bytearray(b"".join(parts))
+    with pytest.raises(WeightSyncError):
+        delta.apply(old.copy(), bytes(blob[:-5]), records, "overwrite", "zstd")
+    blob[10] ^= 0xFF
+    with pytest.raises(WeightSyncError):
+        delta.apply(old.copy(), bytes(blob), records, "overwrite", "zstd")
+
+
+def test_pack_views_every_dtype_and_checksums_catch_a_flip():
+    group = [
+        ("a", torch.randn(7, 5)),
+        ("b", torch.randn(13).to(torch.bfloat16)),
+        ("c", torch.arange(9, dtype=torch.int64)),
+        ("d", torch.randn(3, 3, 3).to(torch.float16)),
+    ]
+    flat, entries = pack(group)
+    assert all(e["offset"] % 64 == 0 for e in entries)
+    for (name, t), e in zip(group, entries):
+        assert e["name"] == name and torch.equal(entry_view(flat, e), t)
+    h, d = host_checksum(flat.numpy()), device_checksum(flat)
+    flat[entries[2]["offset"] + 3] ^= 0x10
+    assert host_checksum(flat.numpy()) != h and device_checksum(flat) != d
+
+
+def test_device_checksum_sees_swapped_words():
+    buf = torch.arange(64, dtype=torch.uint8)
+    swapped = buf.view(torch.int64).flip(0).contiguous().view(torch.uint8)
+    assert device_checksum(buf) != device_checksum(swapped)
+
+
+def test_plan_buckets_streams_and_respects_the_limit():
+    consumed = []
+
+    def stream():
+        for i in range(10):
+            consumed.append(i)
+            yield f"w{i}", torch.zeros(100)  # 400 bytes, 448 aligned
+
+    gen = plan_buckets(stream(), 1000)
+    first = next(gen)
+    assert [n for n, _ in first] == ["w0", "w1"] and consumed == [0, 1, 2], "lazy: one tensor of look-ahead"
+    rest = list(gen)
+    assert sum(len(b) for b in [first, *rest]) == 10
+    big = list(plan_buckets([("big", torch.zeros(1000)), ("x", torch.zeros(1))], 1000))
+    assert [len(b) for b in big] == [1, 1]
+
+
+def test_compare_checksums_names_every_difference():
+    out = compare_checksums({"a": "1", "b": "2", "c": "3"}, {"a": "1", "b": "9", "d": "4"})
+    assert len(out) == 3
+    assert (
+        any(m.startswith("b:") for m in out)
+        and any(m.startswith("c:") for m in out)
+        and any(m.startswith("d:") for m in out)
+    )
+    assert compare_checksums({"a": "1"}, {"a": "1"}) == []
