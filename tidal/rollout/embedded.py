@@ -104,8 +104,6 @@ class EmbeddedEngine(RolloutEngine):
         # Only parameters are released: non-persistent buffers (rotary inv_freq) are not synced, so
         # discarding them would lose them for good; they are a few KB.
         self.backend.register(StateClass.WEIGHTS, lambda: list(self.model.parameters()))
-        self.backend.register(StateClass.KV_CACHE, self._kv_tensors)
-        self._cache: Any = None  # a KV cache kept between calls (none on the padded-generate path)
         self._version = -1
         self._receiver = None
         self._custom_generate = None
@@ -252,22 +250,15 @@ class EmbeddedEngine(RolloutEngine):
         return new.cpu().tolist(), logprobs.cpu().tolist()
 
     def flush_cache(self) -> None:
-        """Drop any KV state kept between calls and hand freed allocator blocks back to the device."""
-        self._cache = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        """Hand cached-but-free device blocks back to the driver (before a release or a sync).
 
-    def _kv_tensors(self) -> list[torch.Tensor]:
-        """Tensors of the KV cache kept between calls (the memory backend's view of class kv_cache)."""
-        if self._cache is None:
-            return []
-        out: list[torch.Tensor] = []
-        for layer in getattr(self._cache, "layers", []):
-            out += [
-                t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor)
-            ]
-        return out
+        No KV contents outlive a ``generate`` call here (the generate path allocates its cache per
+        call; the fast path zeroes its static cache at the start of each call), so there is no prefix
+        state to drop; what remains are the allocator's free blocks, which a colocated trainer needs.
+        """
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ memory
 
