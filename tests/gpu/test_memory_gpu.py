@@ -59,7 +59,7 @@ def _exercise(backend, policy_name: str) -> dict:
         free1, _ = torch.cuda.mem_get_info()
         rss1 = host_rss_bytes()
         views = [backend.host_view(w) for w in weights]
-        view_sum = sum(float(v.double().sum()) for v in views)  # reads every byte of every view
+        view_sum = sum(float(v.sum(dtype=torch.float64)) for v in views)  # reads every byte of every view
         rss2 = host_rss_bytes()
         first_ok = torch.equal(views[0][:1000], expected_w0)
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import pickle
 
 import pytest
 import torch
@@ -159,6 +160,8 @@ def test_host_view_is_zero_copy_and_dies_on_resume(host_memory, tmp_path):
     arr = view.numpy()
     assert arr.ctypes.data == view.data_ptr()
     del arr
+    shipped = pickle.loads(pickle.dumps(view))  # what Ray does: a copy, as an ordinary tensor
+    assert type(shipped) is torch.Tensor and torch.equal(shipped, expected)
 
     backend.resume(ALL_TRAINER)
     for stale in (view, row):
@@ -168,6 +171,8 @@ def test_host_view_is_zero_copy_and_dies_on_resume(host_memory, tmp_path):
             torch.zeros(expected.shape[1]).copy_(stale[0] if stale.dim() > 1 else stale)
     with pytest.raises(ResidencyError, match="after resume"):
         view.numpy()
+    with pytest.raises(ResidencyError, match="after resume"):
+        pickle.dumps(view)
     assert torch.equal(doubled, expected * 2)
     assert torch.equal(w, expected)
     with pytest.raises(ResidencyError, match="not paused"):

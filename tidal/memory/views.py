@@ -70,6 +70,15 @@ class HostView(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return tree_map(rewrap, out)
 
+    def __reduce_ex__(self, protocol):
+        # Pickling (Ray, multiprocessing) copies the bytes: the copy is an ordinary tensor, unguarded.
+        token = self._tidal_token
+        if not token.valid:
+            raise ResidencyError(f"host view of {token.what} pickled after resume; take views only while paused")
+        with torch._C.DisableTorchFunctionSubclass():
+            plain = self.as_subclass(torch.Tensor)
+        return plain.__reduce_ex__(protocol)
+
 
 def _wrap(t: torch.Tensor, token: ViewToken) -> HostView:
     view = t.as_subclass(HostView)
