@@ -91,11 +91,27 @@ def _exercise(backend, policy_name: str) -> dict:
             "same_addresses": [t.data_ptr() for t in weights + optim + grads] == ptrs,
         }
         del views
+    # A resume that cannot fit is refused (torch_memory_saver would terminate the process instead).
+    backend.pause([S.GRADS, S.OPTIMIZER, S.WEIGHTS, S.ACTIVATIONS])
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    blocker = torch.empty(max(free - GIB, 0), dtype=torch.uint8, device=dev)
+    try:
+        backend.resume([S.WEIGHTS, S.OPTIMIZER, S.GRADS, S.ACTIVATIONS])
+        out["resume_when_full"] = "resumed"
+    except ResidencyError:
+        out["resume_when_full"] = "refused"
+    del blocker
+    torch.cuda.empty_cache()
+    if backend.is_paused(S.WEIGHTS):
+        backend.resume([S.WEIGHTS, S.OPTIMIZER, S.GRADS, S.ACTIVATIONS])
+    out["intact_after_refusal"] = _fingerprint(weights + optim) == marks
     backend.close()
     return out
 
 
 def _check(out: dict, *, rss_backup: bool) -> None:
+    assert out["resume_when_full"] == "refused" and out["intact_after_refusal"], out
     for cycle in ("cycle0", "cycle1"):
         c = out[cycle]
         assert c["device_freed_bytes"] >= 0.98 * 4 * GIB, c  # weights + optimizer + grads released

@@ -186,6 +186,16 @@ class PortableBackend(MemoryBackend):
 
     def resume(self, classes: Sequence[StateClass]) -> MemoryReport:
         classes = self._check(classes, want_paused=True, op="resume")
+        if self._on_cuda:
+            # An out-of-memory halfway through would leave a class half resumed; refuse up front.
+            needed = sum(e.nbytes for c in classes for e in self._paused[c].entries.values())
+            free, _ = torch.cuda.mem_get_info(self.device)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            if needed > free:
+                raise ResidencyError(
+                    f"{self.label}: resume of {', '.join(c.value for c in classes)} needs {needed / 2**30:.2f} GiB "
+                    f"but {free / 2**30:.2f} GiB is free on {self.device}; release the other tenant (engines) first"
+                )
         report = MemoryReport(op="resume", backend=self.name)
         report.host_rss_before, report.device_used_before = host_rss_bytes(), device_used_bytes(self.device)
         t0 = time.perf_counter()

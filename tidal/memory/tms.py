@@ -4,8 +4,8 @@ Each state class is one torch_memory_saver tag (``<label>.<class>``, e.g. ``trai
 ``region(state_class)``, which opens a tms region with that class's policy: CPU backup for
 backed-up classes (disk backup for the optimizer state under ``--offload-host-memory disk``), no
 backup for discarded ones. In preload mode every other ``cudaMalloc`` of the process is a tms
-allocation too, under the tag ``default`` with CPU backup (``TMS_INIT_ENABLE_CPU_BACKUP=1``); it is
-paused and resumed together with the weights.
+allocation too, under the tag ``default`` with CPU backup (``TMS_INIT_ENABLE_CPU_BACKUP=1``); that
+tag is never paused (see ``_tags``), so what must be released is allocated inside a region.
 
 torch_memory_saver terminates the process on a double pause, on resuming an active tag, or on
 reading the backup of an unbacked allocation. This wrapper tracks each class's state and raises
@@ -33,8 +33,6 @@ from tidal.memory.portable import HOST_MEMORY_POLICIES, local_tensor
 from tidal.memory.preload import check_allocator_conf
 from tidal.memory.telemetry import device_used_bytes, host_rss_bytes
 from tidal.memory.views import HostView, ViewToken, wrap_host_tensor
-
-DEFAULT_TAG = "default"  # torch_memory_saver's tag for allocations outside any region (preload mode)
 
 
 class TmsBackend(MemoryBackend):
@@ -135,10 +133,10 @@ class TmsBackend(MemoryBackend):
         return f"{self.label}.{c.value}"
 
     def _tags(self, c: StateClass) -> list[str]:
-        # In preload mode allocations made outside regions (model load, FSDP buffers) carry the default
-        # tag with backup; they travel with the weights.
-        if self.hook_mode == "preload" and c is StateClass.WEIGHTS:
-            return [self._tag(c), DEFAULT_TAG]
+        # Only class tags are paused, never the preload mode's ``default`` tag: torch_memory_saver
+        # terminates the process when resume meets an active allocation of the tag, and any CUDA
+        # allocation made outside a region while paused (a sync temporary, a library workspace) would
+        # be one. Memory of a class must therefore be allocated inside ``region(class)``.
         return [self._tag(c)]
 
     def pause(self, classes: Sequence[StateClass]) -> MemoryReport:
@@ -171,6 +169,14 @@ class TmsBackend(MemoryBackend):
 
     def resume(self, classes: Sequence[StateClass]) -> MemoryReport:
         classes = self._check(classes, want_paused=True, op="resume")
+        # torch_memory_saver terminates the process when a resume cannot map its pages; refuse first.
+        needed = sum(self._class_bytes(c) for c in classes)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if needed > free:
+            raise ResidencyError(
+                f"{self.label}: resume of {', '.join(c.value for c in classes)} needs {needed / 2**30:.2f} GiB but "
+                f"{free / 2**30:.2f} GiB is free on {self.device}; release the other tenant (engines) first"
+            )
         report = MemoryReport(op="resume", backend=self.name)
         report.host_rss_before, report.device_used_before = host_rss_bytes(), device_used_bytes(self.device)
         t0 = time.perf_counter()
