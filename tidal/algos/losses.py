@@ -53,6 +53,12 @@ def _rows_per_chunk(vocab: int, chunk_rows: int | None) -> int:
     return max(1, _CHUNK_ELEMENTS // max(1, vocab))
 
 
+def _scaled(x: Tensor, dt: torch.dtype, temperature: float) -> Tensor:
+    """x in the compute dtype, divided by the temperature; a view (no copy) when neither applies."""
+    x = x.to(dt)
+    return x if temperature == 1.0 else x / temperature
+
+
 class _TokenLogprobs(torch.autograd.Function):
     """log_softmax(logits / temperature).gather(targets), computed and differentiated in row chunks."""
 
@@ -62,8 +68,8 @@ class _TokenLogprobs(torch.autograd.Function):
         out = torch.empty(n, dtype=dt, device=logits.device)
         lse = torch.empty(n, dtype=dt, device=logits.device)
         for s in range(0, n, rows):
-            x = logits[s : s + rows].to(dt) / temperature
-            lse[s : s + rows] = torch.logsumexp(x, dim=-1)
+            x = _scaled(logits[s : s + rows], dt, temperature)
+            torch.logsumexp(x, dim=-1, out=lse[s : s + rows])
             out[s : s + rows] = x.gather(-1, targets[s : s + rows].unsqueeze(-1)).squeeze(-1) - lse[s : s + rows]
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature, ctx.rows = temperature, rows
@@ -75,11 +81,11 @@ class _TokenLogprobs(torch.autograd.Function):
         t, rows = ctx.temperature, ctx.rows
         grad = torch.empty_like(logits)
         for s in range(0, logits.shape[0], rows):
-            # d logp[target] / dx = (onehot(target) - softmax(x / t)) / t
-            p = torch.exp(logits[s : s + rows].to(lse.dtype) / t - lse[s : s + rows].unsqueeze(-1))
-            g = -p
-            g.scatter_add_(-1, targets[s : s + rows].unsqueeze(-1), torch.ones_like(p[:, :1]))
-            grad[s : s + rows] = (g * (grad_out[s : s + rows].to(lse.dtype) / t).unsqueeze(-1)).to(grad.dtype)
+            # d logp[target] / dx = (onehot(target) - softmax(x / t)) / t, built in place in one buffer.
+            g = _scaled(logits[s : s + rows], lse.dtype, t).sub(lse[s : s + rows].unsqueeze(-1)).exp_().neg_()
+            g.scatter_add_(-1, targets[s : s + rows].unsqueeze(-1), torch.ones_like(g[:, :1]))
+            g.mul_((grad_out[s : s + rows].to(lse.dtype) / t).unsqueeze(-1))
+            grad[s : s + rows] = g
         return grad, None, None, None
 
 
@@ -93,10 +99,10 @@ class _Entropy(torch.autograd.Function):
         lse = torch.empty(n, dtype=dt, device=logits.device)
         for s in range(0, n, rows):
             x = logits[s : s + rows].to(dt)
-            lse[s : s + rows] = torch.logsumexp(x, dim=-1)
-            p = torch.exp(x - lse[s : s + rows].unsqueeze(-1))
+            torch.logsumexp(x, dim=-1, out=lse[s : s + rows])
+            p = x.sub(lse[s : s + rows].unsqueeze(-1)).exp_()
             # H = lse - sum_i p_i x_i
-            out[s : s + rows] = lse[s : s + rows] - (p * x).sum(-1)
+            out[s : s + rows] = lse[s : s + rows] - p.mul_(x).sum(-1)
         ctx.save_for_backward(logits, lse, out)
         ctx.rows = rows
         return out
@@ -107,10 +113,10 @@ class _Entropy(torch.autograd.Function):
         rows = ctx.rows
         grad = torch.empty_like(logits)
         for s in range(0, logits.shape[0], rows):
-            logp = logits[s : s + rows].to(lse.dtype) - lse[s : s + rows].unsqueeze(-1)
+            logp = logits[s : s + rows].to(lse.dtype).sub(lse[s : s + rows].unsqueeze(-1))
             # dH/dx_j = -p_j (log p_j + H)
-            g = -torch.exp(logp) * (logp + ent[s : s + rows].unsqueeze(-1))
-            grad[s : s + rows] = (g * grad_out[s : s + rows].to(lse.dtype).unsqueeze(-1)).to(grad.dtype)
+            g = logp.exp().mul_(logp.add_(ent[s : s + rows].unsqueeze(-1))).neg_()
+            grad[s : s + rows] = g.mul_(grad_out[s : s + rows].to(lse.dtype).unsqueeze(-1))
         return grad, None
 
 
