@@ -178,7 +178,7 @@ class SyncSource:
 
 def memcpy_gbps(nbytes: int, device: str = "cpu", source: str = "host") -> float:
     """The copy limit of one sync's bytes, measured here: memcpy (CPU), pinned H2D, or D2D."""
-    n = max(nbytes, 1 << 20)
+    n = max(nbytes, 64 << 20)  # large enough that the figure is a bandwidth, not a call overhead
     if device == "cuda":
         dst = torch.empty(n, dtype=torch.uint8, device="cuda")
         src = torch.empty(n, dtype=torch.uint8, pin_memory=True) if source == "host" else torch.empty_like(dst)
@@ -195,38 +195,21 @@ def memcpy_gbps(nbytes: int, device: str = "cpu", source: str = "host") -> float
     dst = torch.empty_like(src)
     dst.copy_(src)
     t0 = time.perf_counter()
-    reps = 3
+    reps = 10
     for _ in range(reps):
         dst.copy_(src)
     return n * reps / (time.perf_counter() - t0) / 1e9
 
 
-def run_case(
-    ray,
-    model: str,
-    mode: str,
-    transport: str,
-    *,
-    device: str,
-    engines_n: int,
-    buffer: int,
-    rl_steps: int,
-    disk_dir: str,
-) -> dict:
+def start_actors(ray, model: str, *, device: str, engines_n: int, engine_dtype: str):
+    """One trainer-side source and ``engines_n`` engine actors, shared by every case of a model."""
     from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig
     from tidal.rollout.actor import EngineActor
-    from tidal.weight_sync.verify import compare_checksums
 
-    engine_dtype = "bfloat16" if device == "cuda" else "float32"
-    cfg = WeightSyncConfig(
-        update_weight_mode=mode,
-        update_weight_transport=transport,
-        update_weight_buffer_size=buffer,
-        update_weight_disk_dir=os.path.join(disk_dir, f"{mode}-{transport}"),
-        update_weight_local_checkpoint_dir=os.path.join(disk_dir, f"{mode}-{transport}-local"),
-    )
+    cfg = WeightSyncConfig(update_weight_transport="tensor")
     gpu = 1 / (engines_n + 1) if device == "cuda" else 0
-    engine_cls = ray.remote(EngineActor).options(num_cpus=0.5, num_gpus=gpu)
+    cpus = max(1.0, (os.cpu_count() or 2) / (engines_n + 1)) if device == "cuda" else 0.5
+    engine_cls = ray.remote(EngineActor).options(num_cpus=cpus, num_gpus=gpu)
     engines = [
         engine_cls.remote(
             i,
@@ -241,28 +224,54 @@ def run_case(
     ray.get([e.init.remote() for e in engines])
     source = (
         ray.remote(SyncSource)
-        .options(num_cpus=0.5, num_gpus=gpu)
-        .remote(model, cfg, engines, device=device, colocated=transport == "tensor", engine_dtype=engine_dtype)
+        .options(num_cpus=cpus, num_gpus=gpu)
+        .remote(model, cfg, engines, device=device, engine_dtype=engine_dtype)
     )
+    return source, engines
+
+
+def run_case(
+    ray,
+    source,
+    engines,
+    model: str,
+    mode: str,
+    transport: str,
+    *,
+    device: str,
+    buffer: int,
+    rl_steps: int,
+    disk_dir: str,
+) -> dict:
+    from tidal.weight_sync.verify import compare_checksums
+
+    cfg = WeightSyncConfig(
+        update_weight_mode=mode,
+        update_weight_transport=transport,
+        update_weight_buffer_size=buffer,
+        update_weight_disk_dir=os.path.join(disk_dir, f"{mode}-{transport}"),
+        update_weight_local_checkpoint_dir=os.path.join(disk_dir, f"{mode}-{transport}-local"),
+    )
+    ray.get(source.reconfigure.remote(cfg, colocated=transport == "tensor"))
     ray.get(source.connect.remote())
     ray.get([e.randomize_weights.remote(7) for e in engines])
-    ray.get(source.pause.remote())
+    ray.get(source.pause.remote())  # the sync reads the host backup, as from a paused trainer
     first = ray.get(source.sync.remote())
     if mode == "delta":
+        # A real RL update, then a delta against what the engines held before it.
         ray.get(source.rl_steps.remote(rl_steps))
         ray.get(source.pause.remote())
+        rep = ray.get(source.sync.remote())
+    else:
+        rep = ray.get(source.sync.remote())  # warm: the first sync also pays one-time costs
     limit = memcpy_gbps(min(buffer, ray.get(source.param_bytes.remote())), device=device, source="host")
-    rep = ray.get(source.sync.remote()) if mode == "delta" else first
     trainer = ray.get(source.checksums.remote())
     equal = all(not compare_checksums(trainer, c) for c in ray.get([e.weight_checksums.remote() for e in engines]))
-    ray.get(source.close.remote())
-    for a in [source, *engines]:
-        ray.kill(a)
     return {
         "model": model,
         "mode": mode,
         "transport": transport,
-        "engines": engines_n,
+        "engines": len(engines),
         "bytes_total": rep["sync/bytes_total"],
         "bytes_sent": rep["sync/bytes_sent"],
         "density": round(rep["sync/density"], 6),
@@ -273,13 +282,17 @@ def run_case(
         "apply_s": round(rep["sync/apply_s"], 4),
         "gbps": round(rep["sync/gbps"], 3),
         "limit_gbps": round(limit, 3),
+        "first_sync_s": round(first["sync/seconds"], 4),
+        "retried": rep["sync/retried"],
         "bitwise_equal": equal,
     }
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="preset (default: tiny on CPU, qwen2.5-0.5b-shape on GPU)")
+    p.add_argument(
+        "--model", default=None, help="presets, comma-separated (default: tiny on CPU, qwen2.5-0.5b-shape on GPU)"
+    )
     p.add_argument("--modes", default="full,delta")
     p.add_argument("--transports", default=None, help="default: tensor,broadcast,disk on CPU; tensor,disk on GPU")
     p.add_argument("--engines", type=int, default=1)
@@ -290,25 +303,33 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    model = args.model or ("qwen2.5-0.5b-shape" if args.device == "cuda" else "tiny")
+    models = args.model or ("qwen2.5-0.5b-shape" if args.device == "cuda" else "tiny")
     transports = args.transports or ("tensor,broadcast,disk" if args.device == "cpu" else "tensor,disk")
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     disk_dir = tempfile.mkdtemp(prefix="tidal-bench-ws-")
+    engine_dtype = "bfloat16" if args.device == "cuda" else "float32"
     try:
-        for mode in args.modes.split(","):
-            for transport in transports.split(","):
-                row = run_case(
-                    ray,
-                    model,
-                    mode,
-                    transport,
-                    device=args.device,
-                    engines_n=args.engines,
-                    buffer=args.buffer_size,
-                    rl_steps=args.rl_steps,
-                    disk_dir=disk_dir,
-                )
-                print(json.dumps(row), flush=True)
+        for model in models.split(","):
+            source, engines = start_actors(
+                ray, model, device=args.device, engines_n=args.engines, engine_dtype=engine_dtype
+            )
+            for mode in args.modes.split(","):
+                for transport in transports.split(","):
+                    row = run_case(
+                        ray,
+                        source,
+                        engines,
+                        model,
+                        mode,
+                        transport,
+                        device=args.device,
+                        buffer=args.buffer_size,
+                        rl_steps=args.rl_steps,
+                        disk_dir=disk_dir,
+                    )
+                    print(json.dumps(row), flush=True)
+            for a in [source, *engines]:
+                ray.kill(a)
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
         ray.shutdown()
