@@ -14,6 +14,7 @@ from tidal.memory.portable import PortableBackend
 from tidal.model import build_model, resolve_model
 from tidal.model.load import ModelSpec
 from tidal.rollout.fast import FastDecoder, batch_buckets, sample, sampling_mode
+from tidal.rollout.fast.sampling import plain_core
 from tidal.rollout.fast.static_cache import kv_shape, prefill_workspace_bytes, workspace_bytes_per_row
 from tidal.rollout.generate import left_pad, teacher_forced_logprobs
 
@@ -159,9 +160,18 @@ def _warped_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
 
 
 @pytest.mark.parametrize(
-    "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.0, 4, 1.0), (1.0, 0, 0.7), (1.5, 6, 0.8)]
+    "temperature,top_k,top_p,fused",
+    [
+        (1.0, 0, 1.0, None),
+        (0.6, 0, 1.0, None),
+        (1.0, 4, 1.0, None),
+        (1.0, 0, 0.7, None),
+        (1.5, 6, 0.8, None),
+        (1.0, 0, 1.0, plain_core),
+        (0.6, 0, 1.0, plain_core),
+    ],
 )
-def test_sampling_distribution_follows_transformers_warpers(temperature, top_k, top_p):
+def test_sampling_distribution_follows_transformers_warpers(temperature, top_k, top_p, fused):
     vocab, rows = 12, 60000
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 1.5
     mode = sampling_mode(temperature, top_p, top_k, vocab)
@@ -299,3 +309,11 @@ def test_graph_warmup_restore_leaves_no_trace(models):
         b = rehearsed.generate(prompts, max_new_tokens=limits, stop_ids=[7], **kw)
         assert len(rehearsed.graphs.rehearsed) >= 3  # several (bucket, KV length) keys were rehearsed
         assert a.tokens == b.tokens and a.logprobs == b.logprobs and a.stopped == b.stopped
+
+
+def test_greedy_fused_core_matches_eager_sampling():
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(3))
+    one = torch.ones(1)
+    a = sample(logits, sampling_mode(0, 1, 0, 50), one, one)
+    b = sample(logits, sampling_mode(0, 1, 0, 50), one, one, fused=plain_core)
+    assert torch.equal(a[0], b[0]) and torch.allclose(a[1], b[1], atol=1e-6)

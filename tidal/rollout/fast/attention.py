@@ -15,7 +15,9 @@ calls the model without a transformers cache. The function then owns the KV cach
   ``group`` times in memory; the mask ``[rows, 1, 1, kv_len]`` broadcasts over the group.
 
 Outside ``active`` (no context) the function behaves exactly like transformers' SDPA attention,
-so any other forward pass of the same model is unaffected.
+so any other forward pass of the same model is unaffected. It is never compiled
+(``torch.compiler.disable``): a compiled step keeps it as an eager call between fused parts, because
+its in-place writes into a slice of the large cache tensor must stay in place.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class _Active:
     ctx: AttnContext | None = None
 
 
+@torch.compiler.disable
 def fast_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -46,7 +46,7 @@ import torch
 from tidal.errors import UserError
 from tidal.rollout.fast import attention
 from tidal.rollout.fast.graphs import GraphSet
-from tidal.rollout.fast.sampling import SamplingMode, sample, sampling_mode
+from tidal.rollout.fast.sampling import SamplingMode, plain_core, sample, sampling_mode
 from tidal.rollout.fast.static_cache import (
     StaticKVCache,
     kv_shape,
@@ -92,7 +92,9 @@ class FastDecoder:
     the prompt + response length of one row (grown on demand, which drops the cache and graphs).
     ``region`` is a context-manager factory wrapped around every allocation of ``kv_tensors()``
     (a memory backend's ``region(kv_cache)``). ``rehearse_graphs`` runs graph capture's warm-up and
-    state restore where there are no graphs (tests on CPU).
+    state restore where there are no graphs (tests on CPU). ``compile`` runs the decode step's
+    model forward and sampling through ``torch.compile`` (attention excluded); a failure to compile
+    turns it off with one log line (``compile_fallback_reason``).
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class FastDecoder:
         max_stop_ids: int = 16,
         region: Callable[[], contextlib.AbstractContextManager] | None = None,
         rehearse_graphs: bool = False,
+        compile: bool = False,
     ) -> None:
         reason = attention.check_supported(model)
         if reason is not None:
@@ -144,6 +147,15 @@ class FastDecoder:
         self.rows = 0
         self._gen = torch.Generator(device="cpu") if self.device.type == "cpu" else None
         self.graphs = GraphSet(self.device, rehearse=rehearse_graphs, generator=self._gen)
+        # torch.compile of the decode step's model forward (attention stays eager: it writes the
+        # cache in place) and of the sampling core: fewer, fused kernels inside each captured graph.
+        self.compile_fallback_reason: str | None = None
+        self._compiled_forward = None
+        self._fused_sampler = None
+        if compile:
+            attention.register()
+            self._compiled_forward = torch.compile(self._forward_logits, dynamic=True)
+            self._fused_sampler = torch.compile(plain_core, dynamic=True)
         if not cuda_graphs and self.graphs.enabled:
             self.graphs.enabled = False
             self.graphs.fallback_reason = "turned off"
@@ -354,6 +366,8 @@ class FastDecoder:
             mode=mode.name,
             cuda_graphs=self.graphs.enabled,
             fallback_reason=self.graphs.fallback_reason,
+            compiled=self._compiled_forward is not None,
+            compile_fallback_reason=self.compile_fallback_reason,
             graph_captures=self.graphs.captures - captures0,
             capture_s=self.graphs.capture_s - capture_s0,
             graphs_cached=len(self.graphs.graphs),
@@ -461,17 +475,16 @@ class FastDecoder:
     def _step(self, bs: int, kv_len: int, mode: SamplingMode) -> None:
         """One decode step of slots ``[0, bs)`` attending to ``kv_len`` columns; static buffers only."""
         col = self.s_cols[:kv_len]
-        mask = ((col[None, :] >= self.s_start[:bs, None]) & (col[None, :] <= self.s_cpos)).view(bs, 1, 1, kv_len)
+        valid = (col[None, :] >= self.s_start[:bs, None]) & (col[None, :] <= self.s_cpos)
+        # Additive mask in the model dtype, built once per step: SDPA would otherwise convert a
+        # boolean mask in every layer. Every slot has a valid column (start <= cpos), so no row is
+        # all -inf.
+        mask = torch.zeros((bs, 1, 1, kv_len), dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~valid.view(bs, 1, 1, kv_len), float("-inf"))
         ctx = attention.AttnContext(cache=self.cache, decode=True, rows=bs, cpos=self.s_cpos, kv_len=kv_len)
         with attention.active(self.model, ctx):
-            logits = self.model(
-                input_ids=self.s_tok[:bs, None],
-                attention_mask=mask,
-                position_ids=self.s_pos[:bs, None],
-                use_cache=False,
-                logits_to_keep=1,
-            ).logits
-        tok, lp = sample(logits[:, -1], mode, self.s_temp, self.s_top_p, self._gen)
+            logits = self._logits(self.s_tok[:bs, None], mask, self.s_pos[:bs, None])
+        tok, lp = sample(logits, mode, self.s_temp, self.s_top_p, self._gen, fused=self._fused_sampler)
         where = (self.s_rowmap[:bs], self.s_step.expand(bs))
         self.s_out_tok.index_put_(where, tok)
         self.s_out_lp.index_put_(where, lp)
@@ -481,6 +494,26 @@ class FastDecoder:
         self.s_pos[:bs].add_(1)
         self.s_cpos.add_(1)
         self.s_step.add_(1)
+
+    def _forward_logits(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Last-position logits ``[rows, vocab]`` of one decode step (attention through the active context)."""
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=1)
+        return out.logits[:, -1]
+
+    def _logits(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if self._compiled_forward is not None:
+            try:
+                return self._compiled_forward(ids, mask, pos)
+            except Exception as exc:  # compilation problems surface on the first call: decode uncompiled
+                self._disable_compile(exc)
+        return self._forward_logits(ids, mask, pos)
+
+    def _disable_compile(self, exc: Exception) -> None:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        self.compile_fallback_reason = f"{type(exc).__name__}: {first}"
+        log.warning("fast decode: torch.compile off, decoding uncompiled (%s)", self.compile_fallback_reason)
+        self._compiled_forward = None
+        self._fused_sampler = None
 
     def _compact(self, active: torch.Tensor, bs: int, upto: int) -> None:
         """Move the running slots ``active`` to the front; slots ``[len(active), bs)`` become empty."""

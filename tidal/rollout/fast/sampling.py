@@ -4,11 +4,13 @@ One call turns a batch of last-position logits ``[rows, vocab]`` into the sample
 and that token's log-probability under the *raw* policy (``log_softmax`` of the unprocessed logits,
 temperature 1): the value the trainer recomputes, whatever temperature/top-k/top-p sampled it.
 
-How it avoids a second full softmax over the vocabulary: the log-prob of token ``t`` is
-``logits[t] - logsumexp(logits)``, one reduction over the fp32 logits. Sampling is Gumbel-max in
-its exponential form, ``argmax(z - log E)`` with ``E ~ Exp(1)`` and ``z`` the temperature-scaled,
-filtered logits, which draws exactly from ``softmax(z)`` without normalising it (``torch.multinomial``
-does the same internally for one sample). Top-k and top-k+top-p work on the ``k`` largest logits
+How it avoids a second full softmax over the vocabulary: one fused ``log_softmax`` gives the fp32
+log-probs, and sampling works on them directly (they differ from the logits by a per-row constant).
+Sampling is Gumbel-max in its exponential form, ``argmax(z - log E)`` with ``E ~ Exp(1)`` and ``z``
+the temperature-scaled, filtered log-probs, which draws exactly from ``softmax(z)`` without
+normalising it (``torch.multinomial`` does the same internally for one sample, but checks its input
+with a host synchronisation, which a CUDA graph cannot hold). ``plain_core`` is the same for greedy
+and unfiltered sampling written for ``torch.compile``. Top-k and top-k+top-p work on the ``k`` largest logits
 only (``torch.topk``), so the noise and the cumulative sum cover ``k`` entries, not the vocabulary;
 only top-p without top-k sorts the whole row.
 
@@ -24,6 +26,7 @@ smallest prefix of the sorted distribution whose mass reaches ``top_p``, at leas
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -77,18 +80,24 @@ def sample(
     temperature: torch.Tensor,
     top_p: torch.Tensor,
     generator: torch.Generator | None = None,
+    fused: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens [rows] int64, logprobs [rows] fp32)`` for logits ``[rows, vocab]``.
 
     ``temperature`` and ``top_p`` are 0-d or ``[1]`` fp32 device tensors (ignored when the mode does
-    not use them). Log-probs are always those of the raw logits at temperature 1.
+    not use them). Log-probs are always those of the raw logits at temperature 1. ``fused`` (a
+    compiled ``plain_core``) replaces the eager path for greedy and unfiltered sampling.
     """
-    z = logits.float()
-    lse = torch.logsumexp(z, dim=-1)
+    if fused is not None and not mode.top_k and not mode.top_p:
+        noise = None if mode.greedy else _exp_noise(tuple(logits.shape), logits.device, generator)
+        return fused(logits, noise, temperature, mode.greedy, mode.scaled)
+    # One fused kernel for the fp32 log-probs; sampling reuses them (a per-row shift of the logits,
+    # which changes neither the argmax, nor top-k, nor softmax), so there is no second softmax.
+    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     if mode.greedy:
-        tokens = torch.argmax(z, dim=-1)
+        tokens = torch.argmax(logits, dim=-1)
     elif mode.top_k:
-        vals, idx = torch.topk(z, mode.top_k, dim=-1)  # sorted, descending
+        vals, idx = torch.topk(logp, mode.top_k, dim=-1)  # sorted, descending
         if mode.scaled:
             vals = vals / temperature
         if mode.top_p:
@@ -97,17 +106,37 @@ def sample(
         choice = torch.argmax(vals - noise.log_(), dim=-1, keepdim=True)
         tokens = idx.gather(1, choice).squeeze(1)
     elif mode.top_p:
-        vals, idx = torch.sort(z / temperature if mode.scaled else z, dim=-1, descending=True)
+        vals, idx = torch.sort(logp / temperature if mode.scaled else logp, dim=-1, descending=True)
         vals = vals.masked_fill_(~_top_p_keep(vals, top_p), float("-inf"))
         noise = _exp_noise(tuple(vals.shape), vals.device, generator)
         choice = torch.argmax(vals.sub_(noise.log_()), dim=-1, keepdim=True)
         tokens = idx.gather(1, choice).squeeze(1)
     else:
-        # argmax(z / T - log E) == argmax(z + T * (-log E)) for T > 0: computed in place in the noise
-        # buffer, so the vocabulary-wide temporaries are z and the noise, nothing more.
-        noise = _exp_noise(tuple(z.shape), z.device, generator).log_().neg_()
+        # argmax(logp / T - log E) == argmax(logp - T * log E) for T > 0, in the noise buffer: the
+        # vocabulary-wide temporaries are the log-probs and the noise, nothing more.
+        noise = _exp_noise(tuple(logp.shape), logp.device, generator).log_()
         if mode.scaled:
             noise.mul_(temperature)
-        tokens = torch.argmax(noise.add_(z), dim=-1)
-    logprobs = z.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
+        tokens = torch.argmax(torch.sub(logp, noise, out=noise), dim=-1)
+    logprobs = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
     return tokens, logprobs
+
+
+def plain_core(
+    logits: torch.Tensor, noise: torch.Tensor | None, temperature: torch.Tensor, greedy: bool, scaled: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy or unfiltered sampling written for ``torch.compile``: one pass for log-sum-exp, one for argmax.
+
+    Functional on purpose (no in-place ops on inputs), so that the compiler fuses the cast, the noise
+    transform and both reductions instead of materialising fp32 copies of the logits.
+    """
+    z = logits.float()
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    if greedy:
+        tokens = torch.argmax(z, dim=-1)
+    else:
+        gumbel = -torch.log(noise)
+        if scaled:
+            gumbel = gumbel * temperature
+        tokens = torch.argmax(z + gumbel, dim=-1)
+    return tokens, (z.gather(1, tokens.unsqueeze(1)) - lse).squeeze(1)
