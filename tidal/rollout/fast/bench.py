@@ -12,7 +12,9 @@ runs the same cases). One JSON line per configuration:
   model and dtype (what the trainer recomputes); ``fp32_logprob_*`` against an fp32 copy of it on
   the first ``--fp32-rows`` rows. ``peak_gpu_bytes`` (weights included) is checked against
   ``budget_bytes`` (``mem_fraction`` of the device).
-- ``fast-eager``: the same with graphs off: what the graphs buy.
+- ``fast-eager``: the same with graphs off: what the graphs buy (CUDA only).
+- ``fast-compiled``: graphs plus ``torch.compile`` of the step's model forward and sampling
+  (attention stays eager); ``compile_fallback_reason`` says why it fell back, if it did (CUDA only).
 - ``fast-varlen`` / ``fast-varlen-nocompact``: per-row length limits drawn uniformly in
   ``[--varlen-min, --varlen-max]``, EOS a stop id, with and without compaction; tokens counted up to
   each row's end. Their ``hf_generate_tokens_per_s`` runs ``generate`` to the longest limit (it
@@ -20,7 +22,8 @@ runs the same cases). One JSON line per configuration:
 - ``fast-recapture``: after ``release()`` (what a memory backend that moves buffers forces), the
   next call's capture time (``capture_s``) against a warm call: the price of recapturing graphs.
 
-Every line has ``hf_generate_tokens_per_s`` measured in the same run, ``cuda_graphs`` and
+A first ``environment`` line gives versions, the GPU and the weights' size. Every other line has
+``hf_generate_tokens_per_s`` measured in the same run, ``cuda_graphs`` and
 ``fallback_reason`` (why graphs are off, when they are), and the decoder's step statistics.
 """
 
@@ -153,6 +156,22 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
         lines.append(line)
         print(json.dumps(line), flush=True)
 
+    import transformers
+
+    emit(
+        {
+            "case": "environment",
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "cuda": torch.version.cuda,
+            "device": str(device),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "gpu_total_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0,
+            "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "rows": len(prompts),
+        }
+    )
+
     def decoder(**kw) -> FastDecoder:
         opts = dict(
             max_batch=len(prompts),
@@ -172,14 +191,26 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
     hf_tps = hf_new.numel() / hf_s
 
     fixed = dict(max_new_tokens=args.new_tokens, temperature=1.0, seed=args.seed)
-    for case, graphs in (("fast", True), ("fast-eager", False)):
-        if case == "fast-eager" and device.type != "cuda":
+    wanted = set(args.cases.split(","))
+    fixed_cases = [("fast", dict(cuda_graphs=True))]
+    if device.type == "cuda":  # compiling on CPU takes minutes; graphs do not exist there
+        fixed_cases += [
+            ("fast-eager", dict(cuda_graphs=False)),
+            ("fast-compiled", dict(cuda_graphs=True, compile=True)),
+        ]
+    for case, opts in fixed_cases:
+        if case not in wanted:
             continue
-        dec = decoder(cuda_graphs=graphs)
+        dec = decoder(**opts)
         cold, cold_s, _ = _timed(dec, prompts, **fixed)
         res, seconds, peak = _timed(dec, prompts, **fixed)
-        extra = {"cold_seconds": round(cold_s, 4), "capture_s": round(cold.stats["capture_s"], 4)}
-        if case == "fast":
+        extra = {
+            "cold_seconds": round(cold_s, 4),
+            "capture_s": round(cold.stats["capture_s"], 4),
+            "compiled": res.stats["compiled"],
+            "compile_fallback_reason": res.stats["compile_fallback_reason"],
+        }
+        if case in ("fast", "fast-compiled"):
             forced = teacher_forced_logprobs(model, prompts, res.tokens)
             extra["logprob_max_abs_diff"], extra["logprob_mean_abs_diff"] = _diffs(res.logprobs, forced)
             if args.fp32_rows and dtype != torch.float32:
@@ -223,7 +254,7 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
     limits = torch.randint(args.varlen_min, args.varlen_max + 1, (len(prompts),), generator=gen).tolist()
     var = dict(max_new_tokens=limits, temperature=1.0, stop_ids=[eos], seed=args.seed)
     hf_var_tps = 0.0
-    if not args.skip_hf_varlen:
+    if not args.skip_hf_varlen and wanted & {"fast-varlen", "fast-varlen-nocompact"}:
         hf_var, hf_var_s = hf_generate(
             model, prompts, max_new_tokens=max(limits), temperature=1.0, pad_id=pad, seed=args.seed
         )
@@ -233,6 +264,8 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
             useful += row.index(eos) + 1 if eos in row else len(row)
         hf_var_tps = useful / hf_var_s
     for case, compaction in (("fast-varlen", True), ("fast-varlen-nocompact", False)):
+        if case not in wanted:
+            continue
         dec = decoder(compaction=compaction)
         _timed(dec, prompts, **var)  # cold: captures the buckets this batch visits
         res, seconds, peak = _timed(dec, prompts, **var)
@@ -261,6 +294,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-fraction", type=float, default=0.45, help="device memory the engine may hold at its peak")
     p.add_argument("--kv-block", type=int, default=256, help="attention length granularity of decode steps")
     p.add_argument("--fp32-rows", type=int, default=64, help="rows checked against an fp32 teacher-forced pass")
+    p.add_argument(
+        "--cases",
+        default="fast,fast-eager,fast-compiled,fast-varlen,fast-varlen-nocompact",
+        help="comma-separated cases to run (fast-recapture comes with fast)",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -278,3 +316,14 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def run_from_rollout_bench(args: argparse.Namespace) -> list[dict]:
+    """The cases above with the shape and batch flags of ``python -m tidal.bench.rollout``."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    mine = p.parse_args([])
+    for name in ("shape", "prompts", "samples", "prompt_len", "new_tokens", "seed", "device"):
+        if getattr(args, name, None) is not None:
+            setattr(mine, name, getattr(args, name))
+    return run_cases(mine)

@@ -19,6 +19,7 @@ Settings, read from the engine's ``RolloutConfig`` when it has them (defaults ot
     rollout_cuda_graphs   bool   True   capture decode steps in CUDA graphs (CUDA only)
     rollout_max_batch     int    512    rows decoded together (the cache holds at most this many)
     rollout_kv_block      int    256    attention length granularity of a decode step
+    rollout_compile       bool   False  torch.compile the decode step (attention stays eager)
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def _decoder(engine) -> FastDecoder | None:
             mem_fraction=getattr(cfg, "rollout_mem_fraction", 0.45),
             cuda_graphs=getattr(cfg, "rollout_cuda_graphs", True),
             kv_block=getattr(cfg, "rollout_kv_block", 256),
+            compile=getattr(cfg, "rollout_compile", False),
             pad_id=engine._pad_id,
             region=lambda: engine.backend.region(StateClass.KV_CACHE),
         )
