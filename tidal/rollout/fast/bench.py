@@ -88,6 +88,10 @@ def _diffs(got: list[list[float]], ref: list[list[float]]) -> tuple[float, float
     return float(flat.max()), float(flat.mean())
 
 
+def dec_bytes(line: dict) -> int:
+    return int(line.get("kv_cache_bytes", 0))
+
+
 def _timed(dec: FastDecoder, prompts, **kw) -> tuple:
     _sync(dec.device)
     if dec.device.type == "cuda":
@@ -225,9 +229,17 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
         line = _line(case, args, dec, res, seconds, peak, hf_tps, **extra)
         if case == "fast":
             # Release (drops graphs) then generate again: the capture cost a moving memory backend pays.
+            cuda = device.type == "cuda"
+            if cuda:
+                torch.cuda.empty_cache()
+            reserved = torch.cuda.memory_reserved(device) if cuda else 0
             t0 = time.perf_counter()
             dec.release()
             release_s = time.perf_counter() - t0
+            # What release() hands back: the cache, the state buffers and the graphs' pool.
+            freed = reserved - torch.cuda.memory_reserved(device) if cuda else dec_bytes(line)
+            line["reserved_bytes_warm"] = int(reserved)
+            line["release_freed_bytes"] = int(freed)
             again, again_s, _ = _timed(dec, prompts, **fixed)
             emit(line)
             emit(
