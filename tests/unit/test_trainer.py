@@ -197,6 +197,13 @@ def test_pause_resume_is_bitwise_and_weights_readable_while_paused(ray_cluster, 
     assert math.isfinite(m["loss"])
 
 
+def test_token_outside_vocabulary_is_a_user_error(ray_cluster, group):
+    bad = make_samples(5)
+    bad[2].response_ids = [64]  # the tiny preset's vocabulary is 64
+    with pytest.raises(ray_cluster.exceptions.RayTaskError, match="outside the vocabulary"):
+        call(ray_cluster, group, "train", bad, 9)
+
+
 def test_export_loads_with_from_pretrained(ray_cluster, group, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -33,12 +33,12 @@ from collections.abc import Iterator
 import torch
 
 from tidal.config.schema import AlgorithmConfig, MemoryConfig, ModelConfig, TrainerConfig, WeightSyncConfig
-from tidal.errors import ConfigError, ResidencyError
+from tidal.errors import ConfigError, ResidencyError, UserError
 from tidal.memory.base import StateClass
 from tidal.memory.residency import TrainerResidency
 from tidal.rollout.types import Sample
 from tidal.trainer.groups import TrainerGroups
-from tidal.trainer.packing import plan_rollout
+from tidal.trainer.packing import oversized, plan_rollout
 from tidal.trainer.schedule import LRSchedule
 from tidal.trainer.weights import iter_full_tensors, local_shard
 
@@ -145,6 +145,7 @@ class TrainerActor:
         self.engine_dtype: torch.dtype | None = None
         self.ref_model = None
         self.last_rollout_id = -1
+        self._warned_oversized = False
 
     # ---- setup ------------------------------------------------------------------------------
     def init(self) -> dict:
@@ -281,12 +282,35 @@ class TrainerActor:
         out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
         return out.logits[:, :-1]
 
+    def _check_samples(self, samples: list[Sample]) -> None:
+        vocab = int(self.model.config.vocab_size)
+        top = max((max(s.prompt_ids + s.response_ids, default=0) for s in samples), default=0)
+        if top >= vocab:
+            raise UserError(
+                f"token id {top} is outside the vocabulary ({vocab}) of --model {self.model_cfg.model}; "
+                "pass a --tokenizer that belongs to the model"
+            )
+        for s in samples:
+            if s.response_ids and not s.prompt_ids:
+                raise ValueError(f"sample {s.index} has a response but no prompt tokens (at least a BOS is needed)")
+        too_long = oversized([s.total_len for s in samples], self.cfg.max_tokens_per_gpu)
+        if too_long and not self._warned_oversized:
+            self._warned_oversized = True
+            log.warning(
+                "%d sample(s) are longer than --max-tokens-per-gpu %d (longest %d tokens); each runs alone in a "
+                "micro-batch over the budget. Raise --max-tokens-per-gpu if this runs out of memory.",
+                len(too_long),
+                self.cfg.max_tokens_per_gpu,
+                max(samples[i].total_len for i in too_long),
+            )
+
     def train(self, samples: list[Sample], rollout_id: int) -> dict:
         """All optimizer steps of one rollout; rank 0 returns the metrics reduced over ranks."""
         from tidal.algos.losses import LossInputs, entropy_from_logits, grpo_loss, token_logprobs
 
         self.residency.require_active("train")
         t0 = time.perf_counter()
+        self._check_samples(samples)
         lengths = [s.total_len for s in samples]
         plan = plan_rollout(
             lengths,

@@ -78,6 +78,9 @@ class TrainerGroups:
         group = self._new_compute_group()
         mesh = self.mesh
         mesh._dim_group_names = [group.group_name]
+        infos = getattr(mesh, "_dim_group_infos", None)
+        if infos:  # older torch keeps (tag, ranks, name) triples instead of names
+            mesh._dim_group_infos = [(tag, ranks, group.group_name) for tag, ranks, *_ in infos]
         registry = getattr(mesh, "_pg_registry", None)
         if isinstance(registry, dict):
             registry.clear()
