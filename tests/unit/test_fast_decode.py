@@ -30,9 +30,29 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+# A Qwen3-style model (q/k norms, explicit head_dim) at the tiny presets' size.
+QWEN3 = ModelSpec(
+    name="tiny-qwen3",
+    arch="qwen3",
+    config_kwargs=dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    ),
+)
+
+
 @pytest.fixture(scope="module")
 def models():
-    return {name: build_model(resolve_model(name), seed=0).eval() for name in NAMES}
+    out = {name: build_model(resolve_model(name), seed=0).eval() for name in NAMES}
+    out["tiny-qwen3"] = build_model(QWEN3, seed=0).eval()
+    return out
 
 
 def _prompts(n: int, seed: int, lo: int = 2, hi: int = 12) -> list[list[int]]:
@@ -55,7 +75,7 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max((abs(x - y) for r, s in zip(a, b) for x, y in zip(r, s)), default=0.0)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, "tiny-qwen3"])
 def test_greedy_equals_transformers_generate(models, name):
     model = models[name]
     prompts = _prompts(11, seed=1)
