@@ -307,7 +307,7 @@ def grpo_loss(
             "num_tokens": m.sum().float(),
             "num_seqs": m.any(dim=-1).sum().float(),
             "loss_sum": loss_sum.detach(),
-            "normalizer": torch.as_tensor(norm, dtype=torch.float32).detach(),
+            "normalizer": torch.as_tensor(norm, dtype=torch.float32, device=loss_sum.device).detach(),
         }
         if kl is not None:
             metrics["kl"] = masked_mean(kl, m)
