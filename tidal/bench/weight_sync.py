@@ -201,7 +201,7 @@ def memcpy_gbps(nbytes: int, device: str = "cpu", source: str = "host") -> float
     return n * reps / (time.perf_counter() - t0) / 1e9
 
 
-def start_actors(ray, model: str, *, device: str, engines_n: int, engine_dtype: str):
+def start_actors(ray, model: str, *, device: str, engines_n: int, engine_dtype: str, lr: float = 1e-6):
     """One trainer-side source and ``engines_n`` engine actors, shared by every case of a model."""
     from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig
     from tidal.rollout.actor import EngineActor
@@ -225,7 +225,7 @@ def start_actors(ray, model: str, *, device: str, engines_n: int, engine_dtype: 
     source = (
         ray.remote(SyncSource)
         .options(num_cpus=cpus, num_gpus=gpu)
-        .remote(model, cfg, engines, device=device, engine_dtype=engine_dtype)
+        .remote(model, cfg, engines, device=device, engine_dtype=engine_dtype, lr=lr)
     )
     return source, engines
 
@@ -298,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engines", type=int, default=1)
     p.add_argument("--buffer-size", type=int, default=512 * 1024**2)
     p.add_argument("--rl-steps", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of the RL steps (GRPO runs use ~1e-6)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     args = p.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -6,17 +6,21 @@ chunks of ``CHUNK`` bytes so large tensors encode and apply on every core (numpy
 zstd release the GIL):
 
     overwrite  a bitmap of changed byte positions (1 bit per byte, so it has no width limit: tensors
-               over 4 GiB are fine) + the new bytes, dense with zeros elsewhere. Applying sets the
-               marked bytes, so applying twice is harmless (a retried apply cannot corrupt).
+               over 4 GiB are fine) + the changed bytes, packed. Applying sets the marked bytes, so
+               applying twice is harmless (a retried apply cannot corrupt).
     xor        ``new ^ old``; applying xors again. Smaller to compute, but applying twice reverts.
 
 Each chunk's parts are zstd-compressed (level 1) unless compression is ``none``. Unchanged chunks
 are omitted; unchanged tensors produce no entry. Every changed tensor carries a checksum of its full
 new bytes (``--update-weight-checksum``), verified after applying.
 
-A chunk record is ``[offset, length, parts...]`` where parts are the compressed lengths in order:
-overwrite ``(mask_len, values_len)``, xor ``(diff_len,)``; the encoded bytes of all chunks of a
-tensor are concatenated in the same order.
+A chunk record is ``[offset, length, ...]``: overwrite ``[.., bitmap_len, values_len, changed]``,
+xor ``[.., diff_len]`` (compressed lengths); the encoded bytes of all chunks of a tensor are
+concatenated in record order.
+
+A tensor's checksum is computed per chunk while the bytes are in cache, and combined as a one-level
+hash tree (the hash of the chunk digests; a single-chunk tensor's checksum is its plain digest), so
+encode, apply and verification all run chunk-parallel.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ import zstandard
 from tidal.errors import WeightSyncError
 from tidal.weight_sync.checksum import checksum_bytes
 
-CHUNK = 16 * 1024**2
+# 1 MiB chunks: each job's temporaries stay in cache, and a 1 GB model makes ~1000 jobs for the pool.
+CHUNK = 1024**2
 _LEVEL = 1
 _local = threading.local()
 _pool: ThreadPoolExecutor | None = None
@@ -90,27 +95,78 @@ def _scratch(name: str, n: int, dtype=np.uint8) -> np.ndarray:
     return buf[:n]
 
 
-def _encode_chunk(new: np.ndarray, old: np.ndarray, off: int, encoding: str, compression: str):
-    """Encode one chunk and update the snapshot chunk ``old`` to ``new``; None when unchanged."""
+def _encode_chunk(new: np.ndarray, old: np.ndarray, off: int, encoding: str, compression: str, algo: str):
+    """Encode one chunk, update the snapshot chunk ``old`` to ``new``, and hash the new bytes while they are hot.
+
+    Returns (changed bytes, record or None, parts, digest of the new chunk).
+    """
     n = new.size
+    digest = checksum_bytes(new, algo)
     if encoding == "xor":
         diff = np.bitwise_xor(new, old, out=_scratch("diff", n))
         changed = int(np.count_nonzero(diff))
         if changed == 0:
-            return None
+            return 0, None, [], digest
         np.copyto(old, new)
         part = _compress(diff, compression)
-        return changed, [off, n, len(part)], [part]
+        return changed, [off, n, len(part)], [part], digest
     mask = np.not_equal(new, old, out=_scratch("mask", n, np.bool_))
     changed = int(np.count_nonzero(mask))
     if changed == 0:
-        return None
-    # The new bytes where they changed, zero elsewhere (long zero runs compress to almost nothing).
-    values = np.multiply(new, mask, out=_scratch("values", n))
+        return 0, None, [], digest
+    # Positions as a bitmap (sparse bits compress to little), then only the changed bytes, packed.
+    values = np.compress(mask, new)
     np.copyto(old, new)
     bits = np.packbits(mask)
     p1, p2 = _compress(bits, compression), _compress(values, compression)
-    return changed, [off, n, len(p1), len(p2)], [p1, p2]
+    return changed, [off, n, len(p1), len(p2), changed], [p1, p2], digest
+
+
+def combine(digests: list[str], algo: str) -> str:
+    """A tensor's checksum from its chunks' (a one-level hash tree, so chunks hash in parallel)."""
+    if algo == "none":
+        return ""
+    if len(digests) == 1:
+        return digests[0]
+    return checksum_bytes("".join(digests).encode(), algo)
+
+
+def spans(n: int, chunk: int) -> list[tuple[int, int]]:
+    return [(a, min(a + chunk, n)) for a in range(0, n, chunk)] or [(0, 0)]
+
+
+class Pending:
+    """A tensor being encoded on the pool; ``result()`` -> (changed, records, parts, checksum)."""
+
+    def __init__(self, futures: list, algo: str, keep: object = None):
+        self.futures = futures
+        self.algo = algo
+        self.keep = keep  # the source tensor, alive until its chunks are encoded
+
+    def result(self) -> tuple[int, list, list[bytes], str]:
+        changed, records, parts, digests = 0, [], [], []
+        for f in self.futures:
+            c, rec, p, d = f.result()
+            changed += c
+            digests.append(d)
+            if rec is not None:
+                records.append(rec)
+                parts.extend(p)
+        self.keep = None
+        return changed, records, parts, combine(digests, self.algo) if changed else ""
+
+
+def submit_encode(
+    new: np.ndarray, old: np.ndarray, encoding: str, compression: str, algo: str, keep: object = None
+) -> Pending:
+    """Start encoding ``new`` against ``old`` (updated in place) on the pool, one job per chunk."""
+    if new.size != old.size:
+        raise WeightSyncError(f"tensor changed size between syncs ({old.size} -> {new.size} bytes)")
+    jobs = [
+        pool().submit(_encode_chunk, new[a:b], old[a:b], a, encoding, compression, algo)
+        for a, b in spans(new.size, CHUNK)
+    ]
+    return Pending(jobs, algo, keep)
 
 
 def encode(new: np.ndarray, old: np.ndarray, encoding: str, compression: str) -> tuple[int, list, list[bytes]]:
@@ -118,58 +174,83 @@ def encode(new: np.ndarray, old: np.ndarray, encoding: str, compression: str) ->
 
     Returns (changed bytes, chunk records, encoded parts); no records when nothing changed.
     """
-    if new.size != old.size:
-        raise WeightSyncError(f"tensor changed size between syncs ({old.size} -> {new.size} bytes)")
-    spans = [(a, min(a + CHUNK, new.size)) for a in range(0, new.size, CHUNK)]
-    if len(spans) <= 1:
-        results = [_encode_chunk(new, old, 0, encoding, compression)] if new.size else []
-    else:
-        futs = [pool().submit(_encode_chunk, new[a:b], old[a:b], a, encoding, compression) for a, b in spans]
-        results = [f.result() for f in futs]
-    changed, records, parts = 0, [], []
-    for r in results:
-        if r is None:
-            continue
-        changed += r[0]
-        records.append(r[1])
-        parts.extend(r[2])
+    changed, records, parts, _ = submit_encode(new, old, encoding, compression, "none").result()
     return changed, records, parts
 
 
-def _apply_chunk(target: np.ndarray, blob: memoryview, rec: list, encoding: str, compression: str) -> None:
-    off, n = rec[0], rec[1]
-    dst = target[off : off + n]
-    if encoding == "xor":
-        diff = _decompress(blob, n, compression)
-        np.bitwise_xor(dst, diff, out=dst)
-        return
-    mlen = rec[2]
-    bits = _decompress(blob[:mlen], (n + 7) // 8, compression)
-    values = _decompress(blob[mlen:], n, compression)
-    mask = np.unpackbits(bits, count=n).view(np.bool_)
-    np.copyto(dst, values, where=mask)
+def _apply_chunk(
+    target: np.ndarray, blob, rec: list | None, a: int, b: int, encoding: str, compression: str, algo: str
+) -> str:
+    dst = target[a:b]
+    if rec is not None:
+        n = rec[1]
+        if rec[0] != a or n != b - a:
+            raise WeightSyncError(f"delta chunk [{rec[0]}, +{n}) does not match the tensor's chunking [{a}, {b})")
+        if encoding == "xor":
+            np.bitwise_xor(dst, _decompress(blob, n, compression), out=dst)
+        else:
+            mlen, count = rec[2], rec[4]
+            bits = _decompress(blob[:mlen], (n + 7) // 8, compression)
+            values = _decompress(blob[mlen:], count, compression)
+            mask = np.unpackbits(bits, count=n).view(np.bool_)
+            if int(np.count_nonzero(mask)) != count:
+                raise WeightSyncError(f"delta chunk at {a}: {count} changed bytes listed, its bitmap marks another number")
+            dst[mask] = values
+    return checksum_bytes(dst, algo)
 
 
-def apply(target: np.ndarray, blob, records: list, encoding: str, compression: str) -> None:
-    """Apply an encoded tensor (``blob``: its concatenated chunk parts) to ``target`` in place."""
-    mv = memoryview(blob).cast("B") if not isinstance(blob, memoryview) else blob
-    jobs, pos = [], 0
-    for rec in records:
-        size = sum(rec[2:])
-        jobs.append((mv[pos : pos + size], rec))
-        pos += size
-    if pos != len(mv):
-        raise WeightSyncError(f"delta entry holds {len(mv)} bytes but its chunks need {pos}")
-    if len(jobs) <= 1:
-        for b, rec in jobs:
-            _apply_chunk(target, b, rec, encoding, compression)
-        return
-    for f in [pool().submit(_apply_chunk, target, b, rec, encoding, compression) for b, rec in jobs]:
-        f.result()
+def apply_many(
+    items: list[tuple[np.ndarray, object, list, int]], encoding: str, compression: str, algo: str
+) -> list[str]:
+    """Apply several encoded tensors in place, all chunks on the pool at once; returns each tensor's checksum.
+
+    ``items``: (target bytes, concatenated encoded parts, chunk records, chunk size used when encoding).
+    """
+    per_item = []
+    for target, blob, records, chunk in items:
+        mv = blob if isinstance(blob, memoryview) else memoryview(blob).cast("B")
+        by_off, pos = {}, 0
+        for rec in records:
+            size = rec[2] if encoding == "xor" else rec[2] + rec[3]
+            by_off[rec[0]] = (rec, mv[pos : pos + size])
+            pos += size
+        if pos != len(mv):
+            raise WeightSyncError(f"delta entry holds {len(mv)} bytes but its chunks need {pos}")
+        if len(by_off) != len(records):
+            raise WeightSyncError("delta entry lists a chunk twice")
+        futs = []
+        for a, b in spans(target.size, chunk):
+            rec, part = by_off.pop(a, (None, None))
+            futs.append(pool().submit(_apply_chunk, target, part, rec, a, b, encoding, compression, algo))
+        if by_off:
+            raise WeightSyncError(f"delta chunks at offsets {sorted(by_off)[:3]} lie outside the tensor")
+        per_item.append(futs)
+    out, err = [], None
+    for futs in per_item:
+        digests = []
+        for f in futs:
+            try:
+                digests.append(f.result())
+            except Exception as e:  # noqa: BLE001 - wait for every job before raising, they write into targets
+                err = err or e
+        out.append(combine(digests, algo) if err is None else "")
+    if err is not None:
+        raise err if isinstance(err, WeightSyncError) else WeightSyncError(f"delta does not apply: {err}")
+    return out
 
 
-def tensor_checksum(buf: np.ndarray, algo: str) -> str:
-    return checksum_bytes(buf, algo)
+def apply(target: np.ndarray, blob, records: list, encoding: str, compression: str, chunk: int | None = None) -> None:
+    """Apply one encoded tensor (``blob``: its concatenated chunk parts) to ``target`` in place."""
+    apply_many([(target, blob, records, chunk or CHUNK)], encoding, compression, "none")
+
+
+def digest(buf: np.ndarray, algo: str, chunk: int | None = None) -> str:
+    """A tensor's checksum as the delta codec defines it (chunk digests combined), hashed on the pool."""
+    chunk = chunk or CHUNK
+    parts = spans(buf.size, chunk)
+    if len(parts) == 1:
+        return combine([checksum_bytes(buf, algo)], algo)
+    return combine([f.result() for f in [pool().submit(checksum_bytes, buf[a:b], algo) for a, b in parts]], algo)
 
 
 class DeltaState:
@@ -199,12 +280,14 @@ class DeltaState:
             np.copyto(snap, new)
         self.meta[name] = (dtype, shape)
 
-    def encode(self, name: str, new: np.ndarray, dtype: str, shape: list[int]):
-        """(changed bytes, records, parts, checksum) of ``new`` against the snapshot; snapshot becomes ``new``."""
+    def submit(self, name: str, new: np.ndarray, dtype: str, shape: list[int], keep: object = None) -> Pending:
+        """Start encoding ``new`` against the snapshot (which becomes ``new``); ``keep`` stays alive until done."""
         old = self.snapshot.get(name)
         if old is None:
             raise WeightSyncError(f"delta sync: {name} is not in the baseline; the model's parameter set changed")
-        changed, records, parts = encode(new, old, self.encoding, self.compression)
         self.meta[name] = (dtype, shape)
-        csum = checksum_bytes(old, self.checksum) if changed else ""
-        return changed, records, parts, csum
+        return submit_encode(new, old, self.encoding, self.compression, self.checksum, keep)
+
+    def encode(self, name: str, new: np.ndarray, dtype: str, shape: list[int]):
+        """(changed bytes, records, parts, checksum) of ``new`` against the snapshot; snapshot becomes ``new``."""
+        return self.submit(name, new, dtype, shape).result()

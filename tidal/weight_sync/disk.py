@@ -54,7 +54,6 @@ from tidal.errors import ConfigError, WeightSyncError
 from tidal.weight_sync import delta as codec
 from tidal.weight_sync.base import NamedTensors, SyncReport, WeightSyncStrategy
 from tidal.weight_sync.bucket import as_numpy_u8, dtype_name, dtype_of, host_checksum, nbytes_of, plan_buckets
-from tidal.weight_sync.checksum import checksum_bytes
 from tidal.weight_sync.delta import DeltaState
 
 INDEX = "model.safetensors.index.json"
@@ -245,10 +244,10 @@ class DiskStrategy(WeightSyncStrategy):
             for name, t in group:
                 t = t.detach().contiguous()
                 tensors[name] = t
-                meta[name] = checksum_bytes(as_numpy_u8(t), self.algo)
+                meta[name] = codec.digest(as_numpy_u8(t), self.algo)
                 if self.delta is not None:
                     self.delta.record(name, as_numpy_u8(t), dtype_name(t.dtype), list(t.shape))
-            w.shard(tensors, meta)
+            w.shard(tensors, {**meta, "tidal.digest_chunk": str(codec.CHUNK)})
             t_enc += time.perf_counter() - t0
         report.encode_s += t_enc
         path = w.publish(
@@ -291,6 +290,7 @@ class DiskStrategy(WeightSyncStrategy):
                     "dtype": dtype_name(t.dtype),
                     "shape": list(t.shape),
                     "chunks": records,
+                    "digest_chunk": codec.CHUNK,
                     "blob": host_checksum(blob),
                 }
                 size += len(blob)
@@ -406,8 +406,9 @@ class DiskStrategy(WeightSyncStrategy):
         for shard in sorted(set(index["weight_map"].values())):
             with safe_open(os.path.join(path, shard), framework="pt") as f:
                 meta = f.metadata() or {}
+                chunk = int(meta.get("tidal.digest_chunk", codec.CHUNK))
                 for name in f.keys():
-                    if checksum_bytes(as_numpy_u8(f.get_tensor(name)), self.algo) != meta.get(name):
+                    if codec.digest(as_numpy_u8(f.get_tensor(name)), self.algo, chunk) != meta.get(name):
                         raise WeightSyncError(
                             f"{path}/{shard}: {name} is corrupt on disk and the trainer no longer holds it"
                         )
@@ -440,8 +441,9 @@ def _load_full(receiver, path: str, index: dict) -> int:
         with safe_open(os.path.join(path, shard), framework="pt") as f:
             meta = f.metadata() or {}
             pairs = [(name, f.get_tensor(name)) for name in f.keys()]
+        chunk = int(meta.get("tidal.digest_chunk", codec.CHUNK))
         for name, t in pairs:
-            if checksum_bytes(as_numpy_u8(t), algo) != meta.get(name):
+            if codec.digest(as_numpy_u8(t), algo, chunk) != meta.get(name):
                 raise WeightSyncError(
                     f"{path}/{shard}: {name} does not match its checksum; nothing of this shard applied"
                 )
@@ -585,24 +587,28 @@ class LocalCheckpoint:
             with safe_open(os.path.join(delta_path, shard), framework="pt") as f:
                 smeta = f.metadata() or {}
                 chunks = json.loads(smeta.get("tidal.chunks", "{}"))
+                items, names = [], []
                 for name in f.keys():
                     if name not in layout:
                         raise WeightSyncError(
                             f"{delta_path}: delta for {name}, which the local checkpoint does not hold"
                         )
                     p, a, b, _, _ = layout[name]
-                    new = np.fromfile(p, dtype=np.uint8, count=b - a, offset=a)
                     blob = f.get_tensor(name).numpy()
                     if host_checksum(blob) != chunks[name]["blob"]:
                         raise WeightSyncError(
                             f"{delta_path}/{shard}: the encoded bytes of {name} are corrupt; nothing applied, state not advanced"
                         )
-                    codec.apply(new, memoryview(blob), chunks[name]["chunks"], enc, comp)
-                    if checksum_bytes(new, algo) != smeta.get(name):
-                        raise WeightSyncError(
-                            f"{delta_path}/{shard}: {name} does not match its checksum; nothing applied, state not advanced"
-                        )
-                    staged.append((name, new))
+                    new = np.fromfile(p, dtype=np.uint8, count=b - a, offset=a)
+                    items.append((new, memoryview(blob), chunks[name]["chunks"], chunks[name]["digest_chunk"]))
+                    names.append(name)
+            sums = codec.apply_many(items, enc, comp, algo)
+            for name, got, item in zip(names, sums, items):
+                if got != smeta.get(name):
+                    raise WeightSyncError(
+                        f"{delta_path}/{shard}: {name} does not match its checksum; nothing applied, state not advanced"
+                    )
+                staged.append((name, item[0]))
         # Phase 2: write the new bytes in place. Marked pending, so an interrupted write is redone from a full version.
         with open(self.pending, "w"):
             pass

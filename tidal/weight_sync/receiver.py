@@ -35,7 +35,6 @@ import torch
 from tidal.errors import WeightSyncError
 from tidal.weight_sync import delta as codec
 from tidal.weight_sync.bucket import buffer_checksum, dtype_of, entry_view
-from tidal.weight_sync.checksum import checksum_bytes
 
 
 class WeightReceiver:
@@ -135,7 +134,11 @@ class WeightReceiver:
             np.copyto(arr[0], host.numpy())
             self.snapshot[name] = (arr[0], str(t.dtype).removeprefix("torch."), list(t.shape))
         else:
-            self.snapshot[name] = (host.numpy().copy(), str(t.dtype).removeprefix("torch."), list(t.shape))
+            # Pinned on GPU engines: after every delta all weights are re-loaded from here, at pinned H2D speed.
+            pinned = self.device.type == "cuda"
+            copy = torch.empty(host.numel(), dtype=torch.uint8, pin_memory=pinned)
+            copy.copy_(host)
+            self.snapshot[name] = (copy.numpy(), str(t.dtype).removeprefix("torch."), list(t.shape))
 
     def snapshot_tensor(self, name: str) -> torch.Tensor:
         arr, dtype, shape = self.snapshot[name]
@@ -149,26 +152,35 @@ class WeightReceiver:
             )
         host = buf if buf.device.type == "cpu" else buf.cpu()
         raw = host.numpy()
-        applied = []
-        for e in header["entries"]:
-            name = e["name"]
-            if name not in self.snapshot:
-                raise WeightSyncError(f"weight sync v{header['version']}: delta for {name} but no base for it")
-            target = self.snapshot[name][0]
-            blob = memoryview(raw[e["offset"] : e["offset"] + e["nbytes"]])
-            try:
-                codec.apply(target, blob, e["chunks"], e["enc"], header["compression"])
-            except Exception:
-                # The snapshot of this tensor may be half-written: forget it so only a full re-send restores it.
+        entries = header["entries"]
+        for e in entries:
+            if e["name"] not in self.snapshot:
+                raise WeightSyncError(f"weight sync v{header['version']}: delta for {e['name']} but no base for it")
+        items = [
+            (
+                self.snapshot[e["name"]][0],
+                memoryview(raw[e["offset"] : e["offset"] + e["nbytes"]]),
+                e["chunks"],
+                e["digest_chunk"],
+            )
+            for e in entries
+        ]
+        algo = header["checksum_format"]
+        try:
+            sums = codec.apply_many(items, header["encoding"], header["compression"], algo)
+        except Exception:
+            # Snapshots of this bucket may be half-written: forget them so only a full re-send restores them.
+            for e in entries:
+                self.snapshot.pop(e["name"], None)
+            raise
+        bad = [e["name"] for e, got in zip(entries, sums) if e["checksum"] and got != e["checksum"]]
+        if bad:
+            for name in bad:
                 del self.snapshot[name]
-                raise
-            if e["checksum"] and checksum_bytes(target, header["checksum_format"]) != e["checksum"]:
-                del self.snapshot[name]
-                raise WeightSyncError(
-                    f"weight sync v{header['version']}: {name} does not match its checksum after applying the delta"
-                )
-            applied.append(name)
-        self.load([(n, self.snapshot_tensor(n)) for n in applied])
+            raise WeightSyncError(
+                f"weight sync v{header['version']}: {len(bad)} tensors do not match their checksums after applying the delta, e.g. {bad[:3]}"
+            )
+        self.load([(e["name"], self.snapshot_tensor(e["name"])) for e in entries])
 
     def _finish(self, header: dict) -> None:
         names = header["all_names"]

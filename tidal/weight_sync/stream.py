@@ -34,6 +34,7 @@ import torch
 
 from tidal.config.schema import WeightSyncConfig
 from tidal.errors import WeightSyncError
+from tidal.weight_sync import delta as delta_codec
 from tidal.weight_sync.base import NamedTensors, SyncReport, WeightSyncStrategy
 from tidal.weight_sync.bucket import (
     ALIGN,
@@ -184,30 +185,54 @@ class StreamingStrategy(WeightSyncStrategy):
         entries: list[dict] = []
         parts: list[bytes] = []
         size = 0
+        # Tensors are encoded on the pool while the stream keeps coming; results are taken in order.
+        window: deque = deque()
+        window_bytes = 0
+        chunk = delta_codec.CHUNK
+
+        def take():
+            nonlocal size, window_bytes
+            name, t, job = window.popleft()
+            window_bytes -= nbytes_of(t)
+            t0 = time.perf_counter()
+            changed, records, tparts, csum = job.result()
+            report.encode_s += time.perf_counter() - t0
+            report.changed_bytes += changed
+            if not changed:
+                return
+            n = sum(len(p) for p in tparts)
+            entries.append(
+                {
+                    "name": name,
+                    "dtype": dtype_name(t.dtype),
+                    "shape": list(t.shape),
+                    "offset": size,
+                    "nbytes": n,
+                    "enc": self.delta.encoding,
+                    "chunks": records,
+                    "digest_chunk": chunk,
+                    "checksum": csum,
+                }
+            )
+            parts.extend(tparts)
+            if align(n) > n:  # keep every entry 64-byte aligned, like raw buckets
+                parts.append(b"\0" * (align(n) - n))
+            size += align(n)
+
         for name, t in stream:
             t0 = time.perf_counter()
-            changed, records, tparts, csum = self.delta.encode(name, as_numpy_u8(t), dtype_name(t.dtype), list(t.shape))
-            report.changed_bytes += changed
-            if changed:
-                n = sum(len(p) for p in tparts)
-                entries.append(
-                    {
-                        "name": name,
-                        "dtype": dtype_name(t.dtype),
-                        "shape": list(t.shape),
-                        "offset": size,
-                        "nbytes": n,
-                        "enc": self.delta.encoding,
-                        "chunks": records,
-                        "checksum": csum,
-                    }
-                )
-                parts.extend(tparts)
-                size += align(n)
-                # Align each entry so offsets stay 64-byte aligned, like raw buckets.
-                if align(n) > n:
-                    parts.append(b"\0" * (align(n) - n))
+            job = self.delta.submit(name, as_numpy_u8(t), dtype_name(t.dtype), list(t.shape), keep=t)
             report.encode_s += time.perf_counter() - t0
+            window.append((name, t, job))
+            window_bytes += nbytes_of(t)
+            while window and (window_bytes > self.limit or len(window) > 256):
+                take()
+                if size >= self.limit:
+                    yield self._delta_bucket(index, entries, parts, report)
+                    index += 1
+                    entries, parts, size = [], [], 0
+        while window:
+            take()
             if size >= self.limit:
                 yield self._delta_bucket(index, entries, parts, report)
                 index += 1
