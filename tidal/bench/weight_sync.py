@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for model in models.split(","):
             source, engines = start_actors(
-                ray, model, device=args.device, engines_n=args.engines, engine_dtype=engine_dtype
+                ray, model, device=args.device, engines_n=args.engines, engine_dtype=engine_dtype, lr=args.lr
             )
             for mode in args.modes.split(","):
                 for transport in transports.split(","):
