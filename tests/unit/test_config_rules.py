@@ -502,7 +502,8 @@ def test_rule_data(tmp_path):
 
 
 def test_rule_model(tmp_path):
-    check(["--model", "qwen2.5-0.5b-shape", "--max-tokens-per-gpu", "1024"], CPU, {"model": "qwen2.5-0.5b-shape"})
+    big_host = Environment(cuda_available=False, host_memory=64 * GIB, cpu_count=2)
+    check(["--model", "qwen2.5-0.5b-shape"], big_host, {"model": "qwen2.5-0.5b-shape"})
     check(["--model", str(tmp_path / "missing")], CPU, "no such folder or preset")
     check(["--model", str(tmp_path)], CPU, "folder has no config.json")
 
