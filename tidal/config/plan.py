@@ -175,8 +175,9 @@ def build_plan(cfg, shape: ModelShape, env: Environment) -> MemoryPlan:
         per_token = shape.layers * shape.hidden * 4 + layer  # fp32 layer inputs + one layer recomputed
     else:
         per_token = shape.layers * layer
-    # Logits: the fp32 log-softmax saved for backward plus its gradient and the input's gradient.
-    activations = tokens * per_token + tokens * shape.vocab * 12
+    # Logits: the fp32 log-softmax saved for backward, its gradient, the fp32 input's gradient and
+    # the compute-dtype logits' gradient, all alive together at the start of backward.
+    activations = tokens * per_token + tokens * shape.vocab * 14
     trainer = {
         "weights": math.ceil(P * 4 / ranks),
         "grads": math.ceil(P * 4 / ranks),
