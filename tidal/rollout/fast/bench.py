@@ -88,6 +88,19 @@ def _diffs(got: list[list[float]], ref: list[list[float]]) -> tuple[float, float
     return float(flat.max()), float(flat.mean())
 
 
+def _error_line(case: str, exc: Exception) -> dict:
+    import traceback
+
+    tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
+    return {"case": case, "error": f"{type(exc).__name__}: {exc}", "traceback_tail": "".join(tb[-4:])[-2000:]}
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
 def dec_bytes(line: dict) -> int:
     return int(line.get("kv_cache_bytes", 0))
 
@@ -203,63 +216,68 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
             ("fast-compiled", dict(cuda_graphs=True, compile=True)),
         ]
     for case, opts in fixed_cases:
-        if case not in wanted:
-            continue
-        dec = decoder(**opts)
-        cold, cold_s, _ = _timed(dec, prompts, **fixed)
-        res, seconds, peak = _timed(dec, prompts, **fixed)
-        extra = {
-            "cold_seconds": round(cold_s, 4),
-            "capture_s": round(cold.stats["capture_s"], 4),
-            "compiled": res.stats["compiled"],
-            "compile_fallback_reason": res.stats["compile_fallback_reason"],
-        }
-        if case in ("fast", "fast-compiled"):
-            forced = teacher_forced_logprobs(model, prompts, res.tokens)
-            extra["logprob_max_abs_diff"], extra["logprob_mean_abs_diff"] = _diffs(res.logprobs, forced)
-            if args.fp32_rows and dtype != torch.float32:
-                ref = copy.deepcopy(model).float()
-                k = min(args.fp32_rows, len(prompts))
-                forced32 = teacher_forced_logprobs(ref, prompts[:k], res.tokens[:k])
-                extra["fp32_logprob_max_abs_diff"], extra["fp32_logprob_mean_abs_diff"] = _diffs(
-                    res.logprobs[:k], forced32
+        try:
+            if case not in wanted:
+                continue
+            dec = decoder(**opts)
+            cold, cold_s, _ = _timed(dec, prompts, **fixed)
+            res, seconds, peak = _timed(dec, prompts, **fixed)
+            extra = {
+                "cold_seconds": round(cold_s, 4),
+                "capture_s": round(cold.stats["capture_s"], 4),
+                "compiled": res.stats["compiled"],
+                "compile_fallback_reason": res.stats["compile_fallback_reason"],
+            }
+            if case in ("fast", "fast-compiled"):
+                forced = teacher_forced_logprobs(model, prompts, res.tokens)
+                extra["logprob_max_abs_diff"], extra["logprob_mean_abs_diff"] = _diffs(res.logprobs, forced)
+                if args.fp32_rows and dtype != torch.float32:
+                    ref = copy.deepcopy(model).float()
+                    k = min(args.fp32_rows, len(prompts))
+                    forced32 = teacher_forced_logprobs(ref, prompts[:k], res.tokens[:k])
+                    extra["fp32_logprob_max_abs_diff"], extra["fp32_logprob_mean_abs_diff"] = _diffs(
+                        res.logprobs[:k], forced32
+                    )
+                    del ref
+                extra["mean_logprob"] = sum(sum(x) for x in res.logprobs) / max(1, sum(len(x) for x in res.logprobs))
+            line = _line(case, args, dec, res, seconds, peak, hf_tps, **extra)
+            if case == "fast":
+                # Release (drops graphs) then generate again: the capture cost a moving memory backend pays.
+                cuda = device.type == "cuda"
+                if cuda:
+                    torch.cuda.empty_cache()
+                reserved = torch.cuda.memory_reserved(device) if cuda else 0
+                t0 = time.perf_counter()
+                dec.release()
+                release_s = time.perf_counter() - t0
+                # What release() hands back: the cache, the state buffers and the graphs' pool.
+                freed = reserved - torch.cuda.memory_reserved(device) if cuda else dec_bytes(line)
+                line["reserved_bytes_warm"] = int(reserved)
+                line["release_freed_bytes"] = int(freed)
+                again, again_s, _ = _timed(dec, prompts, **fixed)
+                emit(line)
+                emit(
+                    _line(
+                        "fast-recapture",
+                        args,
+                        dec,
+                        again,
+                        again_s,
+                        0,
+                        hf_tps,
+                        release_s=round(release_s, 4),
+                        warm_seconds=round(seconds, 4),
+                    )
                 )
-                del ref
-            extra["mean_logprob"] = sum(sum(x) for x in res.logprobs) / max(1, sum(len(x) for x in res.logprobs))
-        line = _line(case, args, dec, res, seconds, peak, hf_tps, **extra)
-        if case == "fast":
-            # Release (drops graphs) then generate again: the capture cost a moving memory backend pays.
-            cuda = device.type == "cuda"
-            if cuda:
+            else:
+                emit(line)
+            del dec
+            if device.type == "cuda":
                 torch.cuda.empty_cache()
-            reserved = torch.cuda.memory_reserved(device) if cuda else 0
-            t0 = time.perf_counter()
-            dec.release()
-            release_s = time.perf_counter() - t0
-            # What release() hands back: the cache, the state buffers and the graphs' pool.
-            freed = reserved - torch.cuda.memory_reserved(device) if cuda else dec_bytes(line)
-            line["reserved_bytes_warm"] = int(reserved)
-            line["release_freed_bytes"] = int(freed)
-            again, again_s, _ = _timed(dec, prompts, **fixed)
-            emit(line)
-            emit(
-                _line(
-                    "fast-recapture",
-                    args,
-                    dec,
-                    again,
-                    again_s,
-                    0,
-                    hf_tps,
-                    release_s=round(release_s, 4),
-                    warm_seconds=round(seconds, 4),
-                )
-            )
-        else:
-            emit(line)
-        del dec
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        except Exception as exc:  # one broken case must not hide the others in a one-shot GPU run
+            emit(_error_line(case, exc))
+        finally:
+            _free(device)
 
     # Variable lengths: per-row limits spread over [varlen_min, varlen_max], EOS a stop id.
     gen = torch.Generator().manual_seed(args.seed + 1)
@@ -276,21 +294,26 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
             useful += row.index(eos) + 1 if eos in row else len(row)
         hf_var_tps = useful / hf_var_s
     for case, compaction in (("fast-varlen", True), ("fast-varlen-nocompact", False)):
-        if case not in wanted:
-            continue
-        dec = decoder(compaction=compaction)
-        _timed(dec, prompts, **var)  # cold: captures the buckets this batch visits
-        res, seconds, peak = _timed(dec, prompts, **var)
-        extra = {
-            "limits_min": min(limits),
-            "limits_max": max(limits),
-            "limits_sum": sum(limits),
-            "stopped_rows": sum(res.stopped),
-        }
-        emit(_line(case, args, dec, res, seconds, peak, hf_var_tps, **extra))
-        del dec
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        try:
+            if case not in wanted:
+                continue
+            dec = decoder(compaction=compaction)
+            _timed(dec, prompts, **var)  # cold: captures the buckets this batch visits
+            res, seconds, peak = _timed(dec, prompts, **var)
+            extra = {
+                "limits_min": min(limits),
+                "limits_max": max(limits),
+                "limits_sum": sum(limits),
+                "stopped_rows": sum(res.stopped),
+            }
+            emit(_line(case, args, dec, res, seconds, peak, hf_var_tps, **extra))
+            del dec
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        except Exception as exc:
+            emit(_error_line(case, exc))
+        finally:
+            _free(device)
     return lines
 
 
