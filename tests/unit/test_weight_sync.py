@@ -121,3 +121,17 @@ def test_bucket_corrupted_on_every_attempt_fails_loudly(actors, tmp_path, transp
     # The engines refused the bad bucket and are still usable: the next sync repairs everything.
     ray.get(source.sync.remote())
     assert _mismatches(ray, source, engines) == []
+
+
+@pytest.mark.parametrize("transport", ["tensor", "broadcast"])
+def test_delta_restores_weights_the_engine_discarded_while_asleep(actors, tmp_path, transport):
+    ray, source, engines = _use(actors, 41, tmp_path, update_weight_mode="delta", update_weight_transport=transport)
+    ray.get(source.sync.remote())
+    ray.get(source.rl_steps.remote(1))
+    # Colocated order: engines release everything, the trainer trains, engines resume weights (undefined bytes), sync.
+    ray.get([e.release_memory.remote(["kv_cache", "weights"]) for e in engines])
+    ray.get([e.resume_memory.remote(["weights"]) for e in engines])
+    report = ray.get(source.sync.remote())
+    ray.get([e.resume_memory.remote(["kv_cache"]) for e in engines])
+    assert report["sync/changed_bytes"] < report["sync/bytes_total"]  # only changes crossed...
+    assert _mismatches(ray, source, engines) == []  # ...yet every weight, unchanged ones included, is back

@@ -82,20 +82,28 @@ def host_checksum(buf) -> str:
 
 
 _WEIGHT_MOD = 65521  # largest prime below 2**16: position weights stay small, products stay in int64
+_CHUNK_WORDS = _WEIGHT_MOD * 64  # a multiple of the modulus, so every chunk uses the same weights (32 MiB)
+_weights: dict[torch.device, torch.Tensor] = {}
 
 
-def device_checksum(buf: torch.Tensor, chunk_words: int = 1 << 24) -> str:
+def _position_weights(device: torch.device) -> torch.Tensor:
+    # Cached per device: building them per call would cost three more passes over memory.
+    w = _weights.get(device)
+    if w is None:
+        w = _weights[device] = torch.arange(_CHUNK_WORDS, device=device, dtype=torch.int64) % _WEIGHT_MOD + 1
+    return w
+
+
+def device_checksum(buf: torch.Tensor) -> str:
     """Order-independent checksum of a uint8 buffer computed where it lives (length: multiple of 8)."""
     assert buf.dtype == torch.uint8 and buf.numel() % 8 == 0, "device buckets are padded to 8 bytes"
     words = buf.view(torch.int64)
-    s1 = torch.zeros((), dtype=torch.int64, device=buf.device)
+    weights = _position_weights(buf.device)
+    s1 = words.sum()
     s2 = torch.zeros((), dtype=torch.int64, device=buf.device)
-    # Chunked so the position weights and products stay a bounded temporary (64 MiB each per chunk).
-    for start in range(0, words.numel(), chunk_words):
-        w = words[start : start + chunk_words]
-        pos = torch.arange(start, start + w.numel(), device=buf.device, dtype=torch.int64) % _WEIGHT_MOD + 1
-        s1 += w.sum()
-        s2 += (w * pos).sum()
+    for start in range(0, words.numel(), _CHUNK_WORDS):
+        w = words[start : start + _CHUNK_WORDS]
+        s2 += (w * weights[: w.numel()]).sum()
     return f"dev:{int(s1) & (2**64 - 1):016x}{int(s2) & (2**64 - 1):016x}{buf.numel():x}"
 
 
