@@ -144,7 +144,8 @@ def test_config_error_is_a_user_error_with_exit_code_2():
 
 def test_bool_flags_have_both_forms():
     cfg, prov = parse(["--no-colocate", "--offload-train", "--no-offload-rollout", "--progress"])
-    assert cfg.cluster.colocate is False and prov.of("colocate").detail == "--colocate"
+    assert cfg.cluster.colocate is False and prov.of("colocate").detail == "--no-colocate"
+    assert prov.of("offload_train").detail == "--offload-train"
     assert cfg.memory.offload_train is True and cfg.memory.offload_rollout is False
 
 

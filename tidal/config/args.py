@@ -316,10 +316,12 @@ def parse(argv: list[str]) -> tuple[TidalConfig, Provenance]:
     for name, value in file_values.items():
         values[name] = value
         prov.set(name, "file", str(config_path))
+    typed = {a.split("=", 1)[0] for a in argv}
     for name, value in given.items():
         info = infos[name]
         values[name] = coerce(info, value, info.flag)
-        prov.set(name, "flag", info.flag)
+        negative = "--no-" + info.flag[2:]
+        prov.set(name, "flag", negative if info.kind == "bool" and value is False and negative in typed else info.flag)
 
     sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     for name, value in values.items():

@@ -136,12 +136,13 @@ def explain(cfg: TidalConfig, prov: Provenance, env: Environment | None = None) 
     )
     section = None
     width = max(len(f.flag) for f in fields())
+    shown = {f.name: _fmt(getattr(getattr(cfg, f.section), f.name), f.unit) for f in fields()}
+    value_width = min(40, max(len(v) for v in shown.values()))
     for info in fields():
         if info.section != section:
             section = info.section
             out += ["", f"[{section}]"]
-        value = getattr(getattr(cfg, info.section), info.name)
-        out.append(f"  {info.flag:<{width}}  {_fmt(value, info.unit):<24} {prov.of(info.name)}")
+        out.append(f"  {info.flag:<{width}}  {shown[info.name]:<{value_width}}  {prov.of(info.name)}")
     if prov.overridden:
         out += ["", "overridden by a rule (you set one value, the rule needed another):"]
         for name, (previous, src) in prov.overridden.items():
