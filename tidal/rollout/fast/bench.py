@@ -15,6 +15,10 @@ runs the same cases). One JSON line per configuration:
 - ``fast-eager``: the same with graphs off: what the graphs buy (CUDA only).
 - ``fast-compiled``: graphs plus ``torch.compile`` of the step's model forward and sampling
   (attention stays eager); ``compile_fallback_reason`` says why it fell back, if it did (CUDA only).
+- ``fast-tms``: cache and graphs allocated in a torch_memory_saver ``kv_cache`` region: bytes a
+  pause frees (``tms_freed_bytes``, against ``kv_cache_bytes``: the rest is the graphs' pool), pause
+  and resume seconds, and whether the next call replays without recapturing and samples the same
+  tokens (CUDA only; needs torch_memory_saver).
 - ``fast-varlen`` / ``fast-varlen-nocompact``: per-row length limits drawn uniformly in
   ``[--varlen-min, --varlen-max]``, EOS a stop id, with and without compaction; tokens counted up to
   each row's end. Their ``hf_generate_tokens_per_s`` runs ``generate`` to the longest limit (it
@@ -279,6 +283,14 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
         finally:
             _free(device)
 
+    if device.type == "cuda" and "fast-tms" in wanted:
+        try:
+            emit(_tms_case(args, decoder, prompts, fixed, hf_tps))
+        except Exception as exc:
+            emit(_error_line("fast-tms", exc))
+        finally:
+            _free(device)
+
     # Variable lengths: per-row limits spread over [varlen_min, varlen_max], EOS a stop id.
     gen = torch.Generator().manual_seed(args.seed + 1)
     limits = torch.randint(args.varlen_min, args.varlen_max + 1, (len(prompts),), generator=gen).tolist()
@@ -317,6 +329,42 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
     return lines
 
 
+def _tms_case(args, decoder, prompts, fixed: dict, hf_tps: float) -> dict:
+    """KV cache and graphs under torch_memory_saver: what a pause frees, and whether graphs survive it."""
+    from tidal.memory.base import StateClass, engine_policy
+    from tidal.memory.tms import TmsBackend
+
+    backend = TmsBackend(engine_policy(), device="cuda", hook_mode="torch", label="bench-fast")
+    dec = decoder(region=lambda: backend.region(StateClass.KV_CACHE), graphs_in_region=True)
+    backend.register(StateClass.KV_CACHE, dec.kv_tensors)
+    _timed(dec, prompts, **fixed)
+    res, seconds, peak = _timed(dec, prompts, **fixed)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free0 = torch.cuda.mem_get_info()[0]
+    t0 = time.perf_counter()
+    backend.pause([StateClass.KV_CACHE])
+    t1 = time.perf_counter()
+    free1 = torch.cuda.mem_get_info()[0]
+    backend.resume([StateClass.KV_CACHE])
+    t2 = time.perf_counter()
+    again = dec.generate(prompts, **fixed)
+    return _line(
+        "fast-tms",
+        args,
+        dec,
+        res,
+        seconds,
+        peak,
+        hf_tps,
+        tms_pause_s=round(t1 - t0, 4),
+        tms_resume_s=round(t2 - t1, 4),
+        tms_freed_bytes=int(free1 - free0),
+        graph_captures_after_resume=again.stats["graph_captures"],
+        same_tokens_after_resume=again.tokens == res.tokens,
+    )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="tiny", help="model preset (tiny, tiny-qwen2, qwen2.5-0.5b-shape, ...)")
     p.add_argument("--prompts", type=int, default=8)
@@ -331,7 +379,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp32-rows", type=int, default=64, help="rows checked against an fp32 teacher-forced pass")
     p.add_argument(
         "--cases",
-        default="fast,fast-eager,fast-compiled,fast-varlen,fast-varlen-nocompact",
+        default="fast,fast-eager,fast-compiled,fast-tms,fast-varlen,fast-varlen-nocompact",
         help="comma-separated cases to run (fast-recapture comes with fast)",
     )
     p.add_argument("--seed", type=int, default=1234)

@@ -94,7 +94,9 @@ class FastDecoder:
     (a memory backend's ``region(kv_cache)``). ``rehearse_graphs`` runs graph capture's warm-up and
     state restore where there are no graphs (tests on CPU). ``compile`` runs the decode step's
     model forward and sampling through ``torch.compile`` (attention excluded); a failure to compile
-    turns it off with one log line (``compile_fallback_reason``).
+    turns it off with one log line (``compile_fallback_reason``). ``graphs_in_region`` captures
+    graphs inside ``region`` too, so that a backend that pauses the region (torch_memory_saver) also
+    pauses the graphs' memory pool.
     """
 
     def __init__(
@@ -115,6 +117,7 @@ class FastDecoder:
         region: Callable[[], contextlib.AbstractContextManager] | None = None,
         rehearse_graphs: bool = False,
         compile: bool = False,
+        graphs_in_region: bool = False,
     ) -> None:
         reason = attention.check_supported(model)
         if reason is not None:
@@ -146,7 +149,12 @@ class FastDecoder:
         self.cache: StaticKVCache | None = None
         self.rows = 0
         self._gen = torch.Generator(device="cpu") if self.device.type == "cpu" else None
-        self.graphs = GraphSet(self.device, rehearse=rehearse_graphs, generator=self._gen)
+        self.graphs = GraphSet(
+            self.device,
+            rehearse=rehearse_graphs,
+            generator=self._gen,
+            region=self.region if graphs_in_region else None,
+        )
         # torch.compile of the decode step's model forward (attention stays eager: it writes the
         # cache in place) and of the sampling core: fewer, fused kernels inside each captured graph.
         self.compile_fallback_reason: str | None = None

@@ -23,6 +23,7 @@ A failed capture turns graphs off for good with one log line; the reason is kept
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -36,7 +37,13 @@ class GraphSet:
     """Captured decode steps by key, on one CUDA device."""
 
     def __init__(
-        self, device: torch.device, *, warmup: int = 2, rehearse: bool = False, generator: torch.Generator | None = None
+        self,
+        device: torch.device,
+        *,
+        warmup: int = 2,
+        rehearse: bool = False,
+        generator: torch.Generator | None = None,
+        region: Callable[[], contextlib.AbstractContextManager] | None = None,
     ) -> None:
         self.device = device
         self.warmup = warmup
@@ -45,6 +52,9 @@ class GraphSet:
         self.rehearse = rehearse
         self.generator = generator
         self.rehearsed: set[Hashable] = set()
+        # Captures run inside this context (a memory backend's kv_cache region), so that with
+        # torch_memory_saver the graphs' pool pauses with the cache (see FastDecoder.graphs_in_region).
+        self.region = region or contextlib.nullcontext
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.signature: tuple[int, ...] = ()
@@ -128,7 +138,7 @@ class GraphSet:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with self.region(), torch.cuda.graph(graph, pool=self.pool):
                 step()
         except Exception as exc:  # any failure: decode eagerly, keep the reason for the report
             try:
