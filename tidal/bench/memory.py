@@ -90,13 +90,15 @@ def pinned_copy_gbps(device: torch.device, nbytes: int) -> dict[str, float]:
     return {"pinned_copy_gbps": nbytes / min(times[1:]) / 1e9}
 
 
-def fingerprint(tensors: list[torch.Tensor]) -> list[int]:
-    """Per tensor: sum of its raw 64-bit words times odd position weights (mod 2**64), on its device."""
+def fingerprint(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """Per tensor, computed on its device: the sum of its raw 64-bit words times odd position weights
+    (mod 2**64; a single changed word changes it by an odd multiple of a nonzero difference, never 0),
+    and the plain sum of the words."""
     out = []
     for t in tensors:
         words = t.detach().reshape(-1).view(torch.int64)
         w = torch.arange(words.numel(), device=t.device, dtype=torch.int64).mul_(2).add_(1)
-        out.append(int(words.mul(w).sum()) ^ int(words.sum()))
+        out.append((int(words.mul(w).sum()), int(words.sum())))
     return out
 
 
