@@ -83,6 +83,7 @@ class TmsBackend(MemoryBackend):
             self._tms.set_disk_backup_dir(str(disk_dir))
         self._sources: dict[StateClass, list[TensorSource]] = {}
         self._paused: dict[StateClass, ViewToken] = {}
+        self._owner: dict[int, StateClass] = {}  # storage identity -> its paused class (host_view lookups)
 
     def _on_disk(self, c: StateClass) -> bool:
         return self.host_memory == "disk" and self.policy[c].backup and c is not StateClass.WEIGHTS
@@ -116,7 +117,8 @@ class TmsBackend(MemoryBackend):
     def is_paused(self, state_class: StateClass) -> bool:
         return StateClass(state_class) in self._paused
 
-    def _class_bytes(self, c: StateClass) -> int:
+    def _class_storages(self, c: StateClass) -> dict[int, int]:
+        """Storage identity -> bytes of the class's registered CUDA tensors."""
         seen: dict[int, int] = {}
         for source in self._sources.get(c, []):
             for t in source():
@@ -126,7 +128,10 @@ class TmsBackend(MemoryBackend):
                 if t.device.type == "cuda":
                     st = t.untyped_storage()
                     seen.setdefault(st._cdata, st.nbytes())
-        return sum(seen.values())
+        return seen
+
+    def _class_bytes(self, c: StateClass) -> int:
+        return sum(self._class_storages(c).values())
 
     def _tag(self, c: StateClass) -> str:
         # The label keeps two backends of one process (a trainer and an engine in one benchmark) apart.
@@ -151,10 +156,12 @@ class TmsBackend(MemoryBackend):
         t0 = time.perf_counter()
         for c in classes:
             tc = time.perf_counter()
-            nbytes = self._class_bytes(c)
+            storages = self._class_storages(c)
+            nbytes = sum(storages.values())
             for tag in self._tags(c):
                 self._tms.pause(tag)
             self._paused[c] = ViewToken(f"{self.label} {c.value}")
+            self._owner.update(dict.fromkeys(storages, c))
             report.classes.append(
                 ClassReport(
                     state_class=c.value,
@@ -183,6 +190,7 @@ class TmsBackend(MemoryBackend):
         for c in classes:
             tc = time.perf_counter()
             self._paused.pop(c).invalidate()  # before the shadow is freed or rewritten
+            self._owner = {k: v for k, v in self._owner.items() if v is not c}
             for tag in self._tags(c):
                 self._tms.resume(tag)
             torch.cuda.synchronize(self.device)
@@ -201,15 +209,9 @@ class TmsBackend(MemoryBackend):
 
     def host_view(self, tensor: torch.Tensor) -> HostView:
         t = local_tensor(tensor)
-        for c, token in self._paused.items():
-            owned = any(
-                local_tensor(x).untyped_storage()._cdata == t.untyped_storage()._cdata
-                for source in self._sources.get(c, [])
-                for x in source()
-                if x is not None
-            )
-            if not owned:
-                continue
+        c = self._owner.get(t.untyped_storage()._cdata)
+        if c is not None:
+            token = self._paused[c]
             if not self.policy[c].backup or self._on_disk(c):
                 raise ResidencyError(
                     f"{self.label}: host_view of a {c.value} tensor, which is paused without a host backup"
