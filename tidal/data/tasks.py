@@ -17,6 +17,11 @@ the ``exact`` reward (the response must be the answer and then the end token) or
       or all-wrong and GRPO has no gradient left. Balanced, the best constant answer scores 1/9, so
       a mean reward well above 0.11 means the sums are being learnt.
 
+    How fast depends on the response budget, because with ``exact`` every token after the digit
+    must be the end token (or nothing): GRPO through these modules on the ``tiny`` preset (32
+    prompts x 8 samples, lr 3e-3, one step per rollout) reached a mean reward of 0.74 after 60
+    rollouts with ``--rollout-max-response-len 1``, 0.39 with 2, and 0.10 with 4.
+
     Its 25 prompts are too few to hold some out (a model this small does not generalise addition to
     pairs it never saw), so its eval split is every distinct prompt once, decoded greedily.
 ``arith``
