@@ -12,7 +12,7 @@ import os
 import pytest
 
 from tidal.config import Environment, parse, resolve
-from tidal.config.validate import RULES, Context, rule_by_id
+from tidal.config.validate import RULES, Context, rule_by_id, unresolved_fields
 from tidal.errors import ConfigError
 
 GIB = 1024**3
@@ -71,6 +71,8 @@ def test_default_on_cpu_resolves_to_the_embedded_run():
         "portable",
     )
     assert "not needed" in prov.of("offload_train").detail
+    assert unresolved_fields(parse([])[0])  # before: device auto, transport unset, ...
+    assert unresolved_fields(cfg) == []
 
 
 @pytest.mark.parametrize(
