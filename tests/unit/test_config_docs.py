@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -50,11 +51,14 @@ def _scanned_files() -> list[Path]:
         "examples/**/*",
         "tidal/presets/*.yaml",
         "scripts/**/*",
-        "**/*.sh",
         "Makefile",
         ".ci/*",
     ]
-    files = {p for pat in patterns for p in REPO.glob(pat) if p.is_file() and ".venv" not in p.parts}
+    files = {p for pat in patterns for p in REPO.glob(pat) if p.is_file()}
+    skip = {".venv", ".git", "runs", "node_modules", "__pycache__", ".pytest_cache"}
+    for root, dirs, names in os.walk(REPO):  # shell scripts anywhere, without walking the venv
+        dirs[:] = [d for d in dirs if d not in skip]
+        files.update(Path(root) / n for n in names if n.endswith(".sh"))
     return sorted(files)
 
 
