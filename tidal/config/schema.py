@@ -100,7 +100,7 @@ class RolloutConfig:
     num_rollout: int = opt(60, "Rollout-train iterations to run.", min=1)
     rollout_batch_size: int = opt(32, "Prompts per rollout.", min=1)
     n_samples_per_prompt: int = opt(8, "Responses sampled per prompt (the GRPO group size).", min=1)
-    rollout_max_response_len: int = opt(4, "Maximum new tokens per response.", min=1)
+    rollout_max_response_len: int = opt(1, "Maximum new tokens per response.", min=1)
     rollout_max_prompt_len: int = opt(512, "Prompts longer than this (in tokens) are rejected.", min=1)
     rollout_temperature: float = opt(1.0, "Sampling temperature.", min=0)
     rollout_top_p: float = opt(1.0, "Nucleus sampling threshold.", min=0)

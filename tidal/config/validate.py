@@ -212,7 +212,7 @@ def _model(ctx: Context) -> None:
 @rule(
     "cluster",
     "Trainer ranks = nodes x ranks per node; `--rollout-num-gpus` defaults to the trainer ranks when colocated, else 1; "
-    "engines = rollout GPUs / GPUs per engine; GPU counts must fit the devices.",
+    "the embedded engine uses one device per engine; GPU counts must fit the devices.",
 )
 def _cluster(ctx: Context) -> None:
     c, env = ctx.cfg.cluster, ctx.env
@@ -231,10 +231,6 @@ def _cluster(ctx: Context) -> None:
     if c.rollout_num_gpus_per_engine != 1:
         raise ConfigError(
             f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}: the embedded engine runs on one device; set it to 1 and raise --rollout-num-gpus for more engines"
-        )
-    if c.rollout_num_gpus % c.rollout_num_gpus_per_engine:
-        raise ConfigError(
-            f"--rollout-num-gpus {c.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}"
         )
     if c.colocate and c.rollout_num_gpus > ranks:
         raise ConfigError(
