@@ -2,7 +2,8 @@
 
 Run: ``python -m tidal.bench.rollout`` (CPU default: tiny preset, 32 prompts x 8 samples), or on a
 GPU ``python -m tidal.bench.rollout --shape qwen2.5-0.5b-shape --prompts 64 --samples 8
---prompt-len 64 --new-tokens 256``. Prints one JSON line per configuration:
+--prompt-len 64 --new-tokens 256``. Prints one JSON line per configuration (shape x ``path``, the
+engine's generation step: ``fast`` = ``tidal.rollout.fast``, ``generate`` = transformers generate):
 
 - ``tokens_per_s`` / ``seconds``: the engine's ``generate`` over the whole batch (chunking, policy
   log-probs, stop handling included), counting response tokens after cutting at EOS;
@@ -117,9 +118,11 @@ def _timed(fn, repeats: int) -> tuple[object, float]:
     return out, best
 
 
-def run(args: argparse.Namespace, shape: str) -> dict:
+def run(args: argparse.Namespace, shape: str, path: str) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     rollout = RolloutConfig(rollout_seed=args.seed)
+    # The engine's generation step: the fast decode path (tidal.rollout.fast) or transformers generate.
+    rollout.rollout_fast_decode = path == "fast"
     engine = EmbeddedEngine(ModelConfig(model=shape), rollout, MemoryConfig(), device=device, seed=args.seed)
     sampling = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.new_tokens, seed=args.seed
@@ -156,6 +159,7 @@ def run(args: argparse.Namespace, shape: str) -> dict:
     diffs = torch.tensor([abs(a - b) for s, f in zip(out, forced) for a, b in zip(s.response_logprobs, f)] or [0.0])
     result = {
         "shape": shape,
+        "path": path,
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "torch_threads": torch.get_num_threads(),
@@ -192,12 +196,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each generator; the fastest counts")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--paths", default="fast,generate", help="engine generation steps to time: fast, generate")
     p.add_argument("--with-cb", action="store_true", help="also time transformers continuous batching (generate_batch)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     for shape in args.shape.split(","):
-        print(json.dumps(run(args, shape.strip())), flush=True)
+        for path in args.paths.split(","):
+            print(json.dumps(run(args, shape.strip(), path.strip())), flush=True)
 
 
 if __name__ == "__main__":

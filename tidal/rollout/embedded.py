@@ -96,8 +96,7 @@ class EmbeddedEngine(RolloutEngine):
         self.tokenizer = load_tokenizer(self.spec)
         self.residency = EngineResidency(f"engine {engine_rank}")
         self.backend = make_backend(memory, device=self.device.type, role="engine")
-        with self.backend.region(StateClass.WEIGHTS):
-            self.model = build_model(self.spec, dtype=self.dtype, seed=seed, device=self.device).eval()
+        self.model = self._build(seed)
         self.model.requires_grad_(False)
         # Every name a sender may use, tied aliases included (lm_head.weight -> the embedding).
         self._params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters(remove_duplicate=False))
@@ -121,6 +120,29 @@ class EmbeddedEngine(RolloutEngine):
             bos_token_id=self.tokenizer.bos_token_id, eos_token_id=self._end_ids or None, pad_token_id=self._pad_id
         )
         self._calls = 0
+
+    def _build(self, seed: int) -> torch.nn.Module:
+        """The policy in the engine dtype on the engine device, its weights allocated as class ``weights``.
+
+        A preset is initialised exactly as the trainer initialises it (fp32, on the host, from
+        ``seed``) and only then cast and moved: drawing the init in bf16 or from the CUDA generator
+        would give different numbers. Only parameters are cast; buffers such as the rotary
+        ``inv_freq`` keep their fp32 precision.
+        """
+        if not self.spec.is_preset:
+            with self.backend.region(StateClass.WEIGHTS):
+                return build_model(self.spec, dtype=self.dtype, seed=seed, device=self.device).eval()
+        model = build_model(self.spec, dtype=torch.float32, seed=seed, device="cpu").eval()
+        if self.dtype == torch.float32 and self.device.type == "cpu":
+            return model
+        with torch.no_grad(), self.backend.region(StateClass.WEIGHTS):
+            for p in model.parameters():
+                p.data = p.data.to(device=self.device, dtype=self.dtype)
+            for module in model.modules():
+                for name, buf in module.named_buffers(recurse=False):
+                    module._buffers[name] = buf.to(self.device)
+        model.config.dtype = self.dtype
+        return model
 
     # ------------------------------------------------------------------ generation
 
