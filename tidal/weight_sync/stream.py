@@ -1,8 +1,10 @@
 """The sync loop shared by the in-memory transports (``tensor``, ``broadcast``).
 
 ``sync`` consumes the trainer's ``(name, tensor)`` stream once and turns it into buckets of at most
-``--update-weight-buffer-size`` bytes, holding at most two at a time (the one being filled and the
-one in flight, held back so the final bucket can be marked ``last``). Each bucket carries a
+``--update-weight-buffer-size`` bytes. At most four exist at a time: the one being filled, one held
+back (so that the final bucket can be marked ``last``) and two in flight (the next one travels while
+engines apply the previous one). The last bucket is sent only after every other was acknowledged.
+The stream's tensors must stay valid until their bucket was sent (they are not copied first). Each bucket carries a
 checksum that every engine verifies before applying it. The transport subclass only says how one
 bucket reaches the engines (``_send``).
 
