@@ -194,7 +194,9 @@ def _apply_chunk(
             values = _decompress(blob[mlen:], count, compression)
             mask = np.unpackbits(bits, count=n).view(np.bool_)
             if int(np.count_nonzero(mask)) != count:
-                raise WeightSyncError(f"delta chunk at {a}: {count} changed bytes listed, its bitmap marks another number")
+                raise WeightSyncError(
+                    f"delta chunk at {a}: {count} changed bytes listed, its bitmap marks another number"
+                )
             dst[mask] = values
     return checksum_bytes(dst, algo)
 
