@@ -27,7 +27,7 @@ def test_precedence_default_preset_file_flag(tmp_path):
     assert cfg.rollout.n_samples_per_prompt == 2 and prov.of("n_samples_per_prompt").kind == "flag"
     assert cfg.rollout.rollout_batch_size == 16 and prov.of("rollout_batch_size").kind == "file"
     assert prov.of("rollout_batch_size").detail == path
-    assert cfg.rollout.rollout_max_response_len == 4 and prov.of("rollout_max_response_len").kind == "preset"
+    assert cfg.model.model == "tiny" and prov.of("model").kind == "preset"
     assert cfg.trainer.lr == 0.01
     assert prov.of("rollout_seed").kind == "default"
 

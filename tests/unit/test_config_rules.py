@@ -435,7 +435,7 @@ def test_rule_delta(argv, expect):
         (["--actor-num-gpus-per-node", "2", "--global-batch-size", "128"], {"global_batch_size": 128}),
         (
             ["--max-tokens-per-gpu", "100"],
-            "--max-tokens-per-gpu 100 is below the longest sample (512 prompt + 4 response tokens)",
+            "--max-tokens-per-gpu 100 is below the longest sample (512 prompt + 1 response tokens)",
         ),
     ],
 )
