@@ -3,6 +3,7 @@
     tidal train [flags]          run the loop (no flags: the embedded default, a tiny model on a built-in task)
     tidal train --dry-run ...    resolve and explain the configuration, start nothing
     tidal explain [flags]        the resolved configuration, where each value came from, derived sizes, memory plan
+                                 (--assume-gpus N --assume-gpu-memory 80GiB plan for a machine you are not on)
     tidal export --load CKPT --out DIR [flags]   write a Hugging Face model folder from a checkpoint
     tidal bench NAME [args]      benchmarks: memory, weight-sync, rollout, reward-curve
 
@@ -35,14 +36,12 @@ def _resolved(argv: list[str]):
 
 
 def cmd_train(argv: list[str]) -> int:
-    dry = "--dry-run" in argv
-    argv = [a for a in argv if a != "--dry-run"]
-    cfg, prov = _resolved(argv)
-    if dry:
-        from tidal.config import explain
+    if "--dry-run" in argv:
+        from tidal.config import explain_argv
 
-        print(explain(cfg, prov))
+        print(explain_argv([a for a in argv if a != "--dry-run"]))
         return 0
+    cfg, _ = _resolved(argv)
     logging.basicConfig(level=cfg.logging.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from tidal.driver import train
 
@@ -53,10 +52,9 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def cmd_explain(argv: list[str]) -> int:
-    from tidal.config import explain
+    from tidal.config import explain_argv
 
-    cfg, prov = _resolved(argv)
-    print(explain(cfg, prov))
+    print(explain_argv(argv))
     return 0
 
 

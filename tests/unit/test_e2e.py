@@ -27,6 +27,8 @@ def _run(tmp_path, *flags):
         "--output-dir", str(tmp_path / "run"),
         "--no-progress",
         "--check-weight-update-equal",
+        "--rollout-max-response-len", "3",
+        "--custom-rm-path", os.path.join(os.path.dirname(__file__), "reward_plugins.py") + ":parity",
         *flags,
     ]
     cfg, prov = parse(argv)
