@@ -2,23 +2,27 @@
 
 The engine builds its model with ``tidal.model`` from the same spec and seed as the trainer (fp32 on
 CPU, bf16 on CUDA), so both start from the same weights; after that only weight syncs change it.
-``generate`` pads prompts on the left and calls ``model.generate`` in chunks whose size bounds the
-KV cache and logits memory, records each sampled token's log-prob under the raw policy (see
-``tidal.rollout.generate``), cuts responses at EOS / stop tokens / stop strings and marks them
-``completed`` or ``truncated``.
+``generate`` sorts rows by prompt length, cuts them into chunks whose size bounds KV-cache and logits
+memory, and runs each chunk through ``_generate_chunk``, the one place that runs the model: the fast
+decode path (``tidal.rollout.fast``: static KV cache, on-device sampling, CUDA graphs) when it is on
+and supports the model, else transformers ``generate`` over a left-padded batch with a logits
+processor that records each sampled token's log-prob under the raw policy (``tidal.rollout.generate``).
+Responses are cut after EOS / stop tokens / stop strings and marked ``completed`` or ``truncated``.
 
-Why padded ``generate`` and not transformers' continuous batching (``generate_batch``): on CPU the
-padded batch is faster. Measured on 2 cores, fp32, in one run (``python -m tidal.bench.rollout
---with-cb`` repeats it):
+Why padded ``generate`` and not transformers' continuous batching (``generate_batch``) as the
+transformers path: padded ``generate`` is faster on CPU. ``python -m tidal.bench.rollout --with-cb
+--paths generate`` measures both in one run (``hf_generate_tokens_per_s`` vs
+``cb_generate_batch_tokens_per_s``); on the 2-core CPU machine, fp32:
 
-    tiny preset, 256 rows x 16 prompt tokens x 4 new      generate 1316 tok/s   generate_batch  646 tok/s
-    llama 4 x 256 wide, 64 rows x 32 prompt x 64 new      generate 1950 tok/s   generate_batch  800 tok/s
+    tiny preset, 256 rows x 16 prompt x 16 new, 1 thread           generate 3815 tok/s   generate_batch   52 tok/s
+    tiny preset, 256 rows x 16 prompt x 4 new, 2 threads           generate 1316 tok/s   generate_batch  646 tok/s
+    qwen2.5-0.5b-shape, 8 rows x 16 prompt x 8 new, 1 thread       generate  5.2 tok/s   generate_batch  2.0 tok/s
 
-RL rollouts are one fixed batch sampled together, which is what padded ``generate`` is made for;
-continuous batching pays per-step scheduling overhead to interleave arriving requests, and its
+(the first and last on a machine busy with other work, which hurts continuous batching's scheduler
+thread most). An RL rollout is one fixed batch sampled together, which is what padded ``generate``
+is made for; continuous batching pays per-step scheduling to interleave arriving requests, and its
 log-probs are taken after temperature/top-k/top-p, so they would need a second forward pass to
-become policy log-probs. The sampling step lives in ``_generate_chunk`` alone, so a static-KV-cache
-or CUDA-graph path can replace it without touching the rest.
+become policy log-probs.
 
 Memory: weights and the KV cache are released and resumed through the memory backend
 (``tidal.memory.make_backend``, engine policy: both discarded). The order is kv_cache then weights on
