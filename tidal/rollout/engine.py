@@ -21,7 +21,7 @@ import abc
 from collections.abc import Sequence
 from typing import Any
 
-from tidal.rollout.types import SamplingParams, Sample
+from tidal.rollout.types import Sample, SamplingParams
 
 TAGS = ("weights", "kv_cache")
 

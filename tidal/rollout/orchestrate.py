@@ -16,7 +16,7 @@ from tidal.algos.advantages import dynamic_sampling_keep, grpo_advantages
 from tidal.cluster.groups import get
 from tidal.data.dataset import make_rollout_samples
 from tidal.rollout.rewards import score_samples
-from tidal.rollout.types import SamplingParams, Sample
+from tidal.rollout.types import Sample, SamplingParams
 
 
 def sampling_params(rollout_cfg, tokenizer, *, greedy: bool = False) -> SamplingParams:

@@ -44,7 +44,7 @@ def _decoder(engine) -> FastDecoder | None:
     if dec is not None:
         return dec
     cfg = engine.rollout
-    if not getattr(cfg, "rollout_fast_decode", True):
+    if not cfg.rollout_fast_decode:
         engine._fast_decoder = _OFF
         return None
     limit = getattr(engine.model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30
@@ -52,12 +52,12 @@ def _decoder(engine) -> FastDecoder | None:
     try:
         dec = FastDecoder(
             engine.model,
-            max_batch=getattr(cfg, "rollout_max_batch", 512),
+            max_batch=cfg.rollout_max_batch,
             max_seq_len=seq,
-            mem_fraction=getattr(cfg, "rollout_mem_fraction", 0.45),
-            cuda_graphs=getattr(cfg, "rollout_cuda_graphs", True),
-            kv_block=getattr(cfg, "rollout_kv_block", 256),
-            compile=getattr(cfg, "rollout_compile", False),
+            mem_fraction=cfg.rollout_mem_fraction,
+            cuda_graphs=cfg.rollout_cuda_graphs,
+            kv_block=cfg.rollout_kv_block,
+            compile=cfg.rollout_compile,
             pad_id=engine._pad_id,
             region=lambda: engine.backend.region(StateClass.KV_CACHE),
         )
