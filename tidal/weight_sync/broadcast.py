@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ray
 
+from tidal.errors import ConfigError
 from tidal.weight_sync.group import broadcast, make_group, master_store
 from tidal.weight_sync.stream import Bucket, StreamingStrategy
 
@@ -28,7 +29,9 @@ class BroadcastStrategy(StreamingStrategy):
         if self.pg is not None:
             return
         if self.backend == "nccl" and self.colocated:
-            raise ValueError("NCCL cannot hold a colocated trainer and engine on one GPU; use the tensor transport")
+            raise ConfigError(
+                "--update-weight-transport nccl with colocated engines: NCCL cannot put two ranks on one GPU; use tensor"
+            )
         store, addr, port = master_store()
         world = len(self.engines) + 1
         refs = [
