@@ -339,6 +339,9 @@ class TrainerActor:
                         lp_abs_diff += float(diff.sum())
                         lp_count += int(sel.sum())
 
+        recompute_s = time.perf_counter() - t0
+        optimizer_s = 0.0
+
         # 2. Optimizer steps.
         sums = dict.fromkeys(("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio_mean"), 0.0)
         tok_total, tokens_all, grad_norms, lr = 0.0, 0, [], 0.0
@@ -384,8 +387,10 @@ class TrainerActor:
                 grad_norm = grad_norm.full_tensor()
             grad_norms.append(float(grad_norm))
             lr = self.schedule.apply(self.optimizer)
+            t_opt = time.perf_counter()
             with self.memory.region(StateClass.OPTIMIZER):
                 self.optimizer.step()
+            optimizer_s += time.perf_counter() - t_opt
             self.schedule.advance()
             self.optimizer.zero_grad(set_to_none=True)
 
@@ -420,6 +425,8 @@ class TrainerActor:
             "optimizer_steps": len(steps),
             "tokens_per_s": tokens_all / train_s if train_s > 0 else 0.0,
             "train_s": train_s,
+            "logprob_recompute_s": recompute_s,
+            "optimizer_s": optimizer_s,
             "logprob_diff": lp_abs_diff / lp_count if lp_count else 0.0,
         }
         # Without a reference model there is no KL term; 0 keeps the metric schema the same.
