@@ -71,7 +71,9 @@ class Session:
         self._ray_started = start_ray(cfg.cluster.ray_address, num_cpus=placement.num_cpus, num_gpus=placement.num_gpus)
         self._placement = create_placement_group(placement)
         self.display.phase("starting actors")
-        self.engines = EngineGroup(placement, model=cfg.model, rollout=cfg.rollout, memory=cfg.memory, weight_sync=cfg.weight_sync)
+        self.engines = EngineGroup(
+            placement, model=cfg.model, rollout=cfg.rollout, memory=cfg.memory, weight_sync=cfg.weight_sync
+        )
         self.trainer = TrainerGroup(
             placement,
             env_vars=trainer_env,
@@ -130,9 +132,24 @@ class Session:
         return report
 
     def memory_metrics(self) -> dict:
+        """Host RSS of driver, trainer rank 0 and engine 0; device peaks since the last step and device in use."""
+        from tidal.cluster.groups import get
         from tidal.memory.telemetry import host_rss_bytes
 
-        return {"host_rss_bytes": host_rss_bytes()}
+        trainer, engine = get(
+            [self.trainer.actors[0].memory_stats.remote(), self.engines.actors[0].memory_stats.remote()]
+        )
+        return {
+            "host_rss_bytes": host_rss_bytes() + trainer["host_rss"] + engine["host_rss"],
+            "trainer_host_rss_bytes": trainer["host_rss"],
+            "engine_host_rss_bytes": engine["host_rss"],
+            "trainer_device_peak_bytes": trainer["device_peak"],
+            "engine_device_peak_bytes": engine["device_peak"],
+            "device_peak_bytes": trainer["device_peak"] + engine["device_peak"]
+            if self.cfg.cluster.colocate
+            else max(trainer["device_peak"], engine["device_peak"]),
+            "device_used_bytes": max(trainer["device_used"], engine["device_used"]),
+        }
 
     def check_weights_equal(self) -> None:
         from tidal.weight_sync.verify import compare_checksums
@@ -141,8 +158,12 @@ class Session:
         for i, got in enumerate(self.engines.call("weight_checksums")):
             bad = compare_checksums(want, got)
             if bad:
-                raise WeightSyncError(f"engine {i} differs from the trainer after the first sync in {len(bad)} tensor(s): {', '.join(bad[:5])}")
-        self.display.info(f"check-weight-update-equal: {len(want)} tensors bitwise equal on {len(self.engines)} engine(s)")
+                raise WeightSyncError(
+                    f"engine {i} differs from the trainer after the first sync in {len(bad)} tensor(s): {', '.join(bad[:5])}"
+                )
+        self.display.info(
+            f"check-weight-update-equal: {len(want)} tensors bitwise equal on {len(self.engines)} engine(s)"
+        )
 
     def resume_from_checkpoint(self) -> int:
         ck = self.cfg.checkpoint

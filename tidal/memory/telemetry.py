@@ -132,3 +132,18 @@ class MemoryTimeline:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / f"{name}.json").write_text(self.to_json())
         return self.write_png(run_dir / f"{name}.png")
+
+
+def process_memory_stats(device: str, reset_peak: bool = True) -> dict[str, int]:
+    """This process's memory since the last call: host RSS, device peak allocated, device in use.
+
+    ``device_used`` is the driver's view of the whole device (every process on it), so for
+    colocated actors it shows what trainer and engine hold together.
+    """
+    out = {"host_rss": host_rss_bytes(), "device_peak": 0, "device_used": 0}
+    if device == "cuda" and torch.cuda.is_available():
+        out["device_peak"] = int(torch.cuda.max_memory_allocated())
+        out["device_used"] = int(device_used_bytes("cuda"))
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats()
+    return out

@@ -29,7 +29,9 @@ def step_line(row: dict) -> str:
         return "-" if v is None else fmt.format(v)
 
     phases = " ".join(
-        f"{p.removesuffix('_s')}={row[p]:.2f}s" for p in ("generate_s", "train_s", "sync_s", "pause_s", "resume_s", "release_s") if row.get(p) is not None
+        f"{p.removesuffix('_s')}={row[p]:.2f}s"
+        for p in ("generate_s", "train_s", "sync_s", "pause_s", "resume_s", "release_s")
+        if row.get(p) is not None
     )
     mem = f"host={_fmt_bytes(row.get('host_rss_bytes'))}"
     if row.get("device_peak_bytes"):

@@ -133,6 +133,12 @@ class EngineActor(RolloutEngine):
     def randomize_weights(self, seed: int) -> None:
         self._engine().randomize_weights(seed)
 
+    def memory_stats(self) -> dict[str, int]:
+        """Host RSS, device peak since the last call, and device memory in use (for the step line)."""
+        from tidal.memory.telemetry import process_memory_stats
+
+        return process_memory_stats(self.device)
+
     def weight_checksums(self, algo: str = "xxh3-128") -> dict[str, str]:
         return self._engine().weight_checksums(algo)
 

@@ -527,6 +527,12 @@ class TrainerActor:
         out["sync/from_backup"] = int(self._reading_backups)
         return out
 
+    def memory_stats(self) -> dict[str, int]:
+        """Host RSS, device peak since the last call, and device memory in use (for the step line)."""
+        from tidal.memory.telemetry import process_memory_stats
+
+        return process_memory_stats(self.device_type)
+
     def weight_checksums(self, dtype: str | torch.dtype | None = None) -> dict[str, str]:
         """name -> checksum of the full tensor in the engine dtype (rank 0; ``{}`` elsewhere)."""
         from tidal.weight_sync.checksum import tensor_checksum
