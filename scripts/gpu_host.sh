@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Run tidal's GPU checks on an offline CUDA host that has torch, transformers, numpy, safetensors,
 # pyarrow, xxhash, psutil, matplotlib, rich and pytest preinstalled, with a wheelhouse in .whl/ for
-# the rest (ray, torch_memory_saver, zstandard): build it elsewhere with a `pip download` of those.
+# the rest (ray, torch_memory_saver, zstandard: build it with `pip download` of those for the host).
 #
-#   bash scripts/gpu_host.sh [STEP ...]      steps: env tests bench-memory bench-sync bench-rollout train
+#   bash scripts/gpu_host.sh STEP ...
 #
-# Each step writes its output to $OUT/<step>.log when OUT is set (else ./gpu-logs/).
+# Steps: env, tests, train-default, train-offload, train-0.5b, bench-memory, bench-sync, bench-rollout,
+# bench-fast. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -16,18 +17,27 @@ if [ -d .whl ]; then
 else
   export PYTHONPATH=$PWD
 fi
-export RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(env tests bench-memory bench-sync bench-rollout train)
-run() { local name=$1; shift; echo "=== $name: $*"; local t=$SECONDS; "$@" > "$OUT/$name.log" 2>&1; local rc=$?; echo "=== $name rc=$rc $((SECONDS - t))s"; tail -n 25 "$OUT/$name.log"; }
-for s in "${steps[@]}"; do
+export RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+run() {
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  local t=$SECONDS
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "=== $name rc=$? $((SECONDS - t))s"
+  tail -n "${TAIL:-12}" "$OUT/$name.log"
+}
+train() { python3 -m tidal.cli train --no-progress "$@"; }
+for s in "$@"; do
   case $s in
-    env) run env bash -c 'nvidia-smi --query-gpu=name,memory.total --format=csv; python3 -c "import torch, transformers, ray, torch_memory_saver; print(torch.__version__, torch.version.cuda, transformers.__version__, ray.__version__)"; python3 -c "import yaml, rich, matplotlib, psutil, xxhash, zstandard, safetensors; print(\"deps ok\")"' ;;
-    tests) run tests python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -o addopts="" ;;
-    bench-memory) run bench-memory python3 -m tidal.bench.memory ;;
-    bench-sync) run bench-sync python3 -m tidal.bench.weight_sync ;;
-    bench-rollout) run bench-rollout python3 -m tidal.bench.rollout --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 ;;
-    train) run train python3 -m tidal.bench.reward_curve --num-rollout 30 --no-progress ;;
+    env) run env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total --format=csv; python3 -c "import torch, transformers, ray, torch_memory_saver; print(torch.__version__, torch.version.cuda, transformers.__version__, ray.__version__)"' ;;
+    tests) TAIL=30 run tests "${TESTS_LIMIT:-420}" python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -o addopts="" -rfE --durations=10 ;;
+    train-default) run train-default 150 python3 -m tidal.bench.reward_curve --num-rollout 40 --output-dir "$OUT/run-default" ;;
+    train-offload) run train-offload 120 train --offload --num-rollout 5 --output-dir "$OUT/run-offload" ;;
+    train-0.5b) run train-0.5b 200 train --preset qwen2.5-0.5b-1gpu --num-rollout 4 --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-0.5b" ;;
+    bench-memory) run bench-memory 200 python3 -m tidal.bench.memory --gib ${MEM_GIB:-16} --cycles ${MEM_CYCLES:-5} --disk-dir /var/tmp/tidal-disk ;;
+    bench-sync) run bench-sync 240 python3 -m tidal.bench.weight_sync --model qwen2.5-0.5b-shape,qwen3-4b-shape --modes full,delta --transports tensor ;;
+    bench-rollout) run bench-rollout 200 python3 -m tidal.bench.rollout --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 ;;
+    bench-fast) TAIL=20 run bench-fast 300 python3 -m tidal.rollout.fast.bench --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 --varlen-min 16 --varlen-max 1024 --skip-hf-varlen --cases ${FAST_CASES:-fast,fast-eager,fast-tms,fast-varlen,fast-varlen-nocompact} ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
