@@ -24,6 +24,12 @@ from tidal.observe.run_dir import RunDir
 log = logging.getLogger(__name__)
 
 
+def steps_per_rollout(cfg: TidalConfig) -> int:
+    """Optimizer steps one rollout makes (dynamic sampling can only make it fewer)."""
+    samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+    return max(1, -(-samples // (cfg.trainer.global_batch_size or samples)))
+
+
 def engine_dtype(device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
 
@@ -72,7 +78,12 @@ class Session:
         self._placement = create_placement_group(placement)
         self.display.phase("starting actors")
         self.engines = EngineGroup(
-            placement, model=cfg.model, rollout=cfg.rollout, memory=cfg.memory, weight_sync=cfg.weight_sync
+            placement,
+            model=cfg.model,
+            rollout=cfg.rollout,
+            memory=cfg.memory,
+            weight_sync=cfg.weight_sync,
+            seed=cfg.trainer.seed,  # presets are built from this seed on both sides: same initial weights
         )
         self.trainer = TrainerGroup(
             placement,
@@ -82,6 +93,7 @@ class Session:
             algorithm=cfg.algorithm,
             memory=cfg.memory,
             weight_sync=cfg.weight_sync,
+            total_steps=cfg.rollout.num_rollout * steps_per_rollout(cfg),
         )
         engine_init = self.engines.call_async("init")
         info = self.trainer.call("init")
