@@ -19,6 +19,7 @@ only the first pause pays for pinning), ``disk`` (optimizer state spills to ``di
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import os
@@ -81,6 +82,10 @@ class TmsBackend(MemoryBackend):
             self._tms.retain_cpu_backup = True
         if host_memory == "disk":
             self._tms.set_disk_backup_dir(str(disk_dir))
+        self._torch_hooks = _torch_mode_impl(self._tms) is not None
+        if self._torch_hooks:
+            _allow_pool_frees(self._tms)
+            _register_exit_teardown(self._tms)
         self._sources: dict[StateClass, list[TensorSource]] = {}
         self._paused: dict[StateClass, ViewToken] = {}
         self._owner: dict[int, StateClass] = {}  # storage identity -> its paused class (host_view lookups)
@@ -151,6 +156,8 @@ class TmsBackend(MemoryBackend):
         if StateClass.ACTIVATIONS in classes:
             gc.collect()
         # Free cached blocks first: in preload mode they would otherwise be backed up for nothing.
+        if self._torch_hooks:
+            _allow_pool_frees(self._tms)  # empty_cache may hand tms pool segments back (see _allow_pool_frees)
         torch.cuda.empty_cache()
         report.host_rss_before, report.device_used_before = host_rss_bytes(), device_used_bytes(self.device)
         t0 = time.perf_counter()
@@ -236,3 +243,55 @@ class TmsBackend(MemoryBackend):
                 raise ResidencyError(f"{self.label}: pause of {c.value}, which is already paused (double pause)")
             out.append(c)
         return out
+
+
+# -- torch hook mode: where torch hands pool memory back ---------------------------------------------
+#
+# In torch hook mode torch_memory_saver serves ``region()`` from torch MemPools whose pluggable
+# allocator frees through ``tms_torch_free``, and that function terminates the process (exit code 1,
+# "only support interesting region") unless the calling thread's ``interesting_region`` flag is set
+# (csrc/entrypoint.cpp). The flag is set only inside ``region()``, but torch frees pool segments
+# elsewhere: ``torch.cuda.empty_cache()`` releases the segments of pools no longer in use (a dropped
+# CUDA graph's pool), and a MemPool's destructor empties its cache, which for torch_memory_saver's
+# pools (held by its process-wide singleton) happens at interpreter teardown, outside any region.
+# In torch mode the flag has no other effect (allocations only reach torch_memory_saver through
+# its pools, entered by ``region()``, which saves and restores the flag), so tidal sets it on the
+# threads that may free, and tears the pools down at exit while CUDA is still up. Preload mode hooks
+# cudaFree, which has no such check, and there the flag routes every cudaMalloc: it is left alone.
+
+
+def _torch_mode_impl(tms):
+    """torch_memory_saver's initialised implementation when it hooks in torch mode, else None."""
+    tms._ensure_initialized()
+    impl = getattr(tms, "_impl", None)
+    return impl if getattr(impl, "_hook_mode", None) == "torch" else None
+
+
+def _allow_pool_frees(tms) -> None:
+    """Let this thread hand torch_memory_saver pool segments back (torch hook mode only)."""
+    impl = _torch_mode_impl(tms)
+    if impl is not None:
+        impl._binary_wrapper.cdll.tms_set_interesting_region(True)
+
+
+_exit_teardown_registered = False
+
+
+def _register_exit_teardown(tms) -> None:
+    global _exit_teardown_registered
+    if not _exit_teardown_registered:
+        atexit.register(_exit_teardown, tms)
+        _exit_teardown_registered = True
+
+
+def _exit_teardown(tms) -> None:
+    """Destroy torch_memory_saver's pools now, each freeing its cached segments through torch_memory_saver.
+
+    atexit runs on the main thread before module teardown, while the CUDA runtime is alive; segments
+    of tensors still alive return to their (released) pool and are reclaimed with the process.
+    """
+    impl = _torch_mode_impl(tms)
+    if impl is None:
+        return
+    impl._binary_wrapper.cdll.tms_set_interesting_region(True)
+    impl._mem_pools.clear()
