@@ -47,7 +47,9 @@ def cmd_train(argv: list[str]) -> int:
 
     row = train(cfg)
     if row:
-        print(f"done: {row.get('step', -1) + 1} rollouts, last reward_mean {row.get('reward_mean', float('nan')):.3f}, {row.get('elapsed_s', 0):.0f} s")
+        print(
+            f"done: {row.get('step', -1) + 1} rollouts, last reward_mean {row.get('reward_mean', float('nan')):.3f}, {row.get('elapsed_s', 0):.0f} s"
+        )
     return 0
 
 
@@ -68,7 +70,7 @@ def cmd_export(argv: list[str]) -> int:
     cfg, _ = _resolved(rest)
     from tidal.checkpoint.export import export_checkpoint
 
-    path = export_checkpoint(args.load, args.out, cfg.model)
+    path = export_checkpoint(args.load, args.out, cfg)
     print(f"exported {path}")
     return 0
 
@@ -93,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         import difflib
 
         hint = difflib.get_close_matches(cmd, COMMANDS, n=1)
-        print(f"tidal: error: unknown command {cmd!r}" + (f"; did you mean {hint[0]!r}?" if hint else f"; use one of {', '.join(COMMANDS)}"), file=sys.stderr)
+        print(
+            f"tidal: error: unknown command {cmd!r}"
+            + (f"; did you mean {hint[0]!r}?" if hint else f"; use one of {', '.join(COMMANDS)}"),
+            file=sys.stderr,
+        )
         return 2
     try:
         return COMMANDS[cmd](rest)

@@ -51,3 +51,42 @@ def export_hf(trainer, out_dir: str) -> dict:
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     trainer.groups.barrier()
     return {"export/path": out_dir, "export/bytes": nbytes, "export/seconds": time.perf_counter() - t0}
+
+
+def export_checkpoint(load_dir: str, out_dir: str, cfg) -> str:
+    """``tidal export``: load the newest checkpoint under ``load_dir`` into a one-rank trainer in
+    this process (no Ray) and write it as a Hugging Face folder at ``out_dir``."""
+    import socket
+
+    from tidal.checkpoint.store import find_latest
+    from tidal.errors import UserError
+    from tidal.trainer.actor import TrainerActor
+
+    if not os.path.isdir(load_dir) or find_latest(load_dir) is None:
+        raise UserError(
+            f"--load {load_dir}: no complete checkpoint there; pass the directory given to --save during training"
+        )
+    if os.path.exists(out_dir):
+        raise UserError(f"--out {out_dir}: already exists; choose a new folder")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    trainer = TrainerActor(
+        0,
+        1,
+        "127.0.0.1",
+        port,
+        model=cfg.model,
+        trainer=cfg.trainer,
+        algorithm=cfg.algorithm,
+        memory=cfg.memory,
+        weight_sync=cfg.weight_sync,
+        device=cfg.cluster.device,
+    )
+    try:
+        trainer.init()
+        trainer.load(load_dir)
+        trainer.export(out_dir)
+    finally:
+        trainer.shutdown()
+    return out_dir

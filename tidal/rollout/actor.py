@@ -73,6 +73,9 @@ class EngineActor(RolloutEngine):
         """Build the model and the memory backend; returns sizes for the driver's log."""
         from tidal.rollout.embedded import EmbeddedEngine
 
+        from tidal.memory.history import MemoryHistory
+
+        self._history = MemoryHistory(self.memory_cfg, self.device, f"engine-{self.engine_rank}")
         device = self.device
         if device == "cuda":
             # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU, so it is always device 0 here.
@@ -102,7 +105,9 @@ class EngineActor(RolloutEngine):
         return self.engine
 
     def generate(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
-        return self._engine().generate(samples, sampling)
+        out = self._engine().generate(samples, sampling)
+        self._history.step()
+        return out
 
     def release_memory(self, tags: Sequence[str] = TAGS) -> dict:
         return self._engine().release_memory(tags)

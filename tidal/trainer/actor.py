@@ -152,6 +152,11 @@ class TrainerActor:
         """Process groups, model (same seed on every rank), FSDP2, AdamW, schedule, memory backend."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
+        from tidal.memory.history import MemoryHistory
+
+        # Started first, so the snapshot shows every allocation of the actor's life.
+        self._history = MemoryHistory(self.memory_cfg, self.device_type, f"trainer-rank{self.rank}")
+
         from tidal.memory import make_backend
         from tidal.model.load import build_model, load_tokenizer, resolve_model
 
@@ -306,6 +311,13 @@ class TrainerActor:
 
     def train(self, samples: list[Sample], rollout_id: int) -> dict:
         """All optimizer steps of one rollout; rank 0 returns the metrics reduced over ranks."""
+        out = self._train(samples, rollout_id)
+        snapshot = self._history.step()
+        if snapshot and out:
+            out["memory_snapshot"] = snapshot
+        return out
+
+    def _train(self, samples: list[Sample], rollout_id: int) -> dict:
         from tidal.algos.losses import LossInputs, entropy_from_logits, grpo_loss, token_logprobs
 
         self.residency.require_active("train")

@@ -1,0 +1,79 @@
+"""The ``tidal`` command as a user types it: bad input is one line and exit code 2; a run with
+``--save`` resumes with ``--load`` and exports a folder that ``from_pretrained`` loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def tidal(*args, cwd=None, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "tidal", *args], capture_output=True, text=True, env=ENV, cwd=cwd, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["train", "--train-memory-margin-bytes", "1"], "--train-memory-margin-bytes"),
+        (["train", "--rollout-batch-sise", "4"], "did you mean --rollout-batch-size"),
+        (["train", "--model", "/no/such/model"], "--model /no/such/model"),
+        (["train", "--prompt-data", "/no/such.jsonl"], "--prompt-data /no/such.jsonl"),
+        (["export", "--load", "/no/such/ckpt", "--out", "/tmp/never-written"], "--load /no/such/ckpt"),
+        (["trian"], "did you mean 'train'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(args, needle, tmp_path):
+    r = tidal(*args, "--output-dir", str(tmp_path / "run")) if args[0] == "train" else tidal(*args)
+    assert r.returncode == 2, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists(), "a failed start must leave no run directory"
+
+
+def test_reward_function_that_raises_is_a_user_error(tmp_path):
+    plugin = tmp_path / "bad_reward.py"
+    plugin.write_text("def score(prompt, response, label):\n    raise ValueError('boom')\n")
+    r = tidal(
+        "train",
+        "--num-rollout",
+        "1",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--no-progress",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--custom-rm-path",
+        f"{plugin}:score",
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "boom" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_save_load_resumes_the_curve_and_export_loads(tmp_path):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    common = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--no-progress", "--save", str(ckpt)]
+    r = tidal("train", "--num-rollout", "2", "--output-dir", str(tmp_path / "a"), *common)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = tidal("train", "--num-rollout", "3", "--load", str(ckpt), "--output-dir", str(tmp_path / "b"), *common)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in open(tmp_path / "b" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [2], "the resumed run continues at the next rollout"
+    # versions: v1 initial sync, v2 and v3 after steps 0-1 (saved); resumed: v4 initial, v5 after step 2
+    assert rows[0]["sync/version"] == 5
+    r = tidal("export", "--load", str(ckpt), "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert sum(p.numel() for p in model.parameters()) > 0
