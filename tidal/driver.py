@@ -98,7 +98,9 @@ def sync_weights(s, first: bool = False) -> dict:
     report = trainer.call("update_weights")
     versions = engines.call("get_weight_version")
     if any(v != report["sync/version"] for v in versions):
-        raise WeightSyncError(f"engines report weight versions {versions} after syncing version {report['sync/version']}")
+        raise WeightSyncError(
+            f"engines report weight versions {versions} after syncing version {report['sync/version']}"
+        )
     if first and cfg.weight_sync.check_weight_update_equal:
         s.check_weights_equal()
     if cfg.memory.offload_rollout:

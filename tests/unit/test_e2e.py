@@ -19,16 +19,24 @@ from tidal.weight_sync.verify import compare_checksums
 
 def _run(tmp_path, *flags):
     argv = [
-        "--num-rollout", "2",
-        "--rollout-batch-size", "4",
-        "--n-samples-per-prompt", "4",
-        "--actor-num-gpus-per-node", "2",
-        "--device", "cpu",
-        "--output-dir", str(tmp_path / "run"),
+        "--num-rollout",
+        "2",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(tmp_path / "run"),
         "--no-progress",
         "--check-weight-update-equal",
-        "--rollout-max-response-len", "3",
-        "--custom-rm-path", os.path.join(os.path.dirname(__file__), "reward_plugins.py") + ":parity",
+        "--rollout-max-response-len",
+        "3",
+        "--custom-rm-path",
+        os.path.join(os.path.dirname(__file__), "reward_plugins.py") + ":parity",
         *flags,
     ]
     cfg, prov = parse(argv)

@@ -60,7 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['step']:>4}  {r['reward_mean']:.3f}  {r['elapsed_s']:7.1f}")
     summary = summarize(rows)
-    summary.update({"wall_s": round(wall, 1), "device": cfg.cluster.device, "cpus": os.cpu_count(), "run_dir": cfg.logging.output_dir})
+    summary.update(
+        {
+            "wall_s": round(wall, 1),
+            "device": cfg.cluster.device,
+            "cpus": os.cpu_count(),
+            "run_dir": cfg.logging.output_dir,
+        }
+    )
     print(json.dumps(summary))
     return 0
 

@@ -60,7 +60,9 @@ class TrainerGroup:
         cls = ray.remote(TrainerActor)
         world = len(placement.trainers)
         self.actors = [
-            cls.options(**actor_options(placement, slot, env_vars)).remote(rank, world, addr, port, device=placement.device, **sections)
+            cls.options(**actor_options(placement, slot, env_vars)).remote(
+                rank, world, addr, port, device=placement.device, **sections
+            )
             for rank, slot in enumerate(placement.trainers)
         ]
 

@@ -48,7 +48,9 @@ def plan_placement(cluster: ClusterConfig, device: str, num_engines: int) -> Pla
     cpus = cluster.num_cpus_per_actor
     if cluster.colocate:
         if num_engines > ranks:
-            raise UserError(f"--rollout-num-gpus {num_engines} exceeds the {ranks} trainer devices it is colocated with; use at most {ranks} or drop --colocate")
+            raise UserError(
+                f"--rollout-num-gpus {num_engines} exceeds the {ranks} trainer devices it is colocated with; use at most {ranks} or drop --colocate"
+            )
         bundles = [{"CPU": cpus, **({"GPU": gpu} if gpu else {})} for _ in range(ranks)]
         trainers = [ActorSlot(i, cpus / 2, gpu / 2) for i in range(ranks)]
         engines = [ActorSlot(i, cpus / 2, gpu / 2) for i in range(num_engines)]
@@ -67,12 +69,16 @@ def create_placement_group(placement: Placement, timeout_s: float = 120.0) -> Pl
     available = ray.cluster_resources()
     need_gpu = placement.num_gpus
     if need_gpu > available.get("GPU", 0):
-        raise UserError(f"placement needs {need_gpu} GPUs but the Ray cluster has {int(available.get('GPU', 0))}; lower --actor-num-gpus-per-node / --rollout-num-gpus")
+        raise UserError(
+            f"placement needs {need_gpu} GPUs but the Ray cluster has {int(available.get('GPU', 0))}; lower --actor-num-gpus-per-node / --rollout-num-gpus"
+        )
     one_node = len(ray.nodes()) == 1
     pg = placement_group(placement.bundles, strategy="STRICT_PACK" if one_node else "PACK")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
-        raise UserError(f"Ray could not reserve {placement.bundles} within {timeout_s:.0f} s; the cluster has {available}")
+        raise UserError(
+            f"Ray could not reserve {placement.bundles} within {timeout_s:.0f} s; the cluster has {available}"
+        )
     placement.pg = pg
     return placement
 

@@ -34,7 +34,9 @@ def start_ray(address: str | None, *, num_cpus: float, num_gpus: int) -> bool:
         try:
             ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True)
         except (ConnectionError, ValueError, RuntimeError) as e:
-            raise UserError(f"--ray-address {address}: cannot join the Ray cluster ({e}); start one with `ray start --head` or drop the flag") from e
+            raise UserError(
+                f"--ray-address {address}: cannot join the Ray cluster ({e}); start one with `ray start --head` or drop the flag"
+            ) from e
         return False
     logical_cpus = max(float(os.cpu_count() or 1), num_cpus)
     ray.init(

@@ -111,8 +111,12 @@ class RolloutConfig:
     rollout_engine: str = opt("embedded", "Rollout engine implementation.", choices=("embedded",))
     eval_interval: int = opt(0, "Evaluate greedy accuracy on held-out prompts every N rollouts (0 disables).", min=0)
     debug_rollout_only: bool = opt(False, "Only generate; never train (turns colocate and offload off).")
-    rollout_fast_decode: bool = opt(True, "Static KV cache, on-device sampling and CUDA graphs; off uses transformers generate.")
-    rollout_mem_fraction: float = opt(0.45, "Device memory the engine may hold at its peak (weights + KV cache + workspace); CPU uses 1 GiB.", min=0)
+    rollout_fast_decode: bool = opt(
+        True, "Static KV cache, on-device sampling and CUDA graphs; off uses transformers generate."
+    )
+    rollout_mem_fraction: float = opt(
+        0.45, "Device memory the engine may hold at its peak (weights + KV cache + workspace); CPU uses 1 GiB.", min=0
+    )
     rollout_cuda_graphs: bool = opt(True, "Capture decode steps in CUDA graphs (CUDA only).")
     rollout_max_batch: int = opt(512, "Rows an engine decodes together; more are generated in waves.", min=1)
     rollout_kv_block: int = opt(256, "Attention-length step of the decode graphs (tokens).", min=1)

@@ -474,7 +474,10 @@ def _checkpoint(ctx: Context) -> None:
 _HOOK = re.compile(r"^(?:[A-Za-z_][\w.]*|.+\.py):[A-Za-z_][\w.]*$")
 
 
-@rule("data", "`--prompt-data` must be an existing .jsonl or .parquet file; plug-in paths are `module:function` or `file.py:function`.")
+@rule(
+    "data",
+    "`--prompt-data` must be an existing .jsonl or .parquet file; plug-in paths are `module:function` or `file.py:function`.",
+)
 def _data(ctx: Context) -> None:
     d = ctx.cfg.data
     if d.prompt_data is not None:
@@ -485,7 +488,9 @@ def _data(ctx: Context) -> None:
     for name in ("custom_rm_path", "custom_generate_function_path"):
         value = ctx.get(name)
         if value is not None and not _HOOK.match(value):
-            raise ConfigError(f"{_f(name)} {value}: expected module:function or file.py:function, e.g. my_pkg.rewards:score")
+            raise ConfigError(
+                f"{_f(name)} {value}: expected module:function or file.py:function, e.g. my_pkg.rewards:score"
+            )
         if value is not None and value.split(":")[0].endswith(".py") and not os.path.isfile(value.rsplit(":", 1)[0]):
             raise ConfigError(f"{_f(name)} {value}: no such file {value.rsplit(':', 1)[0]}")
 

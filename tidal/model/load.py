@@ -123,9 +123,18 @@ def resolve_model(model: str, tokenizer: str | None = None, trust_remote_code: b
         return ModelSpec(name=model, path=path, tokenizer_path=tokenizer or path)
     if os.path.isdir(model):
         if not os.path.exists(os.path.join(model, "config.json")):
-            raise UserError(f"--model {model}: folder has no config.json; pass a Hugging Face model folder or a preset ({', '.join(PRESETS)}, smollm2-135m)")
-        return ModelSpec(name=os.path.basename(os.path.normpath(model)), path=model, tokenizer_path=tokenizer or model, trust_remote_code=trust_remote_code)
-    raise UserError(f"--model {model}: no such folder or preset; use a local Hugging Face model folder or one of: {', '.join(PRESETS)}, smollm2-135m")
+            raise UserError(
+                f"--model {model}: folder has no config.json; pass a Hugging Face model folder or a preset ({', '.join(PRESETS)}, smollm2-135m)"
+            )
+        return ModelSpec(
+            name=os.path.basename(os.path.normpath(model)),
+            path=model,
+            tokenizer_path=tokenizer or model,
+            trust_remote_code=trust_remote_code,
+        )
+    raise UserError(
+        f"--model {model}: no such folder or preset; use a local Hugging Face model folder or one of: {', '.join(PRESETS)}, smollm2-135m"
+    )
 
 
 def model_config(spec: ModelSpec) -> PretrainedConfig:
@@ -134,7 +143,9 @@ def model_config(spec: ModelSpec) -> PretrainedConfig:
     return AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
 
 
-def build_model(spec: ModelSpec, *, dtype: torch.dtype = torch.float32, seed: int = 0, device: str | torch.device = "cpu") -> torch.nn.Module:
+def build_model(
+    spec: ModelSpec, *, dtype: torch.dtype = torch.float32, seed: int = 0, device: str | torch.device = "cpu"
+) -> torch.nn.Module:
     """Build the causal LM. Presets are initialised from ``seed`` so every actor builds the same weights."""
     if spec.is_preset:
         torch.manual_seed(seed)

@@ -61,7 +61,9 @@ class RunDir:
             except ImportError as e:
                 from tidal.errors import UserError
 
-                raise UserError("--use-tensorboard needs the tensorboard package: pip install 'tidal[tensorboard]'") from e
+                raise UserError(
+                    "--use-tensorboard needs the tensorboard package: pip install 'tidal[tensorboard]'"
+                ) from e
             self._tb = SummaryWriter(os.path.join(self.path, "tb"))
 
     def elapsed(self) -> float:

@@ -71,9 +71,8 @@ class EngineActor(RolloutEngine):
 
     def init(self) -> dict:
         """Build the model and the memory backend; returns sizes for the driver's log."""
-        from tidal.rollout.embedded import EmbeddedEngine
-
         from tidal.memory.history import MemoryHistory
+        from tidal.rollout.embedded import EmbeddedEngine
 
         self._history = MemoryHistory(self.memory_cfg, self.device, f"engine-{self.engine_rank}")
         device = self.device

@@ -58,7 +58,11 @@ def generate_rollout(s, rollout_id: int) -> tuple[list[Sample], dict]:
     gen_s = time.perf_counter() - t0
     score_samples(samples, s.reward_fn)
     rewards = torch.tensor([x.reward for x in samples], dtype=torch.float32)
-    adv = grpo_advantages(rewards, r.n_samples_per_prompt, std_normalize=algo.grpo_std_normalization and algo.advantage_estimator == "grpo")
+    adv = grpo_advantages(
+        rewards,
+        r.n_samples_per_prompt,
+        std_normalize=algo.grpo_std_normalization and algo.advantage_estimator == "grpo",
+    )
     for x, a in zip(samples, adv.tolist()):
         x.advantage = a
     resp_lens = torch.tensor([len(x.response_ids) for x in samples], dtype=torch.float32)
