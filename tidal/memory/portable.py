@@ -57,6 +57,17 @@ from tidal.memory.views import HostView, ViewToken, make_host_view
 
 HOST_MEMORY_POLICIES = ("release", "retain", "disk")
 
+
+def check_host_memory(host_memory: str, disk_dir) -> None:
+    """The host-memory policy must be known, and ``disk`` needs a directory (shared by both backends)."""
+    if host_memory not in HOST_MEMORY_POLICIES:
+        raise ConfigError(
+            f"--offload-host-memory {host_memory!r} is not one of {', '.join(HOST_MEMORY_POLICIES)}; pick one"
+        )
+    if host_memory == "disk" and not disk_dir:
+        raise ConfigError("--offload-host-memory disk needs --offload-disk-dir; name a directory on a real disk")
+
+
 # Moving a memory block between two storages without copying; present in every torch we support
 # (FSDP2 and CUDA graph trees rely on it). Without it, pause and resume copy.
 _HAS_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
@@ -126,12 +137,7 @@ class PortableBackend(MemoryBackend):
         label: str = "memory",
     ):
         super().__init__(policy)
-        if host_memory not in HOST_MEMORY_POLICIES:
-            raise ConfigError(
-                f"--offload-host-memory {host_memory!r} is not one of {', '.join(HOST_MEMORY_POLICIES)}; pick one"
-            )
-        if host_memory == "disk" and not disk_dir:
-            raise ConfigError("--offload-host-memory disk needs --offload-disk-dir; name a directory on a real disk")
+        check_host_memory(host_memory, disk_dir)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())

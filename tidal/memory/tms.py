@@ -30,7 +30,7 @@ import torch
 
 from tidal.errors import ConfigError, ResidencyError
 from tidal.memory.base import ClassPolicy, ClassReport, MemoryBackend, MemoryReport, StateClass, TensorSource
-from tidal.memory.portable import HOST_MEMORY_POLICIES, local_tensor
+from tidal.memory.portable import check_host_memory, local_tensor
 from tidal.memory.preload import check_allocator_conf
 from tidal.memory.telemetry import device_used_bytes, host_rss_bytes
 from tidal.memory.views import HostView, ViewToken, wrap_host_tensor
@@ -52,12 +52,7 @@ class TmsBackend(MemoryBackend):
         label: str = "memory",
     ):
         super().__init__(policy)
-        if host_memory not in HOST_MEMORY_POLICIES:
-            raise ConfigError(
-                f"--offload-host-memory {host_memory!r} is not one of {', '.join(HOST_MEMORY_POLICIES)}; pick one"
-            )
-        if host_memory == "disk" and not disk_dir:
-            raise ConfigError("--offload-host-memory disk needs --offload-disk-dir; name a directory on a real disk")
+        check_host_memory(host_memory, disk_dir)
         if hook_mode not in ("torch", "preload"):
             raise ConfigError(f"--tms-hook-mode {hook_mode!r} is not torch or preload; pick one")
         check_allocator_conf(os.environ)
