@@ -77,3 +77,34 @@ def test_save_load_resumes_the_curve_and_export_loads(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(out)
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_ray_and_every_actor(tmp_path):
+    """SIGINT during a run: exit code 130 and no process of that run (Ray, trainer, engine) left behind."""
+    import signal
+    import time
+
+    import psutil
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidal", "train", "--num-rollout", "10000", "--no-progress", "--output-dir", str(run)],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.5)
+    family = psutil.Process(proc.pid).children(recursive=True)
+    assert any("raylet" in " ".join(p.cmdline()) for p in family if p.is_running()), "the run should own its Ray"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted" in err
+    _, alive = psutil.wait_procs(family, timeout=30)
+    assert alive == [], f"left running after Ctrl-C: {[p.pid for p in alive]}"
