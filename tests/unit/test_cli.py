@@ -108,3 +108,58 @@ def test_ctrl_c_stops_ray_and_every_actor(tmp_path):
     assert "interrupted" in err
     _, alive = psutil.wait_procs(family, timeout=30)
     assert alive == [], f"left running after Ctrl-C: {[p.pid for p in alive]}"
+
+
+@pytest.mark.slow
+def test_joins_an_existing_ray_cluster_and_leaves_it_clean(tmp_path):
+    """``--ray-address``: two runs in a row on a cluster started outside tidal; the cluster survives both
+    and the second run gets the resources the first one gave back."""
+    import socket
+
+    import psutil
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    head = subprocess.Popen(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            "--node-ip-address=127.0.0.1",
+        ],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for name in ("a", "b"):
+            r = tidal(
+                "train",
+                "--ray-address",
+                f"127.0.0.1:{port}",
+                "--num-rollout",
+                "1",
+                "--rollout-batch-size",
+                "2",
+                "--n-samples-per-prompt",
+                "2",
+                "--no-progress",
+                "--output-dir",
+                str(tmp_path / name),
+                timeout=240,
+            )
+            assert r.returncode == 0, r.stderr[-3000:]
+            assert head.poll() is None, "the external cluster must outlive the run"
+    finally:
+        family = psutil.Process(head.pid).children(recursive=True)
+        head.terminate()
+        head.wait(timeout=60)
+        for p in family:
+            if p.is_running():
+                p.kill()
