@@ -17,6 +17,7 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=True, configure_logging=False)
+        # address="local": always a fresh cluster, even when another one runs on this machine.
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True, configure_logging=False)
     yield ray
     ray.shutdown()

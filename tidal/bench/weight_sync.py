@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
 
     models = args.model or ("qwen2.5-0.5b-shape" if args.device == "cuda" else "tiny")
     transports = args.transports or ("tensor,broadcast,disk" if args.device == "cpu" else "tensor,disk")
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     disk_dir = tempfile.mkdtemp(prefix="tidal-bench-ws-")
     engine_dtype = "bfloat16" if args.device == "cuda" else "float32"
     try:

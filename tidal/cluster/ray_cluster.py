@@ -39,7 +39,9 @@ def start_ray(address: str | None, *, num_cpus: float, num_gpus: int) -> bool:
             ) from e
         return False
     logical_cpus = max(float(os.cpu_count() or 1), num_cpus)
+    # address="local" starts a new cluster even when another one runs here (joining is --ray-address's job).
     ray.init(
+        address="local",
         num_cpus=int(round(logical_cpus + 0.49)),
         num_gpus=num_gpus,
         include_dashboard=False,
