@@ -34,6 +34,8 @@ from enum import Enum
 
 import torch
 
+from tidal.errors import ResidencyError
+
 
 class StateClass(str, Enum):
     WEIGHTS = "weights"
@@ -155,3 +157,25 @@ class MemoryBackend(abc.ABC):
     @abc.abstractmethod
     def is_paused(self, state_class: StateClass) -> bool:
         """Whether this class is paused now."""
+
+    def _check(self, classes: Sequence[StateClass], *, want_paused: bool, op: str) -> list[StateClass]:
+        """The classes of a pause (``want_paused=False``) or resume, checked before anything is touched.
+
+        Subclasses keep ``self.label`` and ``self._paused`` (the classes paused now). Unknown classes,
+        a class listed twice, a double pause and a resume of an active class are refused here, before
+        torch_memory_saver could terminate the process on them.
+        """
+        out: list[StateClass] = []
+        names = ", ".join(c.value for c in self.policy)
+        for c in classes:
+            c = StateClass(c)
+            if c not in self.policy:
+                raise ValueError(f"{self.label}: {op} of state class {c.value}, which has no policy ({names})")
+            if c in out:
+                raise ResidencyError(f"{self.label}: {op} lists {c.value} twice")
+            if want_paused and c not in self._paused:
+                raise ResidencyError(f"{self.label}: resume of {c.value}, which is active (not paused)")
+            if not want_paused and c in self._paused:
+                raise ResidencyError(f"{self.label}: pause of {c.value}, which is already paused (double pause)")
+            out.append(c)
+        return out

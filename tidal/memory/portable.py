@@ -244,21 +244,6 @@ class PortableBackend(MemoryBackend):
     def _names(self) -> str:
         return ", ".join(c.value for c in self.policy)
 
-    def _check(self, classes: Sequence[StateClass], *, want_paused: bool, op: str) -> list[StateClass]:
-        out: list[StateClass] = []
-        for c in classes:
-            c = StateClass(c)
-            if c not in self.policy:
-                raise ValueError(f"{self.label}: {op} of state class {c.value}, which has no policy ({self._names()})")
-            if c in out:
-                raise ResidencyError(f"{self.label}: {op} lists {c.value} twice")
-            if want_paused and c not in self._paused:
-                raise ResidencyError(f"{self.label}: resume of {c.value}, which is active (not paused)")
-            if not want_paused and c in self._paused:
-                raise ResidencyError(f"{self.label}: pause of {c.value}, which is already paused (double pause)")
-            out.append(c)
-        return out
-
     def _storages(self, c: StateClass) -> dict[int, torch.UntypedStorage]:
         found: dict[int, torch.UntypedStorage] = {}
         for source in self._sources.get(c, []):

@@ -224,21 +224,6 @@ class TmsBackend(MemoryBackend):
             return wrap_host_tensor(backup, token)
         raise ResidencyError(f"{self.label}: host_view of a tensor that is not paused; read the live tensor instead")
 
-    def _check(self, classes: Sequence[StateClass], *, want_paused: bool, op: str) -> list[StateClass]:
-        out: list[StateClass] = []
-        for c in classes:
-            c = StateClass(c)
-            if c not in self.policy:
-                raise ValueError(f"{self.label}: {op} of state class {c.value}, which has no policy")
-            if c in out:
-                raise ResidencyError(f"{self.label}: {op} lists {c.value} twice")
-            if want_paused and c not in self._paused:
-                raise ResidencyError(f"{self.label}: resume of {c.value}, which is active (not paused)")
-            if not want_paused and c in self._paused:
-                raise ResidencyError(f"{self.label}: pause of {c.value}, which is already paused (double pause)")
-            out.append(c)
-        return out
-
 
 # -- torch hook mode: where torch hands pool memory back ---------------------------------------------
 #
