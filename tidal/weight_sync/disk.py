@@ -55,6 +55,7 @@ from tidal.weight_sync import delta as codec
 from tidal.weight_sync.base import NamedTensors, SyncReport, WeightSyncStrategy
 from tidal.weight_sync.bucket import as_numpy_u8, dtype_name, dtype_of, host_checksum, nbytes_of, plan_buckets
 from tidal.weight_sync.delta import DeltaState
+from tidal.weight_sync.stream import timed_stream
 
 INDEX = "model.safetensors.index.json"
 _VERSION_DIR = re.compile(r"^weight_v(\d{6,})$")
@@ -346,24 +347,10 @@ class DiskStrategy(WeightSyncStrategy):
         report = report if report is not None else SyncReport(mode=self.mode, transport=self.transport, version=version)
         os.makedirs(self.disk_dir, exist_ok=True)
 
-        def timed():
-            it = iter(tensors)
-            while True:
-                t0 = time.perf_counter()
-                try:
-                    name, t = next(it)
-                except StopIteration:
-                    return
-                report.gather_s += time.perf_counter() - t0
-                if t.device.type != "cpu":
-                    raise WeightSyncError(f"weight {name} arrived on {t.device}; the trainer feeds host tensors")
-                report.bytes_total += nbytes_of(t)
-                yield name, t
-
         if self.delta is not None and self.version is not None:
-            path = self._write_delta(timed(), version, report)
+            path = self._write_delta(timed_stream(tensors, report), version, report)
         else:
-            path = self._write_full(timed(), version, report)
+            path = self._write_full(timed_stream(tensors, report), version, report)
             report.changed_bytes = report.bytes_total
         self.version = version
         if self.delta is not None:

@@ -52,6 +52,27 @@ from tidal.weight_sync.bucket import (
 from tidal.weight_sync.delta import DeltaState
 
 
+def timed_stream(
+    tensors: NamedTensors, report: SyncReport, names: list[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass the trainer's stream through, timing its gather (``gather_s``), counting ``bytes_total``
+    and, when ``names`` is given, recording every name; refuses tensors that are not on the host."""
+    it = iter(tensors)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            name, t = next(it)
+        except StopIteration:
+            return
+        report.gather_s += time.perf_counter() - t0
+        if t.device.type != "cpu":
+            raise WeightSyncError(f"weight {name} arrived on {t.device}; the trainer feeds host tensors")
+        report.bytes_total += nbytes_of(t)
+        if names is not None:
+            names.append(name)
+        yield name, t
+
+
 @dataclass
 class Bucket:
     """One message: a header (entries, checksum, flags) and its flat byte buffer."""
@@ -156,20 +177,7 @@ class StreamingStrategy(WeightSyncStrategy):
         return report
 
     def _timed(self, tensors: NamedTensors, report: SyncReport, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Pass the stream through, timing the trainer's gather and counting bytes."""
-        it = iter(tensors)
-        while True:
-            t0 = time.perf_counter()
-            try:
-                name, t = next(it)
-            except StopIteration:
-                return
-            report.gather_s += time.perf_counter() - t0
-            if t.device.type != "cpu":
-                raise WeightSyncError(f"weight {name} arrived on {t.device}; the trainer feeds host tensors")
-            report.bytes_total += nbytes_of(t)
-            names.append(name)
-            yield name, t
+        return timed_stream(tensors, report, names)
 
     def _buckets(self, stream, delta: bool, report: SyncReport) -> Iterator[Bucket]:
         index = 0
