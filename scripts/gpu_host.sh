@@ -6,7 +6,7 @@
 #   bash scripts/gpu_host.sh STEP ...
 #
 # Steps: env, tests, train-default, train-offload, train-0.5b, bench-memory, bench-sync, bench-rollout,
-# bench-fast. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
+# bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, profile-ipc. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -38,6 +38,10 @@ for s in "$@"; do
     bench-sync) run bench-sync 240 python3 -m tidal.bench.weight_sync --model qwen2.5-0.5b-shape,qwen3-4b-shape --modes full,delta --transports tensor ;;
     bench-rollout) run bench-rollout 200 python3 -m tidal.bench.rollout --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 ;;
     bench-fast) TAIL=20 run bench-fast 300 python3 -m tidal.rollout.fast.bench --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 --varlen-min 16 --varlen-max 1024 --skip-hf-varlen --cases ${FAST_CASES:-fast,fast-eager,fast-tms,fast-varlen,fast-varlen-nocompact} ;;
+    bench-memory-preload) run bench-memory-preload 200 python3 -m tidal.bench.memory --gib ${MEM_GIB:-16} --cycles ${MEM_CYCLES:-5} --hook-mode preload --policies release,retain ;;
+    bench-memory-100) run bench-memory-100 240 python3 -m tidal.bench.memory --gib ${MEM100_GIB:-4} --cycles 100 --policies retain ;;
+    bench-trainer) TAIL=45 run bench-trainer 240 python3 -m tidal.bench.trainer --device cuda --model qwen2.5-0.5b-shape --samples 512 --prompt-len 32 --response-len 256 --max-tokens-per-gpu 8192 ${TRAINER_ARGS:---profile} ;;
+    profile-ipc) TAIL=20 run profile-ipc 120 python3 scripts/profile_ipc.py ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

@@ -104,6 +104,20 @@ def _limit_tokens_per_s(actor, samples) -> float:
     return sum(lengths) / (time.perf_counter() - t)
 
 
+def _profiled(fn, device: str):
+    """Run ``fn`` under torch.profiler and print its top operators (by device time on CUDA) to stderr."""
+    import sys
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        out = fn()
+    key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=30), file=sys.stderr)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import save_file
 
@@ -117,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=24)
     ap.add_argument("--response-len", type=int, default=16)
     ap.add_argument("--max-tokens-per-gpu", type=int, default=4096)
+    ap.add_argument(
+        "--profile", action="store_true", help="print a torch.profiler table of the measured train call to stderr"
+    )
     args = ap.parse_args(argv)
 
     actor = TrainerActor(
@@ -135,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     vocab = actor.model.config.vocab_size
     samples = _samples(args.samples, args.prompt_len, args.response_len, vocab)
     actor.train(samples, 0)  # warm-up: allocator, optimizer state
-    m = actor.train(_samples(args.samples, args.prompt_len, args.response_len, vocab, seed=1), 1)
+    batch = _samples(args.samples, args.prompt_len, args.response_len, vocab, seed=1)
+    if args.profile:
+        m = _profiled(lambda: actor.train(batch, 1), args.device)
+    else:
+        m = actor.train(batch, 1)
     limit = _limit_tokens_per_s(actor, samples)
 
     p = actor.pause()
@@ -158,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         "train_tokens_per_s": round(m["tokens_per_s"], 1),
         "limit_tokens_per_s": round(limit, 1),
         "train_vs_limit": round(m["tokens_per_s"] / limit, 3),
+        "logprob_recompute_s": round(m["logprob_recompute_s"], 3),
+        "optimizer_s": round(m["optimizer_s"], 3),
         "backup_bytes": kept,
         "pause_s": round(p["memory/trainer_pause/total_s"], 4),
         "resume_s": round(r["memory/trainer_resume/total_s"], 4),
