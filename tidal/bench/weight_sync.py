@@ -21,6 +21,7 @@ copy and AdamW, feeding ``strategy.sync`` a stream of host tensors in the engine
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -75,16 +76,21 @@ class SyncSource:
         self.version = 0
 
     def pause(self) -> int:
-        """Keep a host copy of the weights in the engine dtype (as a paused trainer's host backup) and free the device copy's role.
+        """Keep a host copy of the weights in the master dtype (fp32, pinned on CUDA), as a paused
+        trainer's host backup holds them; later syncs read only this copy, never device memory.
 
-        Later syncs read only from this copy, never from device memory. Returns its bytes.
+        Returns its bytes (the source bytes a sync from the backup reads).
         """
         self._host = {}
         for name, p in self.model.named_parameters():
-            h = torch.empty(p.shape, dtype=self.engine_dtype, pin_memory=torch.cuda.is_available())
+            h = torch.empty(p.shape, dtype=p.dtype, pin_memory=torch.cuda.is_available())
             h.copy_(p.detach())
             self._host[name] = h
         return sum(t.numel() * t.element_size() for t in self._host.values())
+
+    def resume(self) -> None:
+        """Back to reading the live weights (drop the host backup)."""
+        self._host = None
 
     @torch.no_grad()
     def poison_device_weights(self) -> None:
@@ -93,12 +99,17 @@ class SyncSource:
             p.fill_(float("nan"))
 
     def named_tensors(self):
-        """The stream the trainer feeds: (name, host tensor in the engine dtype), one at a time."""
+        """The stream the trainer feeds ``strategy.sync`` (which casts to the engine dtype): the host
+        backup while paused; else the live tensors when the strategy packs on the device, or host
+        copies in the engine dtype."""
+        from tidal.weight_sync.stream import to_host
+
         if self._host is not None:
             yield from self._host.items()
             return
+        on_device = self.strategy.wants_device
         for name, p in self.model.named_parameters():
-            yield name, p.detach().to(device="cpu", dtype=self.engine_dtype)
+            yield name, p.detach() if on_device else to_host(p.detach(), self.engine_dtype)
 
     def rl_steps(self, steps: int = 3, groups: int = 4, group_size: int = 4, seq_len: int = 32, seed: int = 0) -> float:
         """GRPO-like updates: sample responses, reward them, normalise per group, policy-gradient step."""
@@ -129,13 +140,13 @@ class SyncSource:
 
     def sync(self) -> dict:
         self.version += 1
-        report = self.strategy.sync(self.named_tensors(), self.version)
+        report = self.strategy.sync(self.named_tensors(), self.version, self.engine_dtype)
         return {**report.metrics(), "version": self.version}
 
     def checksums(self) -> dict[str, str]:
         from tidal.weight_sync.checksum import tensor_checksum
 
-        return {name: tensor_checksum(t) for name, t in self.named_tensors()}
+        return {name: tensor_checksum(t.to(device="cpu", dtype=self.engine_dtype)) for name, t in self.named_tensors()}
 
     def checksums_of_nan(self) -> dict[str, str]:
         """Checksums of NaN-filled tensors shaped like the weights (what a read of poisoned device memory gives)."""
@@ -242,6 +253,7 @@ def run_case(
     buffer: int,
     rl_steps: int,
     disk_dir: str,
+    source_kind: str = "backup",
 ) -> dict:
     from tidal.weight_sync.verify import compare_checksums
 
@@ -255,22 +267,32 @@ def run_case(
     ray.get(source.reconfigure.remote(cfg, colocated=transport == "tensor"))
     ray.get(source.connect.remote())
     ray.get([e.randomize_weights.remote(7) for e in engines])
-    ray.get(source.pause.remote())  # the sync reads the host backup, as from a paused trainer
+    paused = source_kind == "backup"
+    src_bytes = 0
+    ray.get(source.resume.remote())
+    if paused:  # the sync reads the host backup (fp32), as from a paused trainer
+        src_bytes = ray.get(source.pause.remote())
     first = ray.get(source.sync.remote())
     if mode == "delta":
         # A real RL update, then a delta against what the engines held before it.
         ray.get(source.rl_steps.remote(rl_steps))
-        ray.get(source.pause.remote())
+        if paused:
+            ray.get(source.pause.remote())
         rep = ray.get(source.sync.remote())
     else:
         rep = ray.get(source.sync.remote())  # warm: the first sync also pays one-time costs
-    limit = memcpy_gbps(min(buffer, ray.get(source.param_bytes.remote())), device=device, source="host")
+    # The limit for the source: copying the backup's bytes host -> device once (pinned H2D), or
+    # copying the engine-dtype bytes device to device (live trainer on a GPU), or a memcpy (CPU).
+    where = "host" if paused or device != "cuda" else "device"
+    limit = memcpy_gbps(min(buffer, ray.get(source.param_bytes.remote())), device=device, source=where)
+    limit_s = (src_bytes if paused and device == "cuda" else rep["sync/bytes_total"]) / (limit * 1e9)
     trainer = ray.get(source.checksums.remote())
     equal = all(not compare_checksums(trainer, c) for c in ray.get([e.weight_checksums.remote() for e in engines]))
     return {
         "model": model,
         "mode": mode,
         "transport": transport,
+        "source": source_kind,
         "engines": len(engines),
         "bytes_total": rep["sync/bytes_total"],
         "bytes_sent": rep["sync/bytes_sent"],
@@ -282,6 +304,9 @@ def run_case(
         "apply_s": round(rep["sync/apply_s"], 4),
         "gbps": round(rep["sync/gbps"], 3),
         "limit_gbps": round(limit, 3),
+        "source_bytes": src_bytes or rep["sync/bytes_total"],
+        "limit_s": round(limit_s, 4),
+        "vs_limit": round(rep["sync/seconds"] / limit_s, 2) if limit_s else None,
         "first_sync_s": round(first["sync/seconds"], 4),
         "retried": rep["sync/retried"],
         "bitwise_equal": equal,
@@ -296,6 +321,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--modes", default="full,delta")
     p.add_argument("--transports", default=None, help="default: tensor,broadcast,disk on CPU; tensor,disk on GPU")
     p.add_argument("--engines", type=int, default=1)
+    p.add_argument(
+        "--sources",
+        default="backup",
+        help="backup (a paused trainer's fp32 host backup) and/or device (a live GPU trainer), comma-separated",
+    )
     p.add_argument("--buffer-size", type=int, default=512 * 1024**2)
     p.add_argument("--rl-steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of the RL steps (GRPO runs use ~1e-6)")
@@ -314,21 +344,25 @@ def main(argv: list[str] | None = None) -> None:
             source, engines = start_actors(
                 ray, model, device=args.device, engines_n=args.engines, engine_dtype=engine_dtype, lr=args.lr
             )
-            for mode in args.modes.split(","):
-                for transport in transports.split(","):
-                    row = run_case(
-                        ray,
-                        source,
-                        engines,
-                        model,
-                        mode,
-                        transport,
-                        device=args.device,
-                        buffer=args.buffer_size,
-                        rl_steps=args.rl_steps,
-                        disk_dir=disk_dir,
-                    )
-                    print(json.dumps(row), flush=True)
+            for mode, transport, kind in itertools.product(
+                args.modes.split(","), transports.split(","), args.sources.split(",")
+            ):
+                if kind == "device" and (args.device != "cuda" or transport == "disk"):
+                    continue  # a live device source differs from the backup only where packing is on the GPU
+                row = run_case(
+                    ray,
+                    source,
+                    engines,
+                    model,
+                    mode,
+                    transport,
+                    device=args.device,
+                    buffer=args.buffer_size,
+                    rl_steps=args.rl_steps,
+                    disk_dir=disk_dir,
+                    source_kind=kind,
+                )
+                print(json.dumps(row), flush=True)
             for a in [source, *engines]:
                 ray.kill(a)
     finally:

@@ -498,7 +498,7 @@ class TrainerActor:
         """``(name, full CPU tensor in dtype)`` on rank 0, ``(name, None)`` elsewhere; all ranks iterate together."""
         return self._iter_named(self._named_params(), as_dtype(dtype))
 
-    def _iter_named(self, named, dtype):
+    def _iter_named(self, named, dtype, on_device: bool = False):
         backups = self._reading_backups
         return iter_full_tensors(
             named,
@@ -508,6 +508,7 @@ class TrainerActor:
             host_group=self.groups.host,
             host_view=self.memory.host_view if backups else None,
             device_gather=self.device_type == "cuda" and not backups,
+            on_device=on_device,
         )
 
     def connect_engines(self, engines: list, engine_dtype: str | torch.dtype, colocated: bool | None = None) -> None:
@@ -528,12 +529,20 @@ class TrainerActor:
             raise ResidencyError("update_weights() before connect_engines(); connect the engines first")
         self.version += 1
         t0 = time.perf_counter()
-        it = self.iter_weights(self.engine_dtype)
+        # Full syncs packed on the device (CUDA IPC, NCCL) take device tensors and cast there; every
+        # rank decides alike from the config, since the gather is collective. (A strategy that packs
+        # on the host brings whatever it is fed to the host itself.)
+        on_device = (
+            self.device_type == "cuda"
+            and self.sync_cfg.update_weight_mode == "full"
+            and self.sync_cfg.update_weight_transport != "disk"
+        )
+        it = self._iter_named(self._named_params(), self.engine_dtype, on_device)
         if self.rank != 0:
             for _ in it:
                 pass
             return {}
-        report = self.strategy.sync(((n, t) for n, t in it), self.version)
+        report = self.strategy.sync(((n, t) for n, t in it), self.version, self.engine_dtype)
         out = dict(report.metrics())
         out["sync/trainer_s"] = time.perf_counter() - t0
         out["sync/from_backup"] = int(self._reading_backups)

@@ -75,23 +75,33 @@ def iter_full_tensors(
     host_group,
     host_view: Callable[[torch.Tensor], torch.Tensor] | None,
     device_gather: bool,
+    on_device: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
-    """Yield ``(name, full CPU tensor)`` on rank 0 and ``(name, None)`` elsewhere; every rank must iterate fully.
+    """Yield ``(name, full tensor)`` on rank 0 and ``(name, None)`` elsewhere; every rank must iterate fully.
 
     ``host_view``: set while paused (read backups); ``device_gather``: use DTensor ``full_tensor()``
     on the live shards (NCCL), else gather host copies over ``host_group``.
+
+    Tensors are on the host in ``dtype``, except with ``on_device`` (the consumer packs and casts on
+    the device): live gathered tensors then stay on the device, and a single rank's host backup is
+    yielded in its stored dtype (the consumer copies it to the device and casts there).
     """
+    from tidal.weight_sync.stream import to_host
+
     for name, t in named:
         want = dtype or t.dtype
         if host_view is None and device_gather and isinstance(t, DTensor):
             with torch.no_grad():
                 full = t.detach().to(want).full_tensor()
-            yield name, (full.cpu() if rank == 0 else None)
+            yield name, (None if rank != 0 else full if on_device else to_host(full))
             del full
             continue
         piece = local_shard(t).detach()
         if host_view is not None:
             piece = host_view(piece)
+            if on_device and world_size == 1:
+                yield name, piece
+                continue
         if piece.device.type != "cpu":
             piece = piece.to(want).cpu()
         elif piece.dtype != want:

@@ -12,8 +12,11 @@ and in what they send (``full``: every byte; ``delta``: changed bytes against a 
 what the engines hold). Every sync bumps the weight version, which engines report back; every
 bucket carries a checksum that the engine verifies before applying it.
 
-The trainer feeds a strategy ``(name, tensor)`` pairs in the engine's dtype, on the host, read from
-the trainer's host backup when it is paused (never from paused device memory).
+The trainer feeds a strategy ``(name, tensor)`` pairs and names the engine dtype. Tensors are read
+from the trainer's host backup when it is paused (never from paused device memory). Host tensors
+are the rule; a strategy whose ``wants_device`` is true (full mode packed on a CUDA device: CUDA IPC,
+NCCL) also takes the live device tensors of an active trainer and casts on the device, so a GPU
+trainer's weights never cross PCIe to reach a colocated engine.
 """
 
 from __future__ import annotations
@@ -69,8 +72,14 @@ class WeightSyncStrategy(abc.ABC):
         """One-time setup with the engines (form a process group, create a folder, ...)."""
 
     @abc.abstractmethod
-    def sync(self, tensors: NamedTensors, version: int) -> SyncReport:
-        """Send ``tensors`` as weight version ``version``; return when every engine applied and verified it."""
+    def sync(self, tensors: NamedTensors, version: int, dtype: torch.dtype | None = None) -> SyncReport:
+        """Send ``tensors`` (cast to the engine ``dtype`` when given) as weight version ``version``;
+        return when every engine applied and verified it."""
+
+    @property
+    def wants_device(self) -> bool:
+        """Whether the trainer may feed device tensors (the strategy packs and casts on the device)."""
+        return False
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release transport resources (process groups, temp files)."""

@@ -143,16 +143,36 @@ def plan_buckets(tensors: Iterable[tuple[str, torch.Tensor]], limit: int) -> Ite
         yield group
 
 
-def pack(group: list[tuple[str, torch.Tensor]], device: str | torch.device = "cpu") -> tuple[torch.Tensor, list[dict]]:
-    """Copy tensors into one fresh flat uint8 buffer on ``device``; return it and its entries."""
+def pack(
+    group: list[tuple[str, torch.Tensor]], device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, list[dict]]:
+    """Copy tensors into one fresh flat uint8 buffer on ``device``, cast to ``dtype`` when given; return it and its entries.
+
+    On a CUDA buffer every cast runs on the device: a host source in another dtype (the paused
+    trainer's fp32 backup) is copied host -> device in its own dtype first (asynchronously when it
+    is pinned), so PCIe carries the source bytes once and the CPU never converts.
+    """
     entries, off = [], 0
     for name, t in group:
-        entries.append(raw_entry(name, t, off))
-        off += align(nbytes_of(t))
+        e = raw_entry(name, t, off)
+        if dtype is not None and dtype != t.dtype:
+            e["dtype"] = dtype_name(dtype)
+            e["nbytes"] = t.numel() * dtype.itemsize
+        entries.append(e)
+        off += align(e["nbytes"])
     flat = torch.empty(max(off, ALIGN), dtype=torch.uint8, device=device)
     for (_, t), e in zip(group, entries):
-        src = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        flat[e["offset"] : e["offset"] + e["nbytes"]].copy_(src, non_blocking=True)
+        src = t.detach()
+        if e["nbytes"] == 0:
+            continue
+        want = dtype_of(e["dtype"])
+        dst = flat[e["offset"] : e["offset"] + e["nbytes"]].view(want).view(src.shape)
+        if src.dtype != want and src.device != flat.device:
+            if flat.device.type == "cuda":
+                src = src.to(flat.device, non_blocking=True)  # H2D in the source dtype; cast below on the device
+            else:
+                src = src.to(want)  # to the host first (cast on the device it lives on), then copy
+        dst.copy_(src, non_blocking=True)
     # Zero the alignment gaps so the checksum of a bucket depends only on its tensors.
     gaps = [(e["offset"] + e["nbytes"], align(e["offset"] + e["nbytes"])) for e in entries]
     for a, b in gaps:

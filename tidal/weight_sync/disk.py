@@ -342,26 +342,29 @@ class DiskStrategy(WeightSyncStrategy):
         if bad:
             raise WeightSyncError(f"weight sync v{version}: engines {bad} report other versions after loading {path}")
 
-    def write(self, tensors: NamedTensors, version: int, report: SyncReport | None = None) -> str:
-        """Publish ``tensors`` as version ``version`` (full, or delta against the previous one); return its folder."""
+    def write(
+        self, tensors: NamedTensors, version: int, report: SyncReport | None = None, dtype: torch.dtype | None = None
+    ) -> str:
+        """Publish ``tensors`` (cast to ``dtype`` when given) as version ``version`` (full, or delta
+        against the previous one); return its folder."""
         report = report if report is not None else SyncReport(mode=self.mode, transport=self.transport, version=version)
         os.makedirs(self.disk_dir, exist_ok=True)
 
         if self.delta is not None and self.version is not None:
-            path = self._write_delta(timed_stream(tensors, report), version, report)
+            path = self._write_delta(timed_stream(tensors, report, dtype=dtype), version, report)
         else:
-            path = self._write_full(timed_stream(tensors, report), version, report)
+            path = self._write_full(timed_stream(tensors, report, dtype=dtype), version, report)
             report.changed_bytes = report.bytes_total
         self.version = version
         if self.delta is not None:
             self.delta.version = version
         return path
 
-    def sync(self, tensors: NamedTensors, version: int) -> SyncReport:
+    def sync(self, tensors: NamedTensors, version: int, dtype: torch.dtype | None = None) -> SyncReport:
         report = SyncReport(mode=self.mode, transport=self.transport, version=version)
         start = time.perf_counter()
         self._attempt = 0
-        path = self.write(tensors, version, report)
+        path = self.write(tensors, version, report, dtype)
         full = read_index(path)["metadata"]["format"] == "full"
         try:
             self._load(path, version, report)

@@ -53,10 +53,19 @@ from tidal.weight_sync.delta import DeltaState
 
 
 def timed_stream(
-    tensors: NamedTensors, report: SyncReport, names: list[str] | None = None
+    tensors: NamedTensors,
+    report: SyncReport,
+    names: list[str] | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    on_device: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass the trainer's stream through, timing its gather (``gather_s``), counting ``bytes_total``
-    and, when ``names`` is given, recording every name; refuses tensors that are not on the host."""
+    (in ``dtype`` when given) and, when ``names`` is given, recording every name.
+
+    ``on_device``: the consumer packs on the device and casts there, so tensors pass as they are
+    (device or host, any dtype). Otherwise every tensor is brought to the host in ``dtype``.
+    """
     it = iter(tensors)
     while True:
         t0 = time.perf_counter()
@@ -64,13 +73,26 @@ def timed_stream(
             name, t = next(it)
         except StopIteration:
             return
+        if not on_device:
+            t = to_host(t, dtype)
         report.gather_s += time.perf_counter() - t0
-        if t.device.type != "cpu":
-            raise WeightSyncError(f"weight {name} arrived on {t.device}; the trainer feeds host tensors")
-        report.bytes_total += nbytes_of(t)
+        report.bytes_total += t.numel() * (dtype or t.dtype).itemsize
         if names is not None:
             names.append(name)
         yield name, t
+
+
+def to_host(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` on the host in ``dtype``: cast where it lives first (a device cast halves the bytes that
+    cross PCIe for fp32 -> bf16), then copy through pinned memory rather than a pageable transfer."""
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return out
 
 
 @dataclass
@@ -130,6 +152,7 @@ class StreamingStrategy(WeightSyncStrategy):
         )
         self.fault_hook: Callable[[int, int, object], None] | None = None
         self.version: int | None = None  # the version every engine holds
+        self._dtype: torch.dtype | None = None  # the engine dtype of the running sync (None: as fed)
         self.depth = 2  # buckets in flight: the next one travels while engines apply the previous one
         self._inflight: deque[InFlight] = deque()
 
@@ -139,14 +162,22 @@ class StreamingStrategy(WeightSyncStrategy):
         """Where full buckets are packed: on the device for CUDA IPC / NCCL, else host memory."""
         return "cpu"
 
+    @property
+    def wants_device(self) -> bool:
+        """True when full buckets are packed on the device: the trainer may then feed device tensors
+        (and host tensors in another dtype), and every cast runs on the device. Delta mode encodes
+        on the host, so it always takes host tensors."""
+        return self.delta is None and self._pack_device() == "cuda"
+
     @abc.abstractmethod
     def _send(self, bucket: Bucket, header: dict, attempt: int) -> list:
         """Start delivering one bucket to every engine; return the engines' result refs (stats dicts)."""
 
     # -- the loop ----------------------------------------------------------------------------------
 
-    def sync(self, tensors: NamedTensors, version: int) -> SyncReport:
+    def sync(self, tensors: NamedTensors, version: int, dtype: torch.dtype | None = None) -> SyncReport:
         report = SyncReport(mode=self.mode, transport=self.transport, version=version)
+        self._dtype = dtype
         start = time.perf_counter()
         delta = self.delta is not None and self.delta.has_base and self.version is not None
         all_names: list[str] = []
@@ -177,7 +208,7 @@ class StreamingStrategy(WeightSyncStrategy):
         return report
 
     def _timed(self, tensors: NamedTensors, report: SyncReport, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        return timed_stream(tensors, report, names)
+        return timed_stream(tensors, report, names, dtype=self._dtype, on_device=self.wants_device)
 
     def _buckets(self, stream, delta: bool, report: SyncReport) -> Iterator[Bucket]:
         index = 0
@@ -187,7 +218,7 @@ class StreamingStrategy(WeightSyncStrategy):
                 if self.delta is not None:  # baseline: remember what the engines will hold
                     for name, t in group:
                         self.delta.record(name, as_numpy_u8(t), dtype_name(t.dtype), list(t.shape))
-                data, entries = pack(group, self._pack_device())
+                data, entries = pack(group, self._pack_device(), self._dtype)
                 report.encode_s += time.perf_counter() - t0
                 yield Bucket(index, "full", entries, data, [n for n, _ in group], group=group)
                 index += 1
@@ -273,7 +304,7 @@ class StreamingStrategy(WeightSyncStrategy):
                 group.append(
                     (name, entry_view(flat, {"offset": 0, "nbytes": flat.numel(), "dtype": dtype, "shape": shape}))
                 )
-        data, entries = pack(group, self._pack_device())
+        data, entries = pack(group, self._pack_device(), self._dtype)
         return Bucket(b.index, "full", entries, data, b.names, group=group, last=b.last, all_names=b.all_names)
 
     def _encoding(self) -> dict:
