@@ -84,8 +84,14 @@ def timed_stream(
 
 def to_host(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``t`` on the host in ``dtype``: cast where it lives first (a device cast halves the bytes that
-    cross PCIe for fp32 -> bf16), then copy through pinned memory rather than a pageable transfer."""
+    cross PCIe for fp32 -> bf16), then copy through pinned memory rather than a pageable transfer.
+
+    A pinned host tensor (a paused trainer's backup) in another dtype makes a round trip through the
+    GPU when there is one: PCIe moves 50+ GB/s, while the host converts fp32 -> bf16 at ~1.5 GB/s.
+    """
     if dtype is not None and t.dtype != dtype:
+        if t.device.type == "cpu" and t.is_pinned() and torch.cuda.is_available():
+            t = t.to("cuda", non_blocking=True)
         t = t.to(dtype)
     if t.device.type == "cpu":
         return t
