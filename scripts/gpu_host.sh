@@ -35,7 +35,7 @@ for s in "$@"; do
     train-offload) run train-offload 120 python3 -m tidal.cli train --no-progress --offload --num-rollout 5 --output-dir "$OUT/run-offload" ;;
     train-0.5b) run train-0.5b 200 python3 -m tidal.cli train --no-progress --preset qwen2.5-0.5b-1gpu --num-rollout 4 --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-0.5b" ;;
     bench-memory) run bench-memory 200 python3 -m tidal.bench.memory --gib ${MEM_GIB:-16} --cycles ${MEM_CYCLES:-5} --disk-dir /var/tmp/tidal-disk ;;
-    bench-sync) run bench-sync 300 python3 -m tidal.bench.weight_sync --model ${SYNC_MODELS:-qwen2.5-0.5b-shape,qwen3-4b-shape} --modes ${SYNC_MODES:-full,delta} --transports tensor --sources backup,device ;;
+    bench-sync) run bench-sync 300 python3 -m tidal.bench.weight_sync --model ${SYNC_MODELS:-qwen2.5-0.5b-shape,qwen3-4b-shape} --modes ${SYNC_MODES:-full,delta} --transports tensor --sources ${SYNC_SOURCES:-backup,device} ${SYNC_ARGS:-} ;;
     bench-rollout) run bench-rollout 200 python3 -m tidal.bench.rollout --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 ;;
     bench-fast) TAIL=20 run bench-fast 300 python3 -m tidal.rollout.fast.bench --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 --varlen-min 16 --varlen-max 1024 --skip-hf-varlen --cases ${FAST_CASES:-fast,fast-eager,fast-tms,fast-varlen,fast-varlen-nocompact} ;;
     bench-memory-preload) run bench-memory-preload 200 python3 -m tidal.bench.memory --gib ${MEM_GIB:-16} --cycles ${MEM_CYCLES:-5} --hook-mode preload --policies release,retain ;;
