@@ -37,7 +37,7 @@ for s in "$@"; do
     bench-memory) run bench-memory 200 python3 -m tidal.bench.memory --gib ${MEM_GIB:-16} --cycles ${MEM_CYCLES:-5} --disk-dir /var/tmp/tidal-disk ;;
     bench-sync) run bench-sync 300 python3 -m tidal.bench.weight_sync --model ${SYNC_MODELS:-qwen2.5-0.5b-shape,qwen3-4b-shape} --modes ${SYNC_MODES:-full,delta} --transports tensor --sources ${SYNC_SOURCES:-backup,device} ${SYNC_ARGS:-} ;;
     bench-rollout) run bench-rollout 200 python3 -m tidal.bench.rollout --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 ;;
-    bench-fast) TAIL=20 run bench-fast 300 python3 -m tidal.rollout.fast.bench --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 --varlen-min 16 --varlen-max 1024 --skip-hf-varlen --cases ${FAST_CASES:-fast,fast-eager,fast-tms,fast-varlen,fast-varlen-nocompact} ;;
+    bench-fast) TAIL=20 run bench-fast 300 python3 -m tidal.rollout.fast.bench --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 --varlen-min 16 --varlen-max 1024 --skip-hf-varlen --cases ${FAST_CASES:-fast,fast-eager,fast-tms,fast-varlen,fast-varlen-nocompact} ${FAST_ARGS:-} ;;
     bench-memory-preload) run bench-memory-preload 200 python3 -m tidal.bench.memory --gib ${MEM_GIB:-16} --cycles ${MEM_CYCLES:-5} --hook-mode preload --policies release,retain ;;
     bench-memory-100) run bench-memory-100 240 python3 -m tidal.bench.memory --gib ${MEM100_GIB:-4} --cycles 100 --policies retain ;;
     bench-trainer) TAIL=45 run bench-trainer 240 python3 -m tidal.bench.trainer --device cuda --model qwen2.5-0.5b-shape --samples 512 --prompt-len 32 --response-len 256 --max-tokens-per-gpu 8192 ${TRAINER_ARGS:---profile} ;;

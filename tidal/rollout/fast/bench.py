@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import logging
 import time
@@ -245,6 +246,8 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
                     del ref
                 extra["mean_logprob"] = sum(sum(x) for x in res.logprobs) / max(1, sum(len(x) for x in res.logprobs))
             line = _line(case, args, dec, res, seconds, peak, hf_tps, **extra)
+            if args.profile == case:
+                _profile(functools.partial(_timed, dec, prompts, **fixed), device)
             if case == "fast":
                 # Release (drops graphs) then generate again: the capture cost a moving memory backend pays.
                 cuda = device.type == "cuda"
@@ -383,8 +386,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated cases to run (fast-recapture comes with fast)",
     )
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--profile", default=None, help="a case whose warm call also runs under torch.profiler (table on stderr)"
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+
+
+def _profile(fn, device: torch.device) -> None:
+    """Run ``fn`` under torch.profiler; print the top operators and kernels by device time to stderr."""
+    import sys
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=30), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:
