@@ -14,6 +14,7 @@ from tidal.algos.losses import (
     masked_mean,
     policy_loss,
     token_logprobs,
+    token_logprobs_and_entropy,
 )
 
 __all__ = [
@@ -28,5 +29,6 @@ __all__ = [
     "masked_mean",
     "policy_loss",
     "token_logprobs",
+    "token_logprobs_and_entropy",
     "zero_variance_groups",
 ]

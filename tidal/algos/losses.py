@@ -20,9 +20,21 @@ normaliser from outside:
 ranks (FSDP2's default), pass ``normalizer=norm / world_size`` so the averaged gradient equals the
 gradient of ``sum / norm``. Without ``normalizer`` the loss is normalised within the given batch.
 
-The log-prob and entropy functions work on ``V``-wide logits in row chunks with hand-written
-backward passes, so a full fp32 ``[B, T, V]`` softmax is never materialised (for a 150k vocabulary
-that tensor is larger than the model's activations).
+Log-probs and entropy
+---------------------
+``token_logprobs_and_entropy`` computes both from ``V``-wide logits in one fused pass per row chunk
+(one max, one exp, one sum give the logsumexp, the target's log-prob and the entropy together) and
+differentiates them with a hand-written backward, one pass per chunk, that adds the entropy term
+only when the entropy carries a gradient (an entropy bonus; otherwise it is a detached metric).
+``token_logprobs`` and ``entropy_from_logits`` are the same kernel with one output. A full fp32
+``[B, T, V]`` softmax is never materialised (for a 150k vocabulary that tensor is larger than the
+model's activations). Pass whole contiguous logits: a ``[:, :-1]`` slice of ``[B, T, V]`` cannot be
+flattened without a copy of the logits.
+
+Chunk size: rows are chosen so that one chunk's transient (two ``[rows, V]`` buffers in fp32, or
+fp64 for fp64 logits) stays within a budget: 512 MiB on CUDA (441 rows at a 152k vocabulary, so a
+micro-batch of 8192 tokens runs in 19 chunks whose kernels are far longer than their launches),
+128 MiB on the host. ``chunk_rows`` overrides it. The scratch buffers are allocated once per call.
 """
 
 from __future__ import annotations
@@ -36,10 +48,13 @@ from torch import Tensor
 AGG_MODES = ("token-mean", "seq-mean-token-mean")
 KL_KINDS = ("k1", "k2", "k3")
 
-# Rows of [N, V] logits handled at once: 4096 rows of a 150k vocabulary in fp32 is 2.4 GB, so a
-# smaller chunk keeps the transient at tens of MB on large vocabularies, while tiny vocabularies
-# still run in one or two chunks.
-_CHUNK_ELEMENTS = 1 << 24
+# Transient memory budget of one row chunk. The fused forward holds two [rows, V] buffers in the
+# compute dtype (shifted logits and their exponentials), so rows = budget / (2 * V * itemsize). On
+# CUDA a large chunk keeps the launches per micro-batch few (at a 152k vocabulary 441 rows of fp32:
+# 19 chunks for 8192 tokens, each chunk's kernels far longer than their launch); on the host a small
+# chunk (2**24 fp32 elements per buffer) keeps the transient at tens of MB.
+_CHUNK_BYTES = {"cuda": 512 << 20}
+_CHUNK_BYTES_DEFAULT = 128 << 20
 
 
 def _compute_dtype(logits: Tensor) -> torch.dtype:
@@ -47,77 +62,202 @@ def _compute_dtype(logits: Tensor) -> torch.dtype:
     return torch.promote_types(logits.dtype, torch.float32)
 
 
-def _rows_per_chunk(vocab: int, chunk_rows: int | None) -> int:
+def _rows_per_chunk(vocab: int, chunk_rows: int | None, device_type: str = "cpu", itemsize: int = 4) -> int:
     if chunk_rows is not None:
         return max(1, chunk_rows)
-    return max(1, _CHUNK_ELEMENTS // max(1, vocab))
+    budget = _CHUNK_BYTES.get(device_type, _CHUNK_BYTES_DEFAULT)
+    return max(1, budget // (2 * itemsize * max(1, vocab)))
 
 
-def _scaled(x: Tensor, dt: torch.dtype, temperature: float) -> Tensor:
-    """x in the compute dtype, divided by the temperature; a view (no copy) when neither applies."""
-    x = x.to(dt)
-    return x if temperature == 1.0 else x / temperature
+def _shifted(x: Tensor, sub: Tensor, inv_t: float, work: Tensor) -> Tensor:
+    """``(x - sub[:, None]) * inv_t`` in ``work``'s dtype, written into ``work``.
+
+    On CUDA one kernel converts and subtracts; on the host a copy then same-dtype in-place ops, several
+    times faster there than a mixed-dtype kernel.
+    """
+    if x.is_cuda:
+        torch.sub(x, sub.unsqueeze(-1), out=work)
+    else:
+        work.copy_(x).sub_(sub.unsqueeze(-1))
+    return work if inv_t == 1.0 else work.mul_(inv_t)
 
 
-class _TokenLogprobs(torch.autograd.Function):
-    """log_softmax(logits / temperature).gather(targets), computed and differentiated in row chunks."""
+def _write(out: Tensor, g: Tensor, scale: Tensor | float) -> None:
+    """``out = g * scale`` in out's dtype (g is scratch and may be overwritten)."""
+    if out.is_cuda:
+        torch.mul(g, scale, out=out)  # the multiply writes the bf16 gradient itself: no separate cast
+    else:
+        out.copy_(g.mul_(scale))
+
+
+def _chunk_forward(
+    x: Tensor, tgt: Tensor, inv_t: float, want_entropy: bool, work: list[Tensor]
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Rows x[r, V] (any float dtype) under softmax(x * inv_t): (log-prob of tgt, shift, entropy or None).
+
+    All three are [r] in the compute dtype. ``shift`` is ``a`` with ``log_softmax(x * inv_t) = (x - a) * inv_t``
+    (``a = temperature * logsumexp(x / temperature)``); the backward rebuilds the probabilities from it.
+    ``work``: one (two with the entropy) scratch buffers of at least [r, V] in the compute dtype. Passes
+    over the chunk: max, shift (the bf16 -> fp32 conversion rides on it), exp, sum, and for the
+    entropy one product-sum: ``H = log s - sum(e * z) / s`` with ``z`` the shifted, scaled logits,
+    ``e = exp(z)`` and ``s = sum(e)``.
+    """
+    r = x.shape[0]
+    m = x.amax(-1).to(work[0].dtype)  # exact in any dtype
+    z = _shifted(x, m, inv_t, work[0][:r])
+    z_tgt = z.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
+    if want_entropy:
+        e = torch.exp(z, out=work[1][:r])
+        s = e.sum(-1)
+        ez = e.mul_(z).sum(-1)
+    else:
+        s = z.exp_().sum(-1)
+    log_s = s.log()
+    ent = log_s - ez / s if want_entropy else None
+    return z_tgt - log_s, m + log_s / inv_t, ent
+
+
+def _chunk_backward(
+    x: Tensor,
+    tgt: Tensor,
+    shift: Tensor,
+    ent: Tensor,
+    g_lp: Tensor | None,
+    g_ent: Tensor | None,
+    inv_t: float,
+    out: Tensor,
+    work: list[Tensor],
+) -> None:
+    """Writes d(sum g_lp * logp + g_ent * H)/dx for rows x[r, V] into ``out`` (x's dtype).
+
+    With p = softmax(x * inv_t) and lp = log p: d logp[tgt]/dx = inv_t (onehot(tgt) - p) and
+    dH/dx = -inv_t p (lp + H). Without an entropy gradient: shift, exp, one scatter and one multiply
+    that writes ``out`` (3 passes). ``work``: scratch like ``_chunk_forward``'s (two with ``g_ent``).
+    """
+    r = x.shape[0]
+    lp = _shifted(x, shift, inv_t, work[0][:r])
+    idx = tgt.unsqueeze(-1)
+    if g_ent is None:
+        p = lp.exp_()
+        p.scatter_add_(-1, idx, torch.full_like(p[:, :1], -1.0))  # p - onehot
+        _write(out, p, (g_lp.to(p.dtype) * -inv_t).unsqueeze(-1))
+        return
+    p = torch.exp(lp, out=work[1][:r])
+    c_h = g_ent.to(p.dtype) * inv_t
+    c_lp = g_lp.to(p.dtype) * inv_t if g_lp is not None else torch.zeros_like(c_h)
+    # grad = c_lp onehot - p (c_h lp + c_lp + c_h H); built negated in lp's buffer
+    g = lp.mul_(c_h.unsqueeze(-1)).add_((c_lp + c_h * ent).unsqueeze(-1)).mul_(p)
+    if g_lp is not None:
+        g.scatter_add_(-1, idx, -c_lp.unsqueeze(-1))
+    _write(out, g, -1.0)
+
+
+class _Chunks:
+    """Runs the chunk kernels of one call with scratch buffers allocated once and shared by all chunks
+    (on the host a fresh buffer per chunk costs more in page faults than the arithmetic)."""
+
+    def __init__(self, logits: Tensor, rows: int, buffers: int):
+        self.shape = (min(rows, logits.shape[0]), logits.shape[1])
+        self.dtype, self.device, self.buffers = _compute_dtype(logits), logits.device, buffers
+        self._work: list[Tensor] | None = None
+
+    def _scratch(self) -> list[Tensor]:
+        if self._work is None:
+            self._work = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.buffers)]
+        return self._work
+
+    def forward(self, x: Tensor, tgt: Tensor, inv_t: float, want_entropy: bool):
+        return _chunk_forward(x, tgt, inv_t, want_entropy, self._scratch())
+
+    def backward(self, x, tgt, shift, ent, g_lp, g_ent, inv_t: float, out: Tensor) -> None:
+        _chunk_backward(x, tgt, shift, ent, g_lp, g_ent, inv_t, out, self._scratch())
+
+
+def _cat(parts: list[Tensor]) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class _LogprobsEntropy(torch.autograd.Function):
+    """(log-prob of targets, entropy) of softmax(logits * inv_t) per row, in row chunks, forward and backward.
+
+    The entropy output is an empty tensor unless ``want_entropy``; it is differentiable only with
+    ``entropy_grad``. Gradients of unused outputs arrive as None and cost nothing.
+    """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, rows: int) -> Tensor:
+    def forward(ctx, logits: Tensor, targets: Tensor, inv_t: float, rows: int, want_entropy: bool, entropy_grad: bool):
         n, dt = logits.shape[0], _compute_dtype(logits)
-        out = torch.empty(n, dtype=dt, device=logits.device)
-        lse = torch.empty(n, dtype=dt, device=logits.device)
-        for s in range(0, n, rows):
-            x = _scaled(logits[s : s + rows], dt, temperature)
-            torch.logsumexp(x, dim=-1, out=lse[s : s + rows])
-            out[s : s + rows] = x.gather(-1, targets[s : s + rows].unsqueeze(-1)).squeeze(-1) - lse[s : s + rows]
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.temperature, ctx.rows = temperature, rows
-        return out
+        if n == 0:
+            logp, shift, ent = (logits.new_empty(0, dtype=dt) for _ in range(3))
+        else:
+            run = _Chunks(logits, rows, 2 if want_entropy else 1)
+            parts = [
+                run.forward(logits[s : s + rows], targets[s : s + rows], inv_t, want_entropy) for s in range(0, n, rows)
+            ]
+            logp, shift = _cat([p[0] for p in parts]), _cat([p[1] for p in parts])
+            ent = _cat([p[2] for p in parts]) if want_entropy else logits.new_empty(0, dtype=dt)
+        ctx.save_for_backward(logits, targets, shift, ent)
+        ctx.inv_t, ctx.rows = inv_t, rows
+        ctx.set_materialize_grads(False)
+        if not (want_entropy and entropy_grad):
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        logits, targets, lse = ctx.saved_tensors
-        t, rows = ctx.temperature, ctx.rows
-        grad = torch.empty_like(logits)
-        for s in range(0, logits.shape[0], rows):
-            # d logp[target] / dx = (onehot(target) - softmax(x / t)) / t, built in place in one buffer.
-            g = _scaled(logits[s : s + rows], lse.dtype, t).sub(lse[s : s + rows].unsqueeze(-1)).exp_().neg_()
-            g.scatter_add_(-1, targets[s : s + rows].unsqueeze(-1), torch.ones_like(g[:, :1]))
-            g.mul_((grad_out[s : s + rows].to(lse.dtype) / t).unsqueeze(-1))
-            grad[s : s + rows] = g
-        return grad, None, None, None
-
-
-class _Entropy(torch.autograd.Function):
-    """Entropy of softmax(logits) per row, computed and differentiated in row chunks."""
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, rows: int) -> Tensor:
-        n, dt = logits.shape[0], _compute_dtype(logits)
-        out = torch.empty(n, dtype=dt, device=logits.device)
-        lse = torch.empty(n, dtype=dt, device=logits.device)
-        for s in range(0, n, rows):
-            x = logits[s : s + rows].to(dt)
-            torch.logsumexp(x, dim=-1, out=lse[s : s + rows])
-            p = x.sub(lse[s : s + rows].unsqueeze(-1)).exp_()
-            # H = lse - sum_i p_i x_i
-            out[s : s + rows] = lse[s : s + rows] - p.mul_(x).sum(-1)
-        ctx.save_for_backward(logits, lse, out)
-        ctx.rows = rows
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        logits, lse, ent = ctx.saved_tensors
+    def backward(ctx, g_lp: Tensor | None, g_ent: Tensor | None):
+        logits, targets, shift, ent = ctx.saved_tensors
+        if (g_lp is None and g_ent is None) or not ctx.needs_input_grad[0]:
+            return None, None, None, None, None, None
         rows = ctx.rows
         grad = torch.empty_like(logits)
+        run = _Chunks(logits, rows, 1 if g_ent is None else 2)
         for s in range(0, logits.shape[0], rows):
-            logp = logits[s : s + rows].to(lse.dtype).sub(lse[s : s + rows].unsqueeze(-1))
-            # dH/dx_j = -p_j (log p_j + H)
-            g = logp.exp().mul_(logp.add_(ent[s : s + rows].unsqueeze(-1))).neg_()
-            grad[s : s + rows] = g.mul_(grad_out[s : s + rows].to(lse.dtype).unsqueeze(-1))
-        return grad, None
+            sl = slice(s, s + rows)
+            run.backward(
+                logits[sl],
+                targets[sl],
+                shift[sl],
+                ent[sl] if g_ent is not None else ent,
+                g_lp[sl] if g_lp is not None else None,
+                g_ent[sl] if g_ent is not None else None,
+                ctx.inv_t,
+                grad[sl],
+            )
+        return grad, None, None, None, None, None
+
+
+def _fused(logits: Tensor, targets: Tensor | None, temperature: float, chunk_rows, want_entropy, entropy_grad):
+    if targets is not None and logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree on [B, T]")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    lead, vocab = logits.shape[:-1], logits.shape[-1]
+    flat = logits.reshape(-1, vocab)  # a view for contiguous logits (pass whole logits, not a [:, :-1] slice)
+    if targets is None:
+        flat_targets = torch.zeros(flat.shape[0], dtype=torch.long, device=logits.device)
+    else:
+        flat_targets = targets.reshape(-1).long()
+    itemsize = torch.finfo(_compute_dtype(logits)).bits // 8
+    rows = _rows_per_chunk(vocab, chunk_rows, logits.device.type, itemsize)
+    lp, ent = _LogprobsEntropy.apply(flat, flat_targets, 1.0 / float(temperature), rows, want_entropy, entropy_grad)
+    return lp.view(lead), (ent.view(lead) if want_entropy else None)
+
+
+def token_logprobs_and_entropy(
+    logits: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    chunk_rows: int | None = None,
+    with_entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """(log-probs[B, T], entropy[B, T]) of softmax(logits[B, T, V] / temperature) in one pass per chunk.
+
+    The log-probs equal ``token_logprobs`` (differentiable); the entropy, in nats, that of the same
+    tempered distribution, from the same max/exp/sum as the log-probs (no second logsumexp). It
+    carries a gradient only with ``with_entropy_grad`` (an entropy bonus); otherwise it is a detached
+    metric and the backward is the log-prob one alone.
+    """
+    return _fused(logits, targets, temperature, chunk_rows, True, with_entropy_grad)
 
 
 def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, chunk_rows: int | None = None) -> Tensor:
@@ -126,20 +266,12 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, ch
     Equals ``log_softmax(logits.float() / temperature, -1).gather(-1, targets[..., None])[..., 0]``
     but only ever holds ``chunk_rows`` rows of fp32 softmax at once, forward and backward.
     """
-    if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree on [B, T]")
-    lead = targets.shape
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_targets = targets.reshape(-1).long()
-    rows = _rows_per_chunk(logits.shape[-1], chunk_rows)
-    return _TokenLogprobs.apply(flat_logits, flat_targets, float(temperature), rows).view(lead)
+    return _fused(logits, targets, temperature, chunk_rows, False, False)[0]
 
 
 def entropy_from_logits(logits: Tensor, chunk_rows: int | None = None) -> Tensor:
     """Entropy[B, T] (fp32 or fp64 like ``token_logprobs``, nats) of softmax(logits[B, T, V]), chunked like ``token_logprobs``."""
-    lead = logits.shape[:-1]
-    flat = logits.reshape(-1, logits.shape[-1])
-    return _Entropy.apply(flat, _rows_per_chunk(logits.shape[-1], chunk_rows)).view(lead)
+    return _fused(logits, None, 1.0, chunk_rows, True, True)[1]
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:

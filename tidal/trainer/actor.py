@@ -15,6 +15,13 @@ Per rollout, ``train(samples, rollout_id)``:
    the token-mean over the whole global batch (``tidal.algos.losses.grpo_loss`` with an external
    normaliser); backward per micro-batch; global-norm clipping; AdamW with the scheduled rate.
 
+Log-probs and the entropy come from one fused pass over each micro-batch's logits
+(``token_logprobs_and_entropy``; the recompute takes the log-probs alone). The loop never waits for
+the device: micro-batches are sent once per rollout (pinned, asynchronous), host-side counts come
+from the host copies, and metric sums, the engine log-prob difference and the grad norms stay on the
+device until one transfer at the end of the rollout (plus one synchronisation after the recompute,
+so ``logprob_recompute_s`` stays a wall-clock time).
+
 Memory: parameters' local shards (WEIGHTS), AdamW moments (OPTIMIZER) and gradients (GRADS) are
 registered with the memory backend and allocated inside its regions; ``pause()`` frees activations
 and cached blocks, destroys the NCCL compute group, then pauses the classes. Weight source:
@@ -65,7 +72,14 @@ def as_dtype(d: str | torch.dtype | None) -> torch.dtype | None:
 
 
 class MicroBatch:
-    """One padded rectangle of sequences on the device, with everything the loss needs ([B, T-1] aligned to targets)."""
+    """One padded rectangle of sequences on the device, with everything the loss needs ([B, T-1] aligned to targets).
+
+    Built once per rollout on the host and sent with a few copies (pinned and asynchronous on CUDA),
+    so the training loop never waits for one. Counts the loop needs on the host (response tokens,
+    engine log-probs, the loss normaliser via ``host_mask``) are taken here, from host tensors.
+    Rows are right-padded: a real token never attends to a pad under causal attention, so the model
+    runs without an attention mask (see ``TrainerActor._token_stats``).
+    """
 
     def __init__(self, samples: list[Sample], idx: list[int], pad_id: int, device: torch.device):
         self.indices = idx
@@ -78,30 +92,40 @@ class MicroBatch:
             rows_ids = [list(s.prompt_ids) + list(s.response_ids) for s in rows]
         width = max(len(r) for r in rows_ids)
         b = len(rows_ids)
-        ids = torch.full((b, width), pad_id, dtype=torch.long)
-        attn = torch.zeros((b, width), dtype=torch.long)
-        mask = torch.zeros((b, width - 1), dtype=torch.bool)
+        # [0] input ids, [1] next ids (the target of every position; pad after the last), [2] attention mask
+        longs = torch.full((3, b, width), pad_id, dtype=torch.long)
+        longs[0] = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows_ids], dtype=torch.long)
+        longs[1, :, :-1] = longs[0, :, 1:]
+        lens = torch.tensor([len(r) for r in rows_ids])
+        longs[2] = torch.arange(width) < lens.unsqueeze(1)
+        # [0] response mask, [1] positions with an engine log-prob
+        flags = torch.zeros((2, b, width - 1), dtype=torch.bool)
         engine_lp = torch.zeros((b, width - 1), dtype=torch.float32)
-        has_engine_lp = torch.zeros((b, width - 1), dtype=torch.bool)
         adv = torch.zeros(b, dtype=torch.float32)
-        for r, seq in enumerate(rows_ids):
-            ids[r, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-            attn[r, : len(seq)] = 1
         for r, s in enumerate(rows):
             p, n = len(s.prompt_ids), len(s.response_ids)
             if n == 0:
                 continue
             # Target position t predicts token t + 1: response tokens p .. p+n-1 are targets p-1 .. p+n-2.
-            mask[r, p - 1 : p - 1 + n] = True
+            flags[0, r, p - 1 : p - 1 + n] = True
             adv[r] = float(s.advantage)
             if len(s.response_logprobs) == n:
                 engine_lp[r, p - 1 : p - 1 + n] = torch.tensor(s.response_logprobs, dtype=torch.float32)
-                has_engine_lp[r, p - 1 : p - 1 + n] = True
-        self.tokens = int(attn.sum())  # real (unpadded) tokens, prompt + response
-        self.input_ids, self.attention_mask = ids.to(device), attn.to(device)
+                flags[1, r, p - 1 : p - 1 + n] = True
+        self.tokens = int(lens.sum()) if not self.empty else 0  # real (unpadded) tokens, prompt + response
+        self.host_mask = flags[0]
+        self.num_response_tokens = int(flags[0].sum())
+        self.num_engine_logprobs = int(flags[1].sum())
+
+        pin = device.type == "cuda"
+        longs, flags, floats = (
+            t.pin_memory() if pin else t for t in (longs, flags, torch.cat([engine_lp, adv.unsqueeze(1)], 1))
+        )
+        longs, flags, floats = (t.to(device, non_blocking=pin) for t in (longs, flags, floats))
+        self.input_ids, self.next_ids, self.attention_mask = longs[0], longs[1], longs[2]
         self.targets = self.input_ids[:, 1:]
-        self.mask, self.advantages = mask.to(device), adv.to(device)
-        self.engine_logprobs, self.has_engine_logprobs = engine_lp, has_engine_lp
+        self.mask, self.has_engine_logprobs = flags[0], flags[1]
+        self.engine_logprobs, self.advantages = floats[:, :-1], floats[:, -1]
         self.old_logprobs: torch.Tensor | None = None
         self.ref_logprobs: torch.Tensor | None = None
 
@@ -283,9 +307,30 @@ class TrainerActor:
         return [local_shard(p.grad) for p in self.params if p.grad is not None]
 
     # ---- training -----------------------------------------------------------------------------
-    def _forward_logits(self, model, mb: MicroBatch) -> torch.Tensor:
-        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
-        return out.logits[:, :-1]
+    def _token_stats(
+        self, model, mb: MicroBatch, *, entropy: bool = False, entropy_grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs [B, T-1] of ``mb``'s targets under ``model`` and, with ``entropy``, the entropy [B, T-1]
+        from the same pass over the logits (``tidal.algos.losses.token_logprobs_and_entropy``).
+
+        No attention mask: rows are right-padded, so causal attention already keeps every real token
+        from seeing a pad and the positions of real tokens are 0, 1, ... either way; without a mask
+        SDPA takes its causal kernel and transformers neither builds a [B, 1, T, T] mask nor reads
+        the padding mask on the host. The log-probs of all T positions are computed on the whole
+        (contiguous) logits, the last one against a pad and dropped: cheaper than flattening a
+        ``[:, :-1]`` slice, which copies the logits.
+        """
+        from tidal.algos.losses import token_logprobs, token_logprobs_and_entropy
+
+        logits = model(input_ids=mb.input_ids, use_cache=False).logits
+        if entropy:
+            logp, ent = token_logprobs_and_entropy(logits, mb.next_ids, with_entropy_grad=entropy_grad)
+            return logp[:, :-1], ent[:, :-1]
+        return token_logprobs(logits, mb.next_ids)[:, :-1], None
+
+    def _sync(self) -> None:
+        if self.device_type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _check_samples(self, samples: list[Sample]) -> None:
         vocab = int(self.model.config.vocab_size)
@@ -318,7 +363,11 @@ class TrainerActor:
         return out
 
     def _train(self, samples: list[Sample], rollout_id: int) -> dict:
-        from tidal.algos.losses import LossInputs, entropy_from_logits, grpo_loss, token_logprobs
+        """One rollout. Nothing here waits for the device until the end: metric sums, the engine
+        log-prob difference and the grad norms stay device tensors and come to the host in one
+        ``tolist()``; host-side counts come from ``MicroBatch``. (One synchronisation after the
+        recompute keeps ``logprob_recompute_s`` a wall-clock figure.)"""
+        from tidal.algos.losses import LossInputs, grpo_loss, loss_normalizer
 
         self.residency.require_active("train")
         t0 = time.perf_counter()
@@ -336,44 +385,38 @@ class TrainerActor:
 
         # 1. Old (and reference) log-probs with the weights before any update of this rollout.
         self.model.train()
-        lp_abs_diff, lp_count = 0.0, 0
+        lp_abs_diff = torch.zeros((), dtype=torch.float32, device=self.device)
+        lp_count = 0
         with torch.no_grad():
             for mbs in steps:
                 for mb in mbs:
-                    logits = self._forward_logits(self.model, mb)
-                    mb.old_logprobs = token_logprobs(logits, mb.targets).float()
-                    del logits
+                    mb.old_logprobs = self._token_stats(self.model, mb)[0].float()
                     if self.ref_model is not None:
-                        mb.ref_logprobs = token_logprobs(self._forward_logits(self.ref_model, mb), mb.targets).float()
-                    sel = mb.has_engine_logprobs
-                    if sel.any():
-                        diff = (mb.old_logprobs.cpu()[sel] - mb.engine_logprobs[sel]).abs()
-                        lp_abs_diff += float(diff.sum())
-                        lp_count += int(sel.sum())
-
+                        mb.ref_logprobs = self._token_stats(self.ref_model, mb)[0].float()
+                    if mb.num_engine_logprobs:
+                        diff = (mb.old_logprobs - mb.engine_logprobs).abs()
+                        lp_abs_diff += torch.where(mb.has_engine_logprobs, diff, 0.0).sum()
+                        lp_count += mb.num_engine_logprobs
+        self._sync()
         recompute_s = time.perf_counter() - t0
         optimizer_s = 0.0
 
-        # 2. Optimizer steps.
-        sums = dict.fromkeys(("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio_mean"), 0.0)
-        tok_total, tokens_all, grad_norms, lr = 0.0, 0, [], 0.0
+        # 2. Optimizer steps. Per micro-batch: [loss_sum / global_norm, then mean * tokens of each key].
+        keys = ("pg_loss", "kl", "entropy", "clipfrac", "ratio_mean")
+        sums = torch.zeros(1 + len(keys), dtype=torch.float32, device=self.device)
+        tok_total, tokens_all, grad_norms, lr = 0, 0, [], 0.0
         agg = self.algo.loss_agg_mode
-        from tidal.algos.losses import loss_normalizer
-
+        entropy_grad = self.algo.entropy_coef != 0.0
         for mbs in steps:
-            local_norm = sum(float(loss_normalizer(mb.mask, agg)) for mb in mbs)
+            local_norm = sum(float(loss_normalizer(mb.host_mask, agg)) for mb in mbs)  # host tensors: no sync
             (global_norm,) = self.groups.all_reduce_host([local_norm])
             global_norm = max(global_norm, 1.0)
             # FSDP2 averages gradients over ranks, so each rank's share is scaled back by world_size.
             normalizer = global_norm / self.world_size
             for mb in mbs:
-                logits = self._forward_logits(self.model, mb)
-                logprobs = token_logprobs(logits, mb.targets)
-                if self.algo.entropy_coef != 0.0:
-                    ent = entropy_from_logits(logits)
-                else:
-                    with torch.no_grad():
-                        ent = entropy_from_logits(logits.detach())
+                # The current policy's entropy comes from the same pass as the log-probs: a gradient
+                # only for an entropy bonus, otherwise a detached metric.
+                logprobs, ent = self._token_stats(self.model, mb, entropy=True, entropy_grad=entropy_grad)
                 inputs = LossInputs(
                     logprobs=logprobs,
                     old_logprobs=mb.old_logprobs,
@@ -385,19 +428,17 @@ class TrainerActor:
                 loss, m = grpo_loss(inputs, self.algo, normalizer=normalizer)
                 with self.memory.region(StateClass.GRADS):
                     loss.backward()
-                del logits, logprobs, ent, loss
-                n = float(m["num_tokens"])
+                del logprobs, ent, loss
+                n = mb.num_response_tokens
                 tok_total += n
                 tokens_all += 0 if mb.empty else mb.tokens
-                sums["loss"] += float(m["loss_sum"]) / global_norm
-                for k in ("pg_loss", "kl", "entropy", "clipfrac", "ratio_mean"):
-                    if k in m:
-                        sums[k] += float(m[k]) * n
+                zero = m["loss_sum"].new_zeros(())
+                sums += torch.stack([m["loss_sum"] / global_norm, *(m[k] * n if k in m else zero for k in keys)])
             max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm=max_norm)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
-            grad_norms.append(float(grad_norm))
+            grad_norms.append(grad_norm.detach().float().reshape(()))
             lr = self.schedule.apply(self.optimizer)
             t_opt = time.perf_counter()
             with self.memory.region(StateClass.OPTIMIZER):
@@ -408,15 +449,11 @@ class TrainerActor:
 
         for mod in self._fsdp_modules():
             mod.reshard()  # the root keeps its all-gathered parameters after forward; free them
+        # The one device -> host transfer of the rollout.
+        host = torch.cat([sums, lp_abs_diff.reshape(1), *(g.to(sums.device).reshape(1) for g in grad_norms)]).tolist()
+        sums_host, lp_abs_diff, grad_norms = host[: len(sums)], host[len(sums)], host[len(sums) + 1 :]
         red = self.groups.all_reduce_host(
-            [
-                sums["loss"],
-                *(sums[k] for k in ("pg_loss", "kl", "entropy", "clipfrac", "ratio_mean")),
-                tok_total,
-                float(tokens_all),
-                lp_abs_diff,
-                float(lp_count),
-            ]
+            [*sums_host, float(tok_total), float(tokens_all), lp_abs_diff, float(lp_count)]
         )
         loss_sum, pg, kl, ent, clip, ratio, tok_total, tokens_all, lp_abs_diff, lp_count = red
         train_s = time.perf_counter() - t0

@@ -1,0 +1,129 @@
+"""The fused log-prob + entropy kernel (``token_logprobs_and_entropy``) against hand values and log_softmax.
+
+Every check runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tidal.algos import entropy_from_logits, losses, token_logprobs, token_logprobs_and_entropy
+
+
+def _reference(logits, targets, temperature=1.0):
+    """Plain log_softmax over the whole vocabulary: (log-prob of targets, entropy)."""
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, -1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def test_hand_values_with_and_without_temperature():
+    # logits [0, ln 3]: p = [1/4, 3/4]; logp(1) = ln .75 = -0.287682,
+    # H = -(.25 ln .25 + .75 ln .75) = 0.346574 + 0.215762 = 0.562335.
+    # temperature 2: logits / 2 = [0, ln 3 / 2], p = [1, sqrt 3] / (1 + sqrt 3) = [0.366025, 0.633975];
+    # logp(0) = ln 0.366025 = -1.005053, H = 0.366025 * 1.005053 + 0.633975 * 0.455746 = 0.656806.
+    logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])
+    targets = torch.tensor([[1, 0]])
+    lp, ent = token_logprobs_and_entropy(logits, targets)
+    assert torch.allclose(lp, torch.tensor([[-0.287682, -1.386294]]), atol=1e-6)
+    assert torch.allclose(ent, torch.tensor([[0.562335, 0.562335]]), atol=1e-6)
+    lp2, ent2 = token_logprobs_and_entropy(logits, targets, temperature=2.0)
+    assert torch.allclose(lp2, torch.tensor([[-0.455746, -1.005053]]), atol=1e-6)
+    assert torch.allclose(ent2, torch.tensor([[0.656806, 0.656806]]), atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_rows", [None, 1, 4, 100])
+def test_forward_and_backward_match_log_softmax(temperature, chunk_rows):
+    torch.manual_seed(2)
+    logits = (torch.randn(3, 7, 50) * 4).requires_grad_()
+    targets = torch.randint(0, 50, (3, 7))
+    ref_lp, ref_ent = _reference(logits, targets, temperature)
+    lp, ent = token_logprobs_and_entropy(
+        logits, targets, temperature=temperature, chunk_rows=chunk_rows, with_entropy_grad=True
+    )
+    assert lp.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-6, atol=2e-6)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-6, atol=2e-6)
+    w, u = torch.randn(3, 7), torch.randn(3, 7)
+    for weights in ((w, None), (None, u), (w, u)):  # log-prob only, entropy only, both
+
+        def objective(a, b, weights=weights):
+            return sum((x * c).sum() for x, c in zip((a, b), weights, strict=True) if c is not None)
+
+        (g_ref,) = torch.autograd.grad(objective(ref_lp, ref_ent), logits, retain_graph=True)
+        (g,) = torch.autograd.grad(objective(lp, ent), logits, retain_graph=True)
+        torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_gradcheck_float64(temperature):
+    torch.manual_seed(3)
+    x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 6, (2, 5))
+    # chunk_rows=3 leaves a short last chunk (10 rows = 3 + 3 + 3 + 1)
+    assert torch.autograd.gradcheck(
+        lambda x: token_logprobs_and_entropy(x, t, temperature=temperature, chunk_rows=3, with_entropy_grad=True),
+        (x,),
+    )
+    assert torch.autograd.gradcheck(lambda x: token_logprobs_and_entropy(x, t, temperature, 3)[0], (x,))
+    assert torch.autograd.gradcheck(lambda x: token_logprobs(x, t, temperature=temperature, chunk_rows=4), (x,))
+
+
+def test_entropy_is_a_detached_metric_unless_asked():
+    torch.manual_seed(4)
+    logits = torch.randn(2, 3, 9, requires_grad=True)
+    targets = torch.randint(0, 9, (2, 3))
+    lp, ent = token_logprobs_and_entropy(logits, targets)
+    assert lp.requires_grad and not ent.requires_grad
+    # Same log-probs and the same gradient as the log-prob-only function.
+    lp_only = token_logprobs(logits, targets)
+    assert torch.equal(lp, lp_only)
+    (g1,) = torch.autograd.grad(lp.sum(), logits)
+    (g2,) = torch.autograd.grad(lp_only.sum(), logits)
+    assert torch.equal(g1, g2)
+    assert torch.equal(ent, entropy_from_logits(logits))
+    _, ent_g = token_logprobs_and_entropy(logits, targets, with_entropy_grad=True)
+    assert ent_g.requires_grad
+
+
+def test_bf16_logits_fp32_results_bf16_gradient():
+    torch.manual_seed(5)
+    xb = (torch.randn(2, 4, 33) * 3).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, 33, (2, 4))
+    lp, ent = token_logprobs_and_entropy(xb, t, with_entropy_grad=True)
+    ref_lp, ref_ent = _reference(xb.detach().float().requires_grad_(), t)
+    assert lp.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-6, atol=1e-6)
+    (lp.sum() + ent.sum()).backward()
+    assert xb.grad.dtype == torch.bfloat16 and torch.isfinite(xb.grad.float()).all()
+
+
+def test_sliced_logits_and_empty_input():
+    torch.manual_seed(6)
+    full = torch.randn(3, 5, 11)
+    targets = torch.randint(0, 11, (3, 4))
+    lp, ent = token_logprobs_and_entropy(full[:, :-1], targets)  # non-contiguous: copied, still right
+    ref_lp, ref_ent = _reference(full[:, :-1], targets)
+    torch.testing.assert_close(lp, ref_lp)
+    torch.testing.assert_close(ent, ref_ent)
+    lp0, ent0 = token_logprobs_and_entropy(
+        torch.zeros(0, 3, 11, requires_grad=True), torch.zeros(0, 3, dtype=torch.long)
+    )
+    assert lp0.shape == ent0.shape == (0, 3)
+    with pytest.raises(ValueError, match="disagree"):
+        token_logprobs_and_entropy(full, targets)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs_and_entropy(full[:, :-1], targets, temperature=0.0)
+
+
+def test_chunk_size_from_a_memory_budget():
+    # Two fp32 buffers per chunk: 512 MiB on CUDA, 128 MiB on the host (2**24 elements per buffer).
+    assert losses._rows_per_chunk(151936, None, "cuda") == (512 << 20) // (8 * 151936) == 441
+    assert losses._rows_per_chunk(151936, None, "cpu") == (1 << 24) // 151936 == 110
+    assert losses._rows_per_chunk(151936, None, "cpu", itemsize=8) == 55
+    assert losses._rows_per_chunk(10, None, "cpu") == (1 << 24) // 10
+    assert losses._rows_per_chunk(10, 7, "cuda") == 7

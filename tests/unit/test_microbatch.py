@@ -1,0 +1,57 @@
+"""The trainer's micro-batch on the host: tensor layout, host-side counts, and why no attention mask is needed.
+
+Hand-made samples; the model check uses the tiny preset on the CPU (no Ray, no process group).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tidal.algos.losses import loss_normalizer, token_logprobs
+from tidal.rollout.types import Sample
+from tidal.trainer.actor import MicroBatch
+
+
+def _samples() -> list[Sample]:
+    return [
+        # prompt [5, 6], response [7, 8, 9]: targets at positions 1, 2, 3; engine log-probs given
+        Sample(index=0, group=0, prompt="", prompt_ids=[5, 6], response_ids=[7, 8, 9], advantage=1.5,
+               response_logprobs=[-0.1, -0.2, -0.3]),
+        # prompt [10], response [11]: target at position 0; no engine log-probs
+        Sample(index=1, group=0, prompt="", prompt_ids=[10], response_ids=[11], advantage=-0.5),
+    ]  # fmt: skip
+
+
+def test_layout_and_host_counts():
+    mb = MicroBatch(_samples(), [0, 1], pad_id=0, device=torch.device("cpu"))
+    assert mb.input_ids.tolist() == [[5, 6, 7, 8, 9], [10, 11, 0, 0, 0]]
+    assert mb.next_ids.tolist() == [[6, 7, 8, 9, 0], [11, 0, 0, 0, 0]]  # target of every position
+    assert mb.targets.tolist() == [[6, 7, 8, 9], [11, 0, 0, 0]]
+    assert mb.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert mb.mask.tolist() == [[False, True, True, True], [True, False, False, False]]
+    assert mb.has_engine_logprobs.tolist() == [[False, True, True, True], [False] * 4]
+    assert torch.allclose(mb.engine_logprobs, torch.tensor([[0.0, -0.1, -0.2, -0.3], [0.0] * 4]))
+    assert mb.advantages.tolist() == [1.5, -0.5]
+    assert (mb.tokens, mb.num_response_tokens, mb.num_engine_logprobs) == (7, 4, 3)
+    assert torch.equal(mb.host_mask, mb.mask.cpu())
+    assert float(loss_normalizer(mb.host_mask, "seq-mean-token-mean")) == 2.0
+    filler = MicroBatch(_samples(), [], pad_id=0, device=torch.device("cpu"))
+    assert filler.empty and filler.num_response_tokens == 0 and not filler.mask.any()
+
+
+def test_right_padded_rows_need_no_attention_mask():
+    # Causal attention: a real token only sees earlier positions, all real in a right-padded row, and
+    # positions count from 0 either way. So the log-probs of real targets are the same without the mask.
+    from tidal.model.load import build_model, resolve_model
+
+    model = build_model(resolve_model("tiny"), seed=0)
+    mb = MicroBatch(_samples(), [0, 1], pad_id=0, device=torch.device("cpu"))
+    with torch.no_grad():
+        masked = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+        plain = model(input_ids=mb.input_ids).logits
+        alone = model(input_ids=mb.input_ids[1:, :2]).logits  # row 1 without its padding
+    lp_masked = token_logprobs(masked, mb.next_ids)[:, :-1]
+    lp_plain = token_logprobs(plain, mb.next_ids)[:, :-1]
+    real = mb.mask
+    torch.testing.assert_close(lp_plain[real], lp_masked[real], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(plain[1, :2], alone[0], rtol=1e-6, atol=1e-6)
