@@ -1,6 +1,7 @@
 """The fused log-prob + entropy kernel (``token_logprobs_and_entropy``) against hand values and log_softmax.
 
-Every check runs on the CPU.
+Every check runs on the CPU (eager chunk kernels); the compiled CUDA path is checked against these
+eager kernels in ``tests/gpu/test_logprobs_gpu.py``.
 """
 
 from __future__ import annotations
@@ -120,10 +121,36 @@ def test_sliced_logits_and_empty_input():
         token_logprobs_and_entropy(full[:, :-1], targets, temperature=0.0)
 
 
-def test_chunk_size_from_a_memory_budget():
+def test_chunk_size_from_a_memory_budget_and_no_compile_on_cpu():
     # Two fp32 buffers per chunk: 512 MiB on CUDA, 128 MiB on the host (2**24 elements per buffer).
     assert losses._rows_per_chunk(151936, None, "cuda") == (512 << 20) // (8 * 151936) == 441
     assert losses._rows_per_chunk(151936, None, "cpu") == (1 << 24) // 151936 == 110
     assert losses._rows_per_chunk(151936, None, "cpu", itemsize=8) == 55
     assert losses._rows_per_chunk(10, None, "cpu") == (1 << 24) // 10
     assert losses._rows_per_chunk(10, 7, "cuda") == 7
+    assert not losses._compile_available(torch.device("cpu"))
+    x = torch.randn(4, 8, requires_grad=True)
+    token_logprobs_and_entropy(x, torch.zeros(4, dtype=torch.long))[0].sum().backward()
+    assert losses._compiled == {}  # the CPU never builds a compiled kernel
+
+
+@pytest.mark.parametrize("inv_t", [1.0, 1 / 0.7])
+def test_out_of_place_kernels_for_compile_match_the_eager_ones(inv_t):
+    # The CUDA path compiles _chunk_*_fused; run uncompiled here, they must equal the in-place kernels.
+    torch.manual_seed(7)
+    x = (torch.randn(5, 40) * 3).to(torch.bfloat16)
+    tgt = torch.randint(0, 40, (5,))
+    work = [torch.empty(8, 40), torch.empty(8, 40)]
+    for want in (False, True):
+        eager = losses._chunk_forward(x, tgt, inv_t, want, work)
+        fused = losses._chunk_forward_fused(x, tgt, inv_t, want)
+        for a, b in zip(eager, fused, strict=True):
+            assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, rtol=1e-6, atol=1e-6))
+    _, shift, ent = losses._chunk_forward(x, tgt, inv_t, True, work)
+    g_lp, g_ent = torch.randn(5), torch.randn(5)
+    for gl, ge in ((g_lp, None), (None, g_ent), (g_lp, g_ent)):
+        out_e, out_f = torch.empty_like(x), torch.empty_like(x)
+        losses._chunk_backward(x, tgt, shift, ent, gl, ge, inv_t, out_e, work)
+        losses._chunk_backward_fused(x, tgt, shift, ent, gl, ge, inv_t, out_f)
+        # both round the same fp32 gradient to bf16: at most one bf16 step apart
+        torch.testing.assert_close(out_e.float(), out_f.float(), rtol=8e-3, atol=1e-6)

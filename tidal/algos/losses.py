@@ -35,15 +35,25 @@ Chunk size: rows are chosen so that one chunk's transient (two ``[rows, V]`` buf
 fp64 for fp64 logits) stays within a budget: 512 MiB on CUDA (441 rows at a 152k vocabulary, so a
 micro-batch of 8192 tokens runs in 19 chunks whose kernels are far longer than their launches),
 128 MiB on the host. ``chunk_rows`` overrides it. The scratch buffers are allocated once per call.
+
+On CUDA with triton, the per-chunk forward and backward run through ``torch.compile`` (dynamic
+rows; the backward becomes one kernel that reads bf16 logits and writes the bf16 gradient); any
+compile error logs one line and falls back to the eager kernels for good. Set
+``TIDAL_COMPILE_LOSSES=0`` to always use the eager kernels. The host never compiles.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean")
 KL_KINDS = ("k1", "k2", "k3")
@@ -152,9 +162,80 @@ def _chunk_backward(
     _write(out, g, -1.0)
 
 
+def _chunk_forward_fused(
+    x: Tensor, tgt: Tensor, inv_t: float, want_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``_chunk_forward`` written out of place without scratch, for torch.compile to fuse."""
+    dt = _compute_dtype(x)
+    m = x.amax(-1).to(dt)
+    z = (x.to(dt) - m.unsqueeze(-1)) * inv_t
+    e = z.exp()
+    s = e.sum(-1)
+    log_s = s.log()
+    lp = z.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - log_s
+    ent = log_s - (e * z).sum(-1) / s if want_entropy else None
+    return lp, m + log_s / inv_t, ent
+
+
+def _chunk_backward_fused(
+    x: Tensor,
+    tgt: Tensor,
+    shift: Tensor,
+    ent: Tensor,
+    g_lp: Tensor | None,
+    g_ent: Tensor | None,
+    inv_t: float,
+    out: Tensor,
+) -> None:
+    """``_chunk_backward`` written out of place (one-hot by comparison), for torch.compile to fuse into one kernel."""
+    dt = shift.dtype
+    lp = (x.to(dt) - shift.unsqueeze(-1)) * inv_t
+    p = lp.exp()
+    onehot = (torch.arange(x.shape[-1], device=x.device) == tgt.unsqueeze(-1)).to(dt)
+    if g_ent is None:
+        g = (onehot - p) * (g_lp.to(dt) * inv_t).unsqueeze(-1)
+    else:
+        c_h = (g_ent.to(dt) * inv_t).unsqueeze(-1)
+        g = -p * (c_h * lp + c_h * ent.unsqueeze(-1))
+        if g_lp is not None:
+            c_lp = (g_lp.to(dt) * inv_t).unsqueeze(-1)
+            g = g + c_lp * (onehot - p)
+    out.copy_(g)
+
+
+# torch.compile'd chunk kernels (CUDA with triton only); built on first use, dropped for good after an error.
+_COMPILE_ENV = "TIDAL_COMPILE_LOSSES"
+_compiled: dict[str, Any] = {}
+_compile_off: str | None = None
+
+
+def _compile_available(device: torch.device) -> bool:
+    """Whether chunks on ``device`` go through torch.compile: CUDA, triton importable, not switched off."""
+    if device.type != "cuda" or _compile_off is not None:
+        return False
+    if os.environ.get(_COMPILE_ENV, "1") == "0":
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
+def _disable_compile(exc: BaseException) -> None:
+    global _compile_off
+    _compile_off = f"{type(exc).__name__}: {exc}"
+    log.warning("log-prob kernels: torch.compile failed, using the eager kernels from now on (%s)", _compile_off)
+
+
+def _compiled_fn(name: str):
+    if name not in _compiled:
+        fn = {"forward": _chunk_forward_fused, "backward": _chunk_backward_fused}[name]
+        # A micro-batch's last chunk has fewer rows than the others: compile for dynamic rows at once.
+        _compiled[name] = torch.compile(fn, dynamic=True)
+    return _compiled[name]
+
+
 class _Chunks:
-    """Runs the chunk kernels of one call with scratch buffers allocated once and shared by all chunks
-    (on the host a fresh buffer per chunk costs more in page faults than the arithmetic)."""
+    """Runs the chunk kernels of one call: compiled where ``_compile_available``, else eager with
+    scratch buffers allocated once and shared by all chunks (on the host a fresh buffer per chunk
+    costs more in page faults than the arithmetic)."""
 
     def __init__(self, logits: Tensor, rows: int, buffers: int):
         self.shape = (min(rows, logits.shape[0]), logits.shape[1])
@@ -167,9 +248,20 @@ class _Chunks:
         return self._work
 
     def forward(self, x: Tensor, tgt: Tensor, inv_t: float, want_entropy: bool):
+        if _compile_available(x.device):
+            try:
+                return _compiled_fn("forward")(x, tgt, inv_t, want_entropy)
+            except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to eager
+                _disable_compile(exc)
         return _chunk_forward(x, tgt, inv_t, want_entropy, self._scratch())
 
     def backward(self, x, tgt, shift, ent, g_lp, g_ent, inv_t: float, out: Tensor) -> None:
+        if _compile_available(x.device):
+            try:
+                _compiled_fn("backward")(x, tgt, shift, ent, g_lp, g_ent, inv_t, out)
+                return
+            except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to eager
+                _disable_compile(exc)
         _chunk_backward(x, tgt, shift, ent, g_lp, g_ent, inv_t, out, self._scratch())
 
 
