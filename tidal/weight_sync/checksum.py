@@ -2,6 +2,10 @@
 
 Dtype-blind: a tensor is hashed as its contiguous bytes, so two tensors hash equal exactly when they
 are bitwise equal (up to hash collisions of a 128-bit hash).
+
+xxh3-128 of a buffer over 64 KiB goes through a hasher object's ``update``, which releases the GIL
+(python-xxhash's one-shot functions hold it), so chunks hash on every core at once; the digest is
+the same as the one-shot's.
 """
 
 from __future__ import annotations
@@ -22,8 +26,16 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+# Above this size xxhash's ``update`` runs without the GIL (python-xxhash releases it past 64 KiB).
+_GIL_FREE_BYTES = 1 << 16
+
+
 def checksum_bytes(buf, algo: str = "xxh3-128") -> str:
     if algo == "xxh3-128":
+        if memoryview(buf).nbytes > _GIL_FREE_BYTES:
+            h = xxhash.xxh3_128()
+            h.update(buf)
+            return h.hexdigest()
         return xxhash.xxh3_128_hexdigest(buf)
     if algo == "adler32":
         return f"{zlib.adler32(buf) & 0xFFFFFFFF:08x}"

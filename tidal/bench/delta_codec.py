@@ -1,0 +1,241 @@
+"""Benchmark of the delta codec alone: encode and apply GB/s on a bf16 model's bytes, next to memcpy.
+
+    python -m tidal.bench.delta_codec                       # 1 GiB, Qwen2.5-0.5B tensor sizes, all cores
+    python -m tidal.bench.delta_codec --mib 256 --threads 2 --encoding xor
+
+The buffer is a model's worth of bf16 tensors (Qwen2.5-0.5B sizes: the 272 MB embedding, then 24
+layers of attention and MLP weights, biases and norms, repeated or cut to ``--mib``). Old weights are
+``N(0, 0.02)`` fp32 rounded to bf16; the update is an Adam-like step of the same size on every
+weight in the direction of a random sign, applied to the fp32 master and rounded to bf16 again, with
+the step size found by bisection so that ``--density`` of the bytes change. That reproduces a real
+update: ``--density tiny-rl`` runs 3 GRPO-like AdamW steps (lr 1e-6, ``SyncSource.rl_steps``) on the
+tiny preset and uses the density they give (3.2 %: 99 % of the changed bytes are bf16 low bytes, 23 %
+of 8-byte words change, as in the Qwen2.5-0.5B-shape update of ``tidal bench weight-sync``).
+
+Encode is ``DeltaState``'s path: every tensor submitted to the pool chunk by chunk, with the xxh3-128
+checksum of every chunk, results taken in order; the snapshot is reset to the old bytes (untimed)
+before each repetition. Apply is the receiver's path: ``apply_many`` over all tensors at once into a
+copy of the old bytes, returning each tensor's checksum. GB/s count the bytes of the full tensors.
+Each repetition's result is checked bitwise against the new bytes and the checksums against the
+encoder's. ``memcpy_gbps`` is ``np.copyto`` of the whole buffer in the same run, on one thread and
+chunked over the same pool. Prints one JSON line; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+# Qwen2.5-0.5B: hidden 896, intermediate 4864, 24 layers, 14 query heads and 2 key/value heads of 64, vocab 151936.
+_HIDDEN, _INTER, _KV, _VOCAB, _LAYERS = 896, 4864, 128, 151936, 24
+_LAYER = [
+    _HIDDEN,  # input norm
+    _HIDDEN * _HIDDEN,  # q
+    _HIDDEN,
+    _KV * _HIDDEN,  # k
+    _KV,
+    _KV * _HIDDEN,  # v
+    _KV,
+    _HIDDEN * _HIDDEN,  # o
+    _HIDDEN,  # post-attention norm
+    _INTER * _HIDDEN,  # gate
+    _INTER * _HIDDEN,  # up
+    _HIDDEN * _INTER,  # down
+]
+
+
+def layout(total_bytes: int) -> list[int]:
+    """Element counts of bf16 tensors shaped like Qwen2.5-0.5B's, in order, adding up to about ``total_bytes``."""
+    sizes, used = [], 0
+    if _VOCAB * _HIDDEN * 2 <= total_bytes:
+        sizes.append(_VOCAB * _HIDDEN)
+        used = _VOCAB * _HIDDEN * 2
+    while True:
+        for n in _LAYER:
+            if used + 2 * n > total_bytes:
+                return sizes or [total_bytes // 2]
+            sizes.append(n)
+            used += 2 * n
+
+
+def _bf16_pair(master: torch.Tensor, direction: torch.Tensor, step: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return master.to(torch.bfloat16), (master - step * direction).to(torch.bfloat16)
+
+
+def calibrate(density: float, seed: int = 0) -> float:
+    """The Adam-like step size (relative to nothing: weights are N(0, 0.02)) that changes ``density`` of bf16 bytes."""
+    g = torch.Generator().manual_seed(seed)
+    master = torch.randn(1 << 20, generator=g) * 0.02
+    direction = torch.randint(0, 2, master.shape, generator=g).float().mul_(2).sub_(1)
+    lo, hi = 0.0, 1e-3
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        old, new = _bf16_pair(master, direction, mid)
+        got = float((old.view(torch.uint8) != new.view(torch.uint8)).float().mean())
+        lo, hi = (mid, hi) if got < density else (lo, mid)
+    return (lo + hi) / 2
+
+
+def tiny_rl_density(steps: int = 3) -> float:
+    """Byte density of a real update: ``steps`` GRPO-like AdamW steps (lr 1e-6) on the tiny preset, bf16."""
+    import types
+
+    from tidal.bench.weight_sync import SyncSource
+    from tidal.model.load import build_model, resolve_model
+
+    model = build_model(resolve_model("tiny"), dtype=torch.float32, seed=1234)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.99), weight_decay=0.0)
+    before = [p.detach().to(torch.bfloat16).reshape(-1).view(torch.uint8).clone() for p in model.parameters()]
+    SyncSource.rl_steps(types.SimpleNamespace(model=model, opt=opt, _host=None), steps)
+    changed = total = 0
+    for b, p in zip(before, model.parameters()):
+        a = p.detach().to(torch.bfloat16).reshape(-1).view(torch.uint8)
+        changed += int((a != b).sum())
+        total += a.numel()
+    return changed / total
+
+
+def make_model(total_bytes: int, density: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
+    """(old bytes, new bytes, [(offset, nbytes)] of each tensor): one contiguous buffer each, tensors 64-byte aligned."""
+    sizes = layout(total_bytes)
+    spans, off = [], 0
+    for n in sizes:
+        spans.append((off, 2 * n))
+        off += -(-2 * n // 64) * 64
+    old = np.zeros(off, dtype=np.uint8)
+    new = np.zeros(off, dtype=np.uint8)
+    step = calibrate(density, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    piece = 1 << 24  # elements generated at a time, to bound the fp32 temporaries
+    for a, nbytes in spans:
+        n = nbytes // 2
+        o16 = torch.from_numpy(old[a : a + nbytes]).view(torch.bfloat16)
+        n16 = torch.from_numpy(new[a : a + nbytes]).view(torch.bfloat16)
+        for s in range(0, n, piece):
+            e = min(n, s + piece)
+            master = torch.randn(e - s, generator=g) * 0.02
+            direction = torch.randint(0, 2, (e - s,), generator=g).float().mul_(2).sub_(1)
+            o, nw = _bf16_pair(master, direction, step)
+            o16[s:e] = o
+            n16[s:e] = nw
+    return old, new, spans
+
+
+def memcpy_gbps(src: np.ndarray, threads: int, reps: int = 3) -> dict[str, float]:
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in
+    out = {}
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        np.copyto(dst, src)
+    out["1"] = src.size * reps / (time.perf_counter() - t0) / 1e9
+    step = 4 << 20
+    with ThreadPoolExecutor(threads) as ex:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            list(ex.map(lambda a: np.copyto(dst[a : a + step], src[a : a + step]), range(0, src.size, step)))
+        out[str(threads)] = src.size * reps / (time.perf_counter() - t0) / 1e9
+    return out
+
+
+def set_threads(codec, threads: int) -> None:
+    if hasattr(codec, "set_threads"):
+        codec.set_threads(threads)
+    else:  # an older copy of the codec, for A/B runs
+        codec._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tidal-delta")
+
+
+def run(args) -> dict:
+    codec = importlib.import_module(args.codec)
+    if args.chunk_mib:
+        codec.CHUNK = int(args.chunk_mib * 1024**2)
+    threads = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    density = tiny_rl_density() if args.density == "tiny-rl" else float(args.density)
+    t0 = time.perf_counter()
+    cached = os.path.join(args.cache, f"delta-codec-{args.mib}-{density:.6f}-{args.seed}.npz") if args.cache else None
+    if cached and os.path.exists(cached):
+        with np.load(cached) as z:
+            old, new, spans = z["old"], z["new"], [tuple(map(int, s)) for s in z["spans"]]
+    else:
+        old, new, spans = make_model(args.mib * 1024**2, density, args.seed)
+        if cached:
+            os.makedirs(args.cache, exist_ok=True)
+            np.savez(cached, old=old, new=new, spans=np.array(spans, dtype=np.int64))
+    build_s = time.perf_counter() - t0
+    total = sum(n for _, n in spans)
+    real_density = float(np.count_nonzero(old != new)) / old.size
+    set_threads(codec, threads)
+    limit = memcpy_gbps(old, threads)
+    snap = np.empty_like(old)
+    target = np.empty_like(old)
+    enc_s, app_s = [], []
+    sent = changed = 0
+    equal = True
+    for _ in range(args.reps):
+        np.copyto(snap, old)
+        t0 = time.perf_counter()
+        jobs = [
+            codec.submit_encode(new[a : a + n], snap[a : a + n], args.encoding, args.compression, "xxh3-128")
+            for a, n in spans
+        ]
+        results = [j.result() for j in jobs]
+        enc_s.append(time.perf_counter() - t0)
+        equal &= bool(np.array_equal(snap, new))
+        changed = sum(r[0] for r in results)
+        sent = sum(len(p) for r in results for p in r[2])
+        items = [(target[a : a + n], b"".join(r[2]), r[1], codec.CHUNK) for (a, n), r in zip(spans, results) if r[0]]
+        np.copyto(target, old)
+        t0 = time.perf_counter()
+        sums = codec.apply_many(items, args.encoding, args.compression, "xxh3-128")
+        app_s.append(time.perf_counter() - t0)
+        equal &= bool(np.array_equal(target, new))
+        equal &= sums == [r[3] for r in results if r[0]]
+    return {
+        "bench": "delta_codec",
+        "codec": args.codec,
+        "encoding": args.encoding,
+        "compression": args.compression,
+        "threads": threads,
+        "chunk_mib": codec.CHUNK / 1024**2,
+        "tensors": len(spans),
+        "bytes_total": total,
+        "bytes_sent": sent,
+        "sent_fraction": round(sent / total, 5),
+        "density": round(real_density, 5),
+        "changed_bytes": changed,
+        "encode_gbps": round(total / statistics.median(enc_s) / 1e9, 3),
+        "apply_gbps": round(total / statistics.median(app_s) / 1e9, 3),
+        "encode_s": [round(s, 4) for s in enc_s],
+        "apply_s": [round(s, 4) for s in app_s],
+        "memcpy_gbps": {k: round(v, 2) for k, v in limit.items()},
+        "bitwise_equal": equal,
+        "build_s": round(build_s, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mib", type=int, default=1024, help="model size in MiB (default 1024)")
+    p.add_argument("--threads", type=int, default=None, help="pool threads (default: one per core)")
+    p.add_argument("--density", default="0.031", help="fraction of bytes changed, or tiny-rl (measured)")
+    p.add_argument("--encoding", default="overwrite", choices=("overwrite", "xor"))
+    p.add_argument("--compression", default="zstd", choices=("zstd", "none"))
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--chunk-mib", type=float, default=None, help="override the codec's chunk size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache", default=None, help="folder to keep the generated buffers in between runs")
+    p.add_argument("--codec", default="tidal.weight_sync.delta", help="codec module (A/B runs against a copy)")
+    print(json.dumps(run(p.parse_args(argv))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
