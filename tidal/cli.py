@@ -5,7 +5,7 @@
     tidal explain [flags]        the resolved configuration, where each value came from, derived sizes, memory plan
                                  (--assume-gpus N --assume-gpu-memory 80GiB plan for a machine you are not on)
     tidal export --load CKPT --out DIR [flags]   write a Hugging Face model folder from a checkpoint
-    tidal bench NAME [args]      benchmarks: memory, weight-sync, rollout, reward-curve
+    tidal bench NAME [args]      benchmarks: memory, weight-sync, delta-codec, rollout, trainer, reward-curve
 
 User errors (bad flags, missing files, impossible combinations) print one line and exit with code 2.
 """
@@ -23,6 +23,8 @@ USAGE = __doc__.split("\n\n")[1]
 BENCHES = {
     "memory": "tidal.bench.memory",
     "weight-sync": "tidal.bench.weight_sync",
+    "delta-codec": "tidal.bench.delta_codec",
+    "trainer": "tidal.bench.trainer",
     "rollout": "tidal.bench.rollout",
     "reward-curve": "tidal.bench.reward_curve",
 }

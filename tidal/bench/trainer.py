@@ -9,8 +9,9 @@ One rank in this process (a 1-rank FSDP2 group; the code path of every rank). Pr
 
     train_tokens_per_s       ``TrainerActor.train`` on one rollout (old log-prob recompute, loss,
                              backward, clipping, AdamW), real tokens / seconds
-    limit_tokens_per_s       the same micro-batches through the bare transformers model (no FSDP,
-                             one forward + backward + AdamW step, no recompute), same run
+    limit_tokens_per_s       the same micro-batches through the bare transformers model and the same
+                             log-prob kernel (no FSDP, one forward + backward + AdamW step, no
+                             recompute), same run
     train_vs_limit           ratio; the trainer runs two forwards per micro-batch (recompute + train)
                              so ~0.6-0.7 means its own overhead is small
     pause_s / resume_s       trainer pause/resume (weights + AdamW state) with offload on
@@ -94,9 +95,10 @@ def _limit_tokens_per_s(actor, samples) -> float:
     )
     t = time.perf_counter()
     for mb in mbs:
+        # The same model call and log-prob kernel as the trainer (right-padded rows, no mask).
         with autocast:
-            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1]
-        lp = token_logprobs(logits, mb.targets)
+            logits = model(input_ids=mb.input_ids, use_cache=False).logits
+        lp = token_logprobs(logits, mb.next_ids)[:, :-1]
         (-(lp * mb.mask).sum() / mb.mask.sum().clamp(min=1)).backward()
     opt.step()
     if actor.device_type == "cuda":
