@@ -106,3 +106,38 @@ def test_compare_checksums_names_every_difference():
         and any(m.startswith("d:") for m in out)
     )
     assert compare_checksums({"a": "1"}, {"a": "1"}) == []
+
+
+def test_pack_casts_to_the_engine_dtype_bit_for_bit():
+    # The trainer may feed fp32 (its master weights or backup) and name the engine dtype: every entry
+    # then describes, and holds, exactly what a cast of the source gives.
+    src = [("w", torch.randn(33, 7)), ("b", torch.randn(5)), ("empty", torch.empty(0, 4))]
+    flat, entries = pack(src, "cpu", torch.bfloat16)
+    assert [e["dtype"] for e in entries] == ["bfloat16"] * 3
+    assert [e["nbytes"] for e in entries] == [33 * 7 * 2, 5 * 2, 0]
+    assert all(e["offset"] % 64 == 0 for e in entries)
+    for (name, t), e in zip(src, entries):
+        got = entry_view(flat, e)
+        assert got.dtype == torch.bfloat16 and got.shape == t.shape, name
+        assert torch.equal(got.view(torch.int16), t.to(torch.bfloat16).view(torch.int16)), name
+    # Same dtype: no cast, the raw bytes.
+    same, e2 = pack([("w", src[0][1])], "cpu", torch.float32)
+    assert e2[0]["dtype"] == "float32" and torch.equal(entry_view(same, e2[0]), src[0][1])
+
+
+def test_timed_stream_brings_tensors_to_the_host_in_the_engine_dtype():
+    from tidal.weight_sync.base import SyncReport
+    from tidal.weight_sync.stream import timed_stream, to_host
+
+    report = SyncReport(mode="full", transport="tensor", version=1)
+    names: list[str] = []
+    src = [("a", torch.randn(10)), ("b", torch.randn(3, 3, dtype=torch.float64))]
+    out = list(timed_stream(iter(src), report, names, dtype=torch.bfloat16))
+    assert names == ["a", "b"]
+    assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for _, t in out)
+    assert report.bytes_total == (10 + 9) * 2  # counted in the engine dtype
+    # on_device: tensors pass untouched (the consumer casts where it packs), bytes still in the engine dtype.
+    report = SyncReport(mode="full", transport="tensor", version=1)
+    passed = list(timed_stream(iter(src), report, dtype=torch.bfloat16, on_device=True))
+    assert passed[0][1] is src[0][1] and report.bytes_total == (10 + 9) * 2
+    assert to_host(src[0][1]) is src[0][1]  # already on the host in its dtype: no copy
