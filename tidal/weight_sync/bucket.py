@@ -26,7 +26,8 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
-import xxhash
+
+from tidal.weight_sync.checksum import checksum_bytes
 
 ALIGN = 64
 _DTYPES = {
@@ -77,8 +78,8 @@ def raw_entry(name: str, t: torch.Tensor, offset: int) -> dict:
 
 
 def host_checksum(buf) -> str:
-    """xxh3-128 of a host byte buffer (numpy array, bytes, memoryview)."""
-    return xxhash.xxh3_128_hexdigest(buf)
+    """xxh3-128 of a host byte buffer (numpy array, bytes, memoryview); GIL-free on large buffers."""
+    return checksum_bytes(buf, "xxh3-128")
 
 
 _WEIGHT_MOD = 65521  # largest prime below 2**16: position weights stay small, products stay in int64
