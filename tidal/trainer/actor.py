@@ -567,13 +567,10 @@ class TrainerActor:
         self.version += 1
         t0 = time.perf_counter()
         # Full syncs packed on the device (CUDA IPC, NCCL) take device tensors and cast there; every
-        # rank decides alike from the config, since the gather is collective. (A strategy that packs
-        # on the host brings whatever it is fed to the host itself.)
-        on_device = (
-            self.device_type == "cuda"
-            and self.sync_cfg.update_weight_mode == "full"
-            and self.sync_cfg.update_weight_transport != "disk"
-        )
+        # rank decides alike from the config, since the gather is collective.
+        from tidal.weight_sync import packs_on_device
+
+        on_device = packs_on_device(self.sync_cfg, self.device_type)
         it = self._iter_named(self._named_params(), self.engine_dtype, on_device)
         if self.rank != 0:
             for _ in it:

@@ -102,9 +102,6 @@ def iter_full_tensors(
             if on_device and world_size == 1:
                 yield name, piece
                 continue
-        if piece.device.type != "cpu":
-            piece = piece.to(want).cpu()
-        elif piece.dtype != want:
-            piece = piece.to(want)
+        piece = to_host(piece, want)
         full_shape = t.shape
         yield name, gather_to_rank0(piece, full_shape, rank=rank, world_size=world_size, group=host_group)

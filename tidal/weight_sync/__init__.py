@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from tidal.weight_sync.base import NamedTensors, SyncReport, WeightSyncStrategy
 
-__all__ = ["NamedTensors", "SyncReport", "WeightSyncStrategy", "make_strategy"]
+__all__ = ["NamedTensors", "SyncReport", "WeightSyncStrategy", "make_strategy", "packs_on_device"]
+
+
+def packs_on_device(cfg, device: str) -> bool:
+    """Whether a sync packs its buckets on the GPU and so takes device tensors (``wants_device``).
+
+    Full mode over tensor (CUDA IPC) or broadcast (NCCL) on CUDA; delta encodes on the host and disk
+    writes host files. A pure function of the config, so every trainer rank decides alike (the
+    gather that feeds the sync is collective) while only rank 0 holds the strategy.
+    """
+    return device == "cuda" and cfg.update_weight_mode == "full" and cfg.update_weight_transport != "disk"
 
 
 def make_strategy(cfg, engines: list, *, device: str, colocated: bool) -> WeightSyncStrategy:

@@ -37,6 +37,7 @@ import torch
 from tidal.config.schema import WeightSyncConfig
 from tidal.errors import WeightSyncError
 from tidal.weight_sync import delta as delta_codec
+from tidal.weight_sync import packs_on_device
 from tidal.weight_sync.base import NamedTensors, SyncReport, WeightSyncStrategy
 from tidal.weight_sync.bucket import (
     ALIGN,
@@ -173,7 +174,7 @@ class StreamingStrategy(WeightSyncStrategy):
         """True when full buckets are packed on the device: the trainer may then feed device tensors
         (and host tensors in another dtype), and every cast runs on the device. Delta mode encodes
         on the host, so it always takes host tensors."""
-        return self.delta is None and self._pack_device() == "cuda"
+        return packs_on_device(self.cfg, self.device)
 
     @abc.abstractmethod
     def _send(self, bucket: Bucket, header: dict, attempt: int) -> list:
