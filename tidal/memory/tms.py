@@ -164,17 +164,19 @@ class TmsBackend(MemoryBackend):
                 self._tms.pause(tag)
             self._paused[c] = ViewToken(f"{self.label} {c.value}")
             self._owner.update(dict.fromkeys(storages, c))
-            report.classes.append(
-                ClassReport(
-                    state_class=c.value,
-                    bytes=nbytes,
-                    backup_bytes=nbytes if self.policy[c].backup else 0,
-                    seconds=time.perf_counter() - tc,
-                )
-            )
+            report.classes.append(self._class_report(c, nbytes, tc))
         report.seconds = time.perf_counter() - t0
         report.host_rss_after, report.device_used_after = host_rss_bytes(), device_used_bytes(self.device)
         return report
+
+    def _class_report(self, c: StateClass, nbytes: int, t0: float) -> ClassReport:
+        """One class's figures: tms backs up a class whole (or nothing), so its backup bytes are all or none."""
+        return ClassReport(
+            state_class=c.value,
+            bytes=nbytes,
+            backup_bytes=nbytes if self.policy[c].backup else 0,
+            seconds=time.perf_counter() - t0,
+        )
 
     def resume(self, classes: Sequence[StateClass]) -> MemoryReport:
         classes = self._check(classes, want_paused=True, op="resume")
@@ -197,14 +199,7 @@ class TmsBackend(MemoryBackend):
                 self._tms.resume(tag)
             torch.cuda.synchronize(self.device)
             nbytes = self._class_bytes(c)
-            report.classes.append(
-                ClassReport(
-                    state_class=c.value,
-                    bytes=nbytes,
-                    backup_bytes=nbytes if self.policy[c].backup else 0,
-                    seconds=time.perf_counter() - tc,
-                )
-            )
+            report.classes.append(self._class_report(c, nbytes, tc))
         report.seconds = time.perf_counter() - t0
         report.host_rss_after, report.device_used_after = host_rss_bytes(), device_used_bytes(self.device)
         return report
