@@ -267,6 +267,17 @@ class StreamingStrategy(WeightSyncStrategy):
                 parts.append(b"\0" * (align(n) - n))
             size += align(n)
 
+        def take_full_bucket() -> Bucket | None:
+            """Take the oldest encoded tensor; return a bucket once the taken ones fill one."""
+            nonlocal index, entries, parts, size
+            take()
+            if size < self.limit:
+                return None
+            bucket = self._delta_bucket(index, entries, parts, report)
+            index += 1
+            entries, parts, size = [], [], 0
+            return bucket
+
         for name, t in stream:
             t0 = time.perf_counter()
             job = self.delta.submit(name, as_numpy_u8(t), dtype_name(t.dtype), list(t.shape), keep=t)
@@ -274,17 +285,11 @@ class StreamingStrategy(WeightSyncStrategy):
             window.append((name, t, job))
             window_bytes += nbytes_of(t)
             while window and (window_bytes > self.limit or len(window) > 256):
-                take()
-                if size >= self.limit:
-                    yield self._delta_bucket(index, entries, parts, report)
-                    index += 1
-                    entries, parts, size = [], [], 0
+                if (bucket := take_full_bucket()) is not None:
+                    yield bucket
         while window:
-            take()
-            if size >= self.limit:
-                yield self._delta_bucket(index, entries, parts, report)
-                index += 1
-                entries, parts, size = [], [], 0
+            if (bucket := take_full_bucket()) is not None:
+                yield bucket
         if entries:
             yield self._delta_bucket(index, entries, parts, report)
 
