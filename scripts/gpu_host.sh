@@ -33,7 +33,7 @@ for s in "$@"; do
     tests) TAIL=30 run tests "${TESTS_LIMIT:-420}" python3 -m pytest -q -m gpu ${TESTS_PATHS:-tests/gpu} -p no:cacheprovider -o addopts="" -rfE --durations=10 ;;
     train-default) run train-default 150 python3 -m tidal.bench.reward_curve --num-rollout 40 --output-dir "$OUT/run-default" ;;
     train-offload) run train-offload 120 python3 -m tidal.cli train --no-progress --offload --num-rollout 5 --output-dir "$OUT/run-offload" ;;
-    train-0.5b) run train-0.5b 200 python3 -m tidal.cli train --no-progress --preset qwen2.5-0.5b-1gpu --num-rollout 4 --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-0.5b" ;;
+    train-0.5b) run train-0.5b${TRAIN05_TAG:-} 200 python3 -m tidal.cli train --no-progress --preset qwen2.5-0.5b-1gpu --num-rollout ${TRAIN05_ROLLOUTS:-5} --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-0.5b${TRAIN05_TAG:-}" ${TRAIN05_ARGS:-} ;;
     bench-memory) run bench-memory 200 python3 -m tidal.bench.memory --gib ${MEM_GIB:-16} --cycles ${MEM_CYCLES:-5} --disk-dir /var/tmp/tidal-disk ;;
     bench-sync) run bench-sync 300 python3 -m tidal.bench.weight_sync --model ${SYNC_MODELS:-qwen2.5-0.5b-shape,qwen3-4b-shape} --modes ${SYNC_MODES:-full,delta} --transports tensor --sources ${SYNC_SOURCES:-backup,device} ${SYNC_ARGS:-} ;;
     bench-rollout) run bench-rollout 200 python3 -m tidal.bench.rollout --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 ;;

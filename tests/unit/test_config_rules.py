@@ -129,6 +129,19 @@ def test_rule_device(argv, env, expect):
 @pytest.mark.parametrize(
     "argv, env, expect",
     [
+        ([], CPU, {"rollout_compile": False}),
+        (TINY_GPU, GPU1, {"rollout_compile": True}),
+        (TINY_GPU + ["--no-rollout-compile"], GPU1, {"rollout_compile": False}),
+        (["--rollout-compile"], CPU, {"rollout_compile": True}),
+    ],
+)
+def test_rule_rollout_compile(argv, env, expect):
+    check(argv, env, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, env, expect",
+    [
         ([], CPU, {"param_dtype": "fp32"}),
         (TINY_GPU, GPU1, {"param_dtype": "bf16"}),
         (TINY_GPU + ["--param-dtype", "fp32"], GPU1, {"param_dtype": "fp32"}),

@@ -82,7 +82,7 @@ def start_group(ray, world_size=2, *, offload=True, release_groups=True, **train
 
     cls = ray.remote(num_cpus=1)(TrainerActor)
     port = _free_port()
-    tcfg = TrainerConfig(lr=1e-2, lr_warmup_steps=1, global_batch_size=4, max_tokens_per_gpu=24, **trainer_kw)
+    tcfg = TrainerConfig(**(dict(lr=1e-2, lr_warmup_steps=1, global_batch_size=4, max_tokens_per_gpu=24) | trainer_kw))
     actors = [
         cls.remote(
             r,
@@ -223,6 +223,47 @@ def test_export_loads_with_from_pretrained(ray_cluster, group, tmp_path):
     # Export again over the same path: replaced whole.
     call(ray, group, "export", str(out))
     assert AutoModelForCausalLM.from_pretrained(str(out)) is not None
+
+
+def test_one_step_rollout_uses_its_own_logprobs_and_matches_a_recompute(ray_cluster, tmp_path):
+    """One optimizer step per rollout: the old log-probs are the training pass's own (ratio exactly 1,
+    no separate pass), and the update equals the one made with a separate recompute pass."""
+    from safetensors.torch import load_file
+
+    ray = ray_cluster
+    samples = with_engine_logprobs(make_samples(11))
+    weights, metrics = {}, {}
+    for recompute in (False, True):
+        actors = start_group(ray, world_size=1, offload=False, global_batch_size=None, recompute_logprobs=recompute)
+        try:
+            metrics[recompute] = call(ray, actors, "train", samples, 0)[0]
+            call(ray, actors, "export", str(tmp_path / str(recompute)))
+        finally:
+            for a in actors:
+                ray.kill(a)
+        weights[recompute] = load_file(str(tmp_path / str(recompute) / "model.safetensors"))
+    fast, slow = metrics[False], metrics[True]
+    assert fast["optimizer_steps"] == slow["optimizer_steps"] == 1
+    assert fast["ratio_mean"] == 1.0 and fast["clipfrac"] == 0.0
+    # The engine difference is still measured, now against the training pass's log-probs.
+    assert fast["logprob_diff"] < 1e-5 and slow["logprob_diff"] < 1e-5
+    assert fast["loss"] == pytest.approx(slow["loss"], rel=1e-5, abs=1e-7)
+    assert weights[False].keys() == weights[True].keys()
+    assert fast["logprob_recomputed"] == 0 and slow["logprob_recomputed"] == 1
+    for name, w in weights[False].items():
+        torch.testing.assert_close(w, weights[True][name], rtol=0, atol=1e-6, msg=name)
+    # Two actors from the same seed on the same samples: the step itself must have changed weights.
+    before = start_group(ray, world_size=1, offload=False)
+    try:
+        init = call(ray, before, "weight_checksums", "float32")[0]
+    finally:
+        for a in before:
+            ray.kill(a)
+    from tidal.weight_sync.checksum import tensor_checksum
+
+    shared = [n for n in init if n in weights[False]]
+    assert len(shared) >= 10
+    assert all(tensor_checksum(weights[False][n]) != init[n] for n in shared)
 
 
 # ---- the SmolLM2 preset ---------------------------------------------------------------------------

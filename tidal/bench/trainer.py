@@ -134,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--response-len", type=int, default=16)
     ap.add_argument("--max-tokens-per-gpu", type=int, default=4096)
     ap.add_argument(
+        "--recompute-logprobs",
+        action="store_true",
+        help="run the separate old-log-prob pass (a one-step rollout otherwise takes the training pass's own)",
+    )
+    ap.add_argument(
         "--profile", action="store_true", help="print a torch.profiler table of the measured train call to stderr"
     )
     args = ap.parse_args(argv)
@@ -144,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         "127.0.0.1",
         _port(),
         model=ModelConfig(model=args.model),
-        trainer=TrainerConfig(lr=1e-6, max_tokens_per_gpu=args.max_tokens_per_gpu),
+        trainer=TrainerConfig(
+            lr=1e-6, max_tokens_per_gpu=args.max_tokens_per_gpu, recompute_logprobs=args.recompute_logprobs
+        ),
         algorithm=AlgorithmConfig(),
         memory=MemoryConfig(offload_train=True),
         weight_sync=WeightSyncConfig(),
@@ -182,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "limit_tokens_per_s": round(limit, 1),
         "train_vs_limit": round(m["tokens_per_s"] / limit, 3),
         "logprob_recompute_s": round(m["logprob_recompute_s"], 3),
+        "logprob_recomputed": bool(m["logprob_recomputed"]),
         "optimizer_s": round(m["optimizer_s"], 3),
         "backup_bytes": kept,
         "pause_s": round(p["memory/trainer_pause/total_s"], 4),

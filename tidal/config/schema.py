@@ -69,6 +69,11 @@ class TrainerConfig:
     clip_grad: float = opt(1.0, "Clip the global gradient norm to this value (0 disables).", min=0)
     global_batch_size: int | None = opt(None, "Samples per optimizer step (default: one step per rollout).", min=1)
     max_tokens_per_gpu: int = opt(4096, "Token budget of one micro-batch per rank; samples are packed up to it.", min=1)
+    recompute_logprobs: bool = opt(
+        False,
+        "Recompute old log-probs in a separate no-grad pass even when a rollout is one optimizer step "
+        "(there they equal the training pass's own, detached, and the pass is skipped).",
+    )
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory.")
     param_dtype: str = opt(
         "auto", "Compute dtype of parameters: fp32 on CPU, bf16 on GPU when auto.", choices=("auto", "fp32", "bf16")
@@ -120,7 +125,9 @@ class RolloutConfig:
     rollout_cuda_graphs: bool = opt(True, "Capture decode steps in CUDA graphs (CUDA only).")
     rollout_max_batch: int = opt(512, "Rows an engine decodes together; more are generated in waves.", min=1)
     rollout_kv_block: int = opt(256, "Attention-length step of the decode graphs (tokens).", min=1)
-    rollout_compile: bool = opt(False, "torch.compile the decode step (attention stays eager).")
+    rollout_compile: bool | None = opt(
+        None, "torch.compile the decode step (attention stays eager); default: on with CUDA, off on CPU."
+    )
 
 
 @dataclass

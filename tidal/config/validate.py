@@ -138,6 +138,16 @@ def _device(ctx: Context) -> None:
         raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu (or auto), or run on a GPU host")
 
 
+@rule(
+    "rollout-compile",
+    "`--rollout-compile` defaults to on with CUDA and off on CPU (where decode steps are not captured).",
+)
+def _rollout_compile(ctx: Context) -> None:
+    if ctx.cfg.rollout.rollout_compile is None:
+        on = ctx.cfg.cluster.device == "cuda"
+        ctx.derive("rollout_compile", on, "rollout-compile", f"default on {ctx.cfg.cluster.device}")
+
+
 @rule("param-dtype", "`--param-dtype auto` is fp32 on CPU and bf16 on CUDA.")
 def _param_dtype(ctx: Context) -> None:
     if ctx.cfg.trainer.param_dtype == "auto":
@@ -548,6 +558,7 @@ def unresolved_fields(cfg: TidalConfig) -> list[str]:
     derived = {
         "device", "param_dtype", "memory_backend", "rollout_num_gpus", "offload_train", "offload_rollout",
         "train_grads_backup", "update_weight_transport", "global_batch_size", "eps_clip_high", "output_dir",
+        "rollout_compile",
     }  # fmt: skip
     out = []
     for info in fields():

@@ -10,7 +10,10 @@ Per rollout, ``train(samples, rollout_id)``:
    each rank's share balanced by tokens, micro-batches under ``max_tokens_per_gpu``, the same
    number of micro-batches on every rank (empty ones are zero-weight fillers);
 2. recomputes old log-probs (and reference log-probs when ``use_kl_loss``) for every micro-batch with
-   the weights as they are before any update of this rollout, in ``no_grad``;
+   the weights as they are before any update of this rollout, in ``no_grad``. When the rollout is one
+   optimizer step (the default) the weights are still those when the training pass runs, so its own
+   log-probs, detached, are the old ones and only the reference pass remains (``--recompute-logprobs``
+   forces the separate pass);
 3. per optimizer step: token count all-reduced first, so every micro-batch's loss is its share of
    the token-mean over the whole global batch (``tidal.algos.losses.grpo_loss`` with an external
    normaliser); backward per micro-batch; global-norm clipping; AdamW with the scheduled rate.
@@ -383,20 +386,29 @@ class TrainerActor:
             [MicroBatch(samples, mb, self.pad_id, self.device) for mb in step[self.rank].micro_batches] for step in plan
         ]
 
-        # 1. Old (and reference) log-probs with the weights before any update of this rollout.
+        # 1. Old (and reference) log-probs with the weights before any update of this rollout. With one
+        #    optimizer step per rollout the weights do not change before the training pass, so the old
+        #    log-probs are that pass's own, detached (ratio 1): no separate pass unless asked for.
         self.model.train()
+        on_policy = len(steps) == 1 and not self.cfg.recompute_logprobs
         lp_abs_diff = torch.zeros((), dtype=torch.float32, device=self.device)
         lp_count = 0
+
+        def engine_diff(mb: MicroBatch, logprobs: torch.Tensor) -> None:
+            nonlocal lp_abs_diff, lp_count
+            if mb.num_engine_logprobs:
+                diff = (logprobs.detach().float() - mb.engine_logprobs).abs()
+                lp_abs_diff += torch.where(mb.has_engine_logprobs, diff, 0.0).sum()
+                lp_count += mb.num_engine_logprobs
+
         with torch.no_grad():
             for mbs in steps:
                 for mb in mbs:
-                    mb.old_logprobs = self._token_stats(self.model, mb)[0].float()
+                    if not on_policy:
+                        mb.old_logprobs = self._token_stats(self.model, mb)[0].float()
+                        engine_diff(mb, mb.old_logprobs)
                     if self.ref_model is not None:
                         mb.ref_logprobs = self._token_stats(self.ref_model, mb)[0].float()
-                    if mb.num_engine_logprobs:
-                        diff = (mb.old_logprobs - mb.engine_logprobs).abs()
-                        lp_abs_diff += torch.where(mb.has_engine_logprobs, diff, 0.0).sum()
-                        lp_count += mb.num_engine_logprobs
         self._sync()
         recompute_s = time.perf_counter() - t0
         optimizer_s = 0.0
@@ -417,6 +429,9 @@ class TrainerActor:
                 # The current policy's entropy comes from the same pass as the log-probs: a gradient
                 # only for an entropy bonus, otherwise a detached metric.
                 logprobs, ent = self._token_stats(self.model, mb, entropy=True, entropy_grad=entropy_grad)
+                if on_policy:
+                    mb.old_logprobs = logprobs.detach().float()
+                    engine_diff(mb, mb.old_logprobs)
                 inputs = LossInputs(
                     logprobs=logprobs,
                     old_logprobs=mb.old_logprobs,
@@ -475,6 +490,7 @@ class TrainerActor:
             "tokens_per_s": tokens_all / train_s if train_s > 0 else 0.0,
             "train_s": train_s,
             "logprob_recompute_s": recompute_s,
+            "logprob_recomputed": 0.0 if on_policy else 1.0,
             "optimizer_s": optimizer_s,
             "logprob_diff": lp_abs_diff / lp_count if lp_count else 0.0,
         }

@@ -19,7 +19,7 @@ Settings, read from the engine's ``RolloutConfig`` when it has them (defaults ot
     rollout_cuda_graphs   bool   True   capture decode steps in CUDA graphs (CUDA only)
     rollout_max_batch     int    512    rows decoded together (the cache holds at most this many)
     rollout_kv_block      int    256    attention length granularity of a decode step
-    rollout_compile       bool   False  torch.compile the decode step (attention stays eager)
+    rollout_compile       bool   CUDA   torch.compile the decode step (attention stays eager); on with CUDA
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def _decoder(engine) -> FastDecoder | None:
             mem_fraction=cfg.rollout_mem_fraction,
             cuda_graphs=cfg.rollout_cuda_graphs,
             kv_block=cfg.rollout_kv_block,
-            compile=cfg.rollout_compile,
+            # Unset (a config built in code, not resolved): the resolved default, on with CUDA.
+            compile=cfg.rollout_compile if cfg.rollout_compile is not None else engine.device.type == "cuda",
             pad_id=engine._pad_id,
             region=lambda: engine.backend.region(StateClass.KV_CACHE),
         )
