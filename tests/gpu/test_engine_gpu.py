@@ -91,15 +91,17 @@ def test_release_frees_device_memory_and_sync_restores_generation(ray_cluster):
     assert [s.response_ids for s in after] == [s.response_ids for s in before]
 
 
-def test_engine_actor_with_torch_memory_saver(ray_cluster):
-    """An engine actor on the GPU with the tms backend: release frees the weights, a sync restores them bitwise."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_engine_actor_with_torch_memory_saver(ray_cluster, compiled):
+    """An engine actor on the GPU with the tms backend: release frees the weights, a sync restores them bitwise,
+    and the decode step (compiled or not) is built after the resume."""
     from tidal.rollout.actor import EngineActor
     from tidal.weight_sync.tensor import TensorStrategy
 
     ray = ray_cluster
     cfgs = dict(
         model=ModelConfig(model="qwen2.5-0.5b-shape"),
-        rollout=RolloutConfig(),
+        rollout=RolloutConfig(rollout_compile=compiled),
         memory=MemoryConfig(memory_backend="tms"),
         weight_sync=WeightSyncConfig(),
     )
