@@ -294,3 +294,19 @@ def test_engine_actor_over_ray(ray_cluster):
     out = ray.get(actor.generate.remote(samples, SamplingParams(max_new_tokens=6, seed=1)))
     assert len(out) == 4 and all(s.response_ids and s.weight_version == 1 for s in out)
     ray.kill(actor)
+
+
+def test_rollout_benchmark_reports_both_paths_on_cpu(capsys):
+    """``python -m tidal.bench.rollout`` on the CPU: one JSON line per path, log-probs agreeing with a
+    teacher-forced pass, no compiled step (CUDA only)."""
+    import json
+
+    from tidal.bench import rollout as bench
+
+    bench.main(["--prompts", "2", "--samples", "2", "--new-tokens", "4", "--repeats", "1", "--device", "cpu"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["path"] for r in rows] == ["fast", "generate"]
+    for r in rows:
+        assert r["rows"] == 4 and r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["hf_generate_tokens_per_s"] > 0
+        assert r["logprob_max_abs_diff"] < 1e-4, r
+        assert r["compiled"] is False and r["peak_gpu_bytes"] == 0

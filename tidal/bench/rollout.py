@@ -12,6 +12,8 @@ engine's generation step: ``fast`` = ``tidal.rollout.fast``, ``generate`` = tran
 - ``logprob_max_abs_diff`` / ``logprob_mean_abs_diff``: the engine's log-probs against a
   teacher-forced forward pass over prompt + response (what the trainer recomputes);
 - ``peak_gpu_bytes``: peak allocated device memory during the engine's generate (0 on CPU);
+- ``compiled``: whether the fast path ran its compiled decode step (the CUDA default; ``--no-compile``
+  turns it off);
 - with ``--with-cb``, ``cb_generate_batch_tokens_per_s``: transformers continuous batching on the
   same prompts (the measurement behind the engine's choice of padded ``generate``).
 
@@ -118,9 +120,16 @@ def _timed(fn, repeats: int) -> tuple[object, float]:
     return out, best
 
 
+def _compiled(engine: EmbeddedEngine) -> bool:
+    """Whether the engine decoded through a compiled step (False for transformers generate or a fallback)."""
+    dec = getattr(engine, "_fast_decoder", None)
+    return getattr(dec, "_compiled_forward", None) is not None
+
+
 def run(args: argparse.Namespace, shape: str, path: str) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    rollout = RolloutConfig(rollout_seed=args.seed)
+    # The decode step is compiled on CUDA, as the resolved configuration does by default.
+    rollout = RolloutConfig(rollout_seed=args.seed, rollout_compile=device == "cuda" and not args.no_compile)
     # The engine's generation step: the fast decode path (tidal.rollout.fast) or transformers generate.
     rollout.rollout_fast_decode = path == "fast"
     engine = EmbeddedEngine(ModelConfig(model=shape), rollout, MemoryConfig(), device=device, seed=args.seed)
@@ -174,6 +183,7 @@ def run(args: argparse.Namespace, shape: str, path: str) -> dict:
         "logprob_mean_abs_diff": float(diffs.mean()),
         "peak_gpu_bytes": int(peak),
         "completed_frac": round(sum(s.status == "completed" for s in out) / len(out), 3),
+        "compiled": _compiled(engine),
     }
     if args.with_cb:
         cb_runs = [cb_generate_tokens(engine, batch, sampling) for _ in range(args.repeats)]
@@ -197,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--paths", default="fast,generate", help="engine generation steps to time: fast, generate")
+    p.add_argument("--no-compile", action="store_true", help="decode uncompiled on CUDA (--no-rollout-compile)")
     p.add_argument("--with-cb", action="store_true", help="also time transformers continuous batching (generate_batch)")
     args = p.parse_args(argv)
     if args.threads:
