@@ -128,8 +128,8 @@ def _compiled(engine: EmbeddedEngine) -> bool:
 
 def run(args: argparse.Namespace, shape: str, path: str) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    # The decode step is compiled on CUDA, as the resolved configuration does by default.
-    rollout = RolloutConfig(rollout_seed=args.seed, rollout_compile=device == "cuda" and not args.no_compile)
+    # Unset: the engine's default (compiled on CUDA), as in a resolved configuration.
+    rollout = RolloutConfig(rollout_seed=args.seed, rollout_compile=False if args.no_compile else None)
     # The engine's generation step: the fast decode path (tidal.rollout.fast) or transformers generate.
     rollout.rollout_fast_decode = path == "fast"
     engine = EmbeddedEngine(ModelConfig(model=shape), rollout, MemoryConfig(), device=device, seed=args.seed)
