@@ -11,6 +11,8 @@ import sys
 import pytest
 
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+# One rollout of 2 prompts x 2 samples: the smallest whole training run.
+ONE_SMALL_ROLLOUT = ("--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--no-progress")
 
 
 def tidal(*args, cwd=None, timeout=600):
@@ -43,13 +45,7 @@ def test_reward_function_that_raises_is_a_user_error(tmp_path):
     plugin.write_text("def score(prompt, response, label):\n    raise ValueError('boom')\n")
     r = tidal(
         "train",
-        "--num-rollout",
-        "1",
-        "--rollout-batch-size",
-        "2",
-        "--n-samples-per-prompt",
-        "2",
-        "--no-progress",
+        *ONE_SMALL_ROLLOUT,
         "--output-dir",
         str(tmp_path / "run"),
         "--custom-rm-path",
@@ -143,13 +139,7 @@ def test_joins_an_existing_ray_cluster_and_leaves_it_clean(tmp_path):
                 "train",
                 "--ray-address",
                 f"127.0.0.1:{port}",
-                "--num-rollout",
-                "1",
-                "--rollout-batch-size",
-                "2",
-                "--n-samples-per-prompt",
-                "2",
-                "--no-progress",
+                *ONE_SMALL_ROLLOUT,
                 "--output-dir",
                 str(tmp_path / name),
                 timeout=240,
