@@ -7,6 +7,10 @@
 #
 # Steps: env, tests, train-default, train-offload, train-0.5b, bench-memory, bench-sync, bench-rollout,
 # bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, profile-ipc. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
+# Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
+# (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); MEM_GIB, MEM_CYCLES, MEM100_GIB
+# (bench-memory*); SYNC_MODELS, SYNC_MODES, SYNC_SOURCES, SYNC_ARGS (bench-sync); TRAINER_ARGS
+# (bench-trainer); FAST_CASES, FAST_ARGS (bench-fast); TAIL (lines of each log printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
