@@ -62,7 +62,7 @@ def train(cfg: TidalConfig, on_step=None) -> dict:
                 samples, gen_metrics = orchestrate.generate_rollout(s, rollout_id)
             if offload_rollout:
                 with t("release", display):
-                    s.timeline_mark("engines released", engines.call("release_memory", list(TAGS))[0])
+                    s.timeline_mark("engines released", engines.call("release_memory", list(TAGS))[0].metrics)
             train_metrics: dict = {}
             if samples:
                 if offload_train:

@@ -107,7 +107,9 @@ class Session:
         if cfg.weight_sync.check_weight_update_equal:
             self.engines.call("randomize_weights", cfg.trainer.seed + 1)
         if cfg.memory.offload_rollout:
-            self.timeline_mark("engines released", self.engines.call("release_memory", ["kv_cache", "weights"])[0])
+            self.timeline_mark(
+                "engines released", self.engines.call("release_memory", ["kv_cache", "weights"])[0].metrics
+            )
         self.trainer.call("connect_engines", self.engines.actors, engine_dtype(self.device))
 
     def __exit__(self, exc_type, exc, tb) -> None:

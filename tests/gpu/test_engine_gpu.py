@@ -116,7 +116,7 @@ def test_engine_actor_with_torch_memory_saver(ray_cluster, compiled):
     want = {n: tensor_checksum(p) for n, p in trainer.named_parameters()}
 
     ray.get(actor.randomize_weights.remote(7))
-    rel = ray.get(actor.release_memory.remote())
+    rel = ray.get(actor.release_memory.remote()).metrics
     print({k: v for k, v in rel.items() if k.endswith(("bytes", "seconds", "device_used_before", "device_used_after"))})
     assert (
         rel["memory/engine_release/device_used_before"] - rel["memory/engine_release/device_used_after"]

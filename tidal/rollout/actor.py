@@ -14,12 +14,19 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, TrainerConfig, WeightSyncConfig
-from tidal.rollout.engine import TAGS, RolloutEngine
+from tidal.rollout.engine import (
+    TAGS,
+    BucketHeader,
+    EngineHealth,
+    MemoryReport,
+    RolloutEngine,
+    WeightUpdateResult,
+    update_result,
+)
 from tidal.rollout.types import Sample, SamplingParams
 
 
@@ -46,6 +53,11 @@ def set_torch_threads(cpus: float | None) -> int:
     threads = max(1, math.ceil(cpus - 1e-6))
     torch.set_num_threads(threads)
     return threads
+
+
+def _memory_report(stats: dict) -> MemoryReport:
+    stats = dict(stats)
+    return MemoryReport(str(stats.pop("residency")), stats)
 
 
 class EngineActor(RolloutEngine):
@@ -108,20 +120,23 @@ class EngineActor(RolloutEngine):
         self._history.step()
         return out
 
-    def release_memory(self, tags: Sequence[str] = TAGS) -> dict:
-        return self._engine().release_memory(tags)
+    def release_memory(self, tags: Sequence[str] = TAGS) -> MemoryReport:
+        return _memory_report(self._engine().release_memory(tags))
 
-    def resume_memory(self, tags: Sequence[str] = TAGS) -> dict:
-        return self._engine().resume_memory(tags)
+    def resume_memory(self, tags: Sequence[str] = TAGS) -> MemoryReport:
+        return _memory_report(self._engine().resume_memory(tags))
 
-    def update_weights_from_tensor(self, payload: Any, version: int) -> dict:
-        return self._engine().update_weights_from_tensor(payload, version)
+    def update_weights_from_tensor(self, bucket: BucketHeader, version: int) -> WeightUpdateResult:
+        return self._update(self._engine().update_weights_from_tensor(bucket, version))
 
-    def update_weights_from_distributed(self, meta: Any, version: int) -> dict:
-        return self._engine().update_weights_from_distributed(meta, version)
+    def update_weights_from_distributed(self, bucket: BucketHeader, version: int) -> WeightUpdateResult:
+        return self._update(self._engine().update_weights_from_distributed(bucket, version))
 
-    def update_weights_from_disk(self, path: str, version: int) -> dict:
-        return self._engine().update_weights_from_disk(path, version)
+    def update_weights_from_disk(self, path: str, version: int) -> WeightUpdateResult:
+        return self._update(self._engine().update_weights_from_disk(path, version))
+
+    def _update(self, stats: dict) -> WeightUpdateResult:
+        return update_result(stats, self._engine().get_weight_version())
 
     def init_weights_update_group(
         self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str
@@ -133,6 +148,16 @@ class EngineActor(RolloutEngine):
 
     def flush_cache(self) -> None:
         self._engine().flush_cache()
+
+    def pause_generation(self) -> None:
+        """Nothing to pause: a ``generate`` call runs to its end inside this actor and none is queued."""
+
+    def continue_generation(self) -> None:
+        """See ``pause_generation``."""
+
+    def health(self) -> EngineHealth:
+        engine = self._engine()
+        return EngineHealth(self.engine_rank, engine.get_weight_version(), engine.residency.state.value)
 
     def randomize_weights(self, seed: int) -> None:
         self._engine().randomize_weights(seed)

@@ -47,7 +47,7 @@ from tidal.memory import make_backend
 from tidal.memory.base import StateClass
 from tidal.memory.residency import EngineResidency, EngineState
 from tidal.model import build_model, load_tokenizer, resolve_model
-from tidal.rollout.engine import TAGS, RolloutEngine
+from tidal.rollout.engine import TAGS
 from tidal.rollout.generate import (
     PolicyLogprobRecorder,
     StopStrings,
@@ -65,8 +65,11 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 _RANK_SEED_STRIDE = 7919
 
 
-class EmbeddedEngine(RolloutEngine):
+class EmbeddedEngine:
     """A transformers model that generates, releases/resumes its memory and takes weight syncs.
+
+    The in-process half of the embedded engine: ``tidal.rollout.actor.EngineActor`` wraps it behind
+    the typed ``tidal.rollout.engine.RolloutEngine`` interface (this class returns plain stats dicts).
 
     ``seed`` is the model-init seed and must equal the trainer's (``--seed``); ``max_rows`` caps the
     rows of one ``generate`` call and ``chunk_bytes`` bounds the memory one chunk may use (default:

@@ -1,15 +1,24 @@
-"""The rollout-engine interface, modelled on SGLang's engine API.
+"""The rollout-engine interface every engine implements, modelled on SGLang's engine API.
 
-An engine owns a copy of the policy and generates responses. The calls are named as SGLang names
-them so that an SGLang adapter can sit behind the same interface later:
+An engine owns a copy of the policy and generates responses. The driver, ``orchestrate`` and
+every weight-sync strategy talk to engines only through these calls (as Ray actor methods), so an
+embedded engine (``tidal.rollout.actor.EngineActor``: the policy inside the actor) and an HTTP
+engine (``tidal.rollout.http_engine.HttpEngineActor``: a client of a server speaking SGLang's
+protocol) are interchangeable. The calls are named as SGLang names its endpoints:
 
-    generate(samples, sampling)              fill response ids, per-token log-probs, text, status
-    release_memory(tags) / resume_memory(tags)   tags: "weights", "kv_cache"
-    update_weights_from_tensor(payload, version)
-    update_weights_from_distributed(meta, version)
-    update_weights_from_disk(path, version)
-    get_weight_version()
-    flush_cache()
+    generate(samples, sampling)                  prompt_ids in; response ids, raw-policy log-probs,
+                                                 finish status and weight version filled in
+    release_memory(tags) / resume_memory(tags)   tags: "weights", "kv_cache"      -> MemoryReport
+    update_weights_from_tensor(bucket, version)  colocated, one bucket per call    -> WeightUpdateResult
+    update_weights_from_distributed(bucket, version)  header, then the broadcast   -> WeightUpdateResult
+    update_weights_from_disk(path, version)      a safetensors folder per version  -> WeightUpdateResult
+    init_weights_update_group(...)               join the trainer's broadcast group
+    get_weight_version() / flush_cache() / pause_generation() / continue_generation()
+    health()                                     -> EngineHealth (the driver's liveness probe)
+
+Results are the dataclasses below, never free-form dicts. A weight bucket (``BucketHeader``) is the
+message ``tidal.weight_sync.stream`` builds: its entries, checksum and flags (plus, for the tensor
+transport, where its bytes are).
 
 Residency is an explicit state machine (AWAKE / WEIGHTS_ONLY / ASLEEP, ``tidal.memory.residency``):
 generating while any memory is released, or syncing into released weights, raises a clear error.
@@ -19,11 +28,43 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
 
 from tidal.rollout.types import Sample, SamplingParams
 
 TAGS = ("weights", "kv_cache")
+
+# A weight bucket's header as ``tidal.weight_sync.stream.Bucket.header`` builds it (JSON-safe values).
+BucketHeader = dict[str, object]
+
+
+@dataclass
+class MemoryReport:
+    """What a release or resume did: the residency state after it and memory figures (``memory/...``)."""
+
+    residency: str
+    metrics: dict[str, float | int] = field(default_factory=dict)
+
+
+@dataclass
+class WeightUpdateResult:
+    """One weight-update call's outcome: ``complete`` once the whole version is applied."""
+
+    version: int  # the version this call carried
+    complete: bool  # True on the last bucket (the engine adopted ``version``)
+    engine_version: int  # the version the engine serves after the call
+    apply_s: float = 0.0
+    nbytes: int = 0
+
+
+@dataclass
+class EngineHealth:
+    """An engine's answer to the liveness probe."""
+
+    engine_rank: int
+    weight_version: int
+    residency: str
+    address: str = ""  # host:port of an HTTP engine's server; empty for an embedded engine
 
 
 class RolloutEngine(abc.ABC):
@@ -32,24 +73,30 @@ class RolloutEngine(abc.ABC):
         """Generate one response per sample (prompt_ids filled); return the samples completed."""
 
     @abc.abstractmethod
-    def release_memory(self, tags: Sequence[str] = TAGS) -> dict:
-        """Release device memory of these tags; returns memory telemetry."""
+    def release_memory(self, tags: Sequence[str] = TAGS) -> MemoryReport:
+        """Release device memory of these tags."""
 
     @abc.abstractmethod
-    def resume_memory(self, tags: Sequence[str] = TAGS) -> dict:
+    def resume_memory(self, tags: Sequence[str] = TAGS) -> MemoryReport:
         """Re-materialise memory of these tags (weights contents are undefined until a sync)."""
 
     @abc.abstractmethod
-    def update_weights_from_tensor(self, payload: Any, version: int) -> dict:
-        """Apply weights handed over in process (colocated)."""
+    def update_weights_from_tensor(self, bucket: BucketHeader, version: int) -> WeightUpdateResult:
+        """Apply one bucket handed over in process (colocated)."""
 
     @abc.abstractmethod
-    def update_weights_from_distributed(self, meta: Any, version: int) -> dict:
-        """Receive weights over the broadcast group and apply them."""
+    def update_weights_from_distributed(self, bucket: BucketHeader, version: int) -> WeightUpdateResult:
+        """Receive one bucket over the broadcast group and apply it."""
 
     @abc.abstractmethod
-    def update_weights_from_disk(self, path: str, version: int) -> dict:
+    def update_weights_from_disk(self, path: str, version: int) -> WeightUpdateResult:
         """Load weights from a safetensors folder written by the trainer."""
+
+    @abc.abstractmethod
+    def init_weights_update_group(
+        self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str
+    ) -> None:
+        """Join the trainer's weight broadcast group as ``rank`` (blocks until the group formed)."""
 
     @abc.abstractmethod
     def get_weight_version(self) -> int:
@@ -58,3 +105,34 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def flush_cache(self) -> None:
         """Drop cached KV/prefix state; required before releasing memory and before a sync."""
+
+    @abc.abstractmethod
+    def pause_generation(self) -> None:
+        """Stop taking new generate work until ``continue_generation`` (in-flight requests finish)."""
+
+    @abc.abstractmethod
+    def continue_generation(self) -> None:
+        """Take generate work again after ``pause_generation``."""
+
+    @abc.abstractmethod
+    def health(self) -> EngineHealth:
+        """Answer the liveness probe (raises when the engine cannot serve)."""
+
+    @abc.abstractmethod
+    def weight_checksums(self, algo: str = "xxh3-128") -> dict[str, str]:
+        """Name -> checksum of every weight's bytes (``--check-weight-update-equal``)."""
+
+    @abc.abstractmethod
+    def randomize_weights(self, seed: int) -> None:
+        """Fill every weight with random values (before the first sync of an equality check)."""
+
+
+def update_result(stats: dict, engine_version: int) -> WeightUpdateResult:
+    """The typed result of a receiver's stats (``apply_s``, ``bytes``, ``complete``, ``version``)."""
+    return WeightUpdateResult(
+        version=int(stats.get("version", engine_version)),
+        complete=bool(stats.get("complete", True)),
+        engine_version=int(engine_version),
+        apply_s=float(stats.get("apply_s", 0.0)),
+        nbytes=int(stats.get("bytes", 0)),
+    )

@@ -11,9 +11,9 @@ Signatures the rest of tidal calls:
   function; ``prompt`` and ``label`` are the dataset row's values, ``response_text`` is the decoded
   response. See ``tidal.rollout.rewards``.
 * generate (``--custom-generate-function-path``): ``fn(engine, samples, sampling) -> samples``,
-  called inside the engine actor instead of ``engine.generate``; ``engine`` is the
-  ``tidal.rollout.engine.RolloutEngine``, ``samples`` a list of ``Sample`` with ``prompt_ids`` set,
-  ``sampling`` the ``SamplingParams``. It must return samples with response ids, log-probs, text and
+  called inside the engine actor instead of ``engine.generate``; ``engine`` is the in-process
+  ``tidal.rollout.embedded.EmbeddedEngine`` (only the embedded engine runs these), ``samples`` a
+  list of ``Sample`` with ``prompt_ids`` set, ``sampling`` the ``SamplingParams``. It must return samples with response ids, log-probs, text and
   status filled (typically by calling ``engine.generate`` on some of them, possibly several times).
 
 Because engines are Ray actors in other processes, a module path must be importable there too

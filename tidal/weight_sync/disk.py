@@ -335,10 +335,10 @@ class DiskStrategy(WeightSyncStrategy):
                 err = err or e
         if err is not None:
             raise err
-        apply_s = max((s.get("apply_s", 0.0) for s in stats), default=0.0)
+        apply_s = max((s.apply_s for s in stats), default=0.0)
         report.apply_s += apply_s
         report.send_s += max(time.perf_counter() - t0 - apply_s, 0.0)
-        bad = [i for i, s in enumerate(stats) if s.get("version", version) != version]
+        bad = [i for i, s in enumerate(stats) if s.engine_version != version]
         if bad:
             raise WeightSyncError(f"weight sync v{version}: engines {bad} report other versions after loading {path}")
 

@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
@@ -51,6 +52,9 @@ from tidal.weight_sync.bucket import (
     plan_buckets,
 )
 from tidal.weight_sync.delta import DeltaState
+
+if TYPE_CHECKING:  # the engines' result type; no runtime import of the rollout package
+    from tidal.rollout.engine import WeightUpdateResult
 
 
 def timed_stream(
@@ -178,7 +182,7 @@ class StreamingStrategy(WeightSyncStrategy):
 
     @abc.abstractmethod
     def _send(self, bucket: Bucket, header: dict, attempt: int) -> list:
-        """Start delivering one bucket to every engine; return the engines' result refs (stats dicts)."""
+        """Start delivering one bucket to every engine; return the engines' result refs (``WeightUpdateResult``)."""
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -339,7 +343,7 @@ class StreamingStrategy(WeightSyncStrategy):
         report.send_s += time.perf_counter() - t0
         return InFlight(b, header, refs, attempt, time.perf_counter())
 
-    def _complete(self, f: InFlight, version: int, delta: bool, report: SyncReport) -> list[dict]:
+    def _complete(self, f: InFlight, version: int, delta: bool, report: SyncReport) -> list[WeightUpdateResult]:
         """Wait for one bucket; on rejection re-send it once in full (synchronously), then give up loudly."""
         while True:
             t0 = time.perf_counter()
@@ -353,7 +357,7 @@ class StreamingStrategy(WeightSyncStrategy):
                 report.retried = True
                 f = self._submit(self._full_again(f.bucket), version, delta, 1, report)
                 continue
-            apply_s = max((s.get("apply_s", 0.0) for s in stats), default=0.0)
+            apply_s = max((s.apply_s for s in stats), default=0.0)
             report.apply_s += apply_s
             report.send_s += max(time.perf_counter() - t0 - apply_s, 0.0)
             report.bytes_sent += f.header["nbytes"] if f.bucket.entries else 0
@@ -376,9 +380,7 @@ class StreamingStrategy(WeightSyncStrategy):
         if b.last:
             self._drain(version, delta, report)
             stats = self._complete(self._submit(b, version, delta, 0, report), version, delta, report)
-            bad = [
-                i for i, s in enumerate(stats) if s.get("version", version) != version or not s.get("complete", True)
-            ]
+            bad = [i for i, s in enumerate(stats) if s.version != version or not s.complete]
             if bad:
                 raise WeightSyncError(
                     f"weight sync v{version}: engines {bad} did not complete the version: {[stats[i] for i in bad]}"
@@ -388,7 +390,7 @@ class StreamingStrategy(WeightSyncStrategy):
         self._drain(version, delta, report, keep=self.depth - 1)
 
 
-def gather_results(refs: list) -> list[dict]:
+def gather_results(refs: list) -> list[WeightUpdateResult]:
     """Wait for every engine (so none is left mid-bucket), then raise the first rejection."""
     ray.wait(refs, num_returns=len(refs))
     out, err = [], None
