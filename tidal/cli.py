@@ -70,11 +70,48 @@ def cmd_export(argv: list[str]) -> int:
     p.add_argument("--out", required=True, help="output folder (must not exist)")
     args, rest = p.parse_known_args(argv)
     cfg, _ = _resolved(rest)
-    from tidal.checkpoint.export import export_checkpoint
-
     path = export_checkpoint(args.load, args.out, cfg)
     print(f"exported {path}")
     return 0
+
+
+def export_checkpoint(load_dir: str, out_dir: str, cfg) -> str:
+    """Load the newest checkpoint under ``load_dir`` into a one-rank trainer of ``--train-backend`` in this
+    process (no Ray) and write it as a Hugging Face folder at ``out_dir``."""
+    import os
+    import socket
+
+    from tidal.checkpoint.store import find_latest
+    from tidal.trainer.base import trainer_class
+
+    if not os.path.isdir(load_dir) or find_latest(load_dir) is None:
+        raise UserError(
+            f"--load {load_dir}: no complete checkpoint there; pass the directory given to --save during training"
+        )
+    if os.path.exists(out_dir):
+        raise UserError(f"--out {out_dir}: already exists; choose a new folder")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    trainer = trainer_class(cfg.trainer.train_backend)(
+        0,
+        1,
+        "127.0.0.1",
+        port,
+        model=cfg.model,
+        trainer=cfg.trainer,
+        algorithm=cfg.algorithm,
+        memory=cfg.memory,
+        weight_sync=cfg.weight_sync,
+        device=cfg.cluster.device,
+    )
+    try:
+        trainer.init()
+        trainer.load(load_dir)
+        trainer.export(out_dir)
+    finally:
+        trainer.shutdown()
+    return out_dir
 
 
 def cmd_bench(argv: list[str]) -> int:

@@ -8,6 +8,8 @@ is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class UserError(Exception):
     """A problem the user can fix; the message is one line naming what was wrong and what to do."""
@@ -29,3 +31,18 @@ class ResidencyError(RuntimeError):
 
 class WeightSyncError(RuntimeError):
     """A weight sync that could not be completed or verified (checksum mismatch after retry, ...)."""
+
+
+def ray_get(refs: Any) -> Any:
+    """``ray.get`` that re-raises a UserError raised inside an actor as itself (printed as one line, not a
+    remote traceback)."""
+    import ray
+    from ray.exceptions import RayTaskError
+
+    try:
+        return ray.get(refs)
+    except RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, UserError):
+            raise cause from None
+        raise

@@ -9,10 +9,11 @@ import pytest
 from tokenizers.processors import TemplateProcessing
 
 from tidal.config.schema import DataConfig, RolloutConfig
-from tidal.data.dataset import PromptDataset, make_rollout_samples
+from tidal.data.dataset import PromptDataset
 from tidal.data.tasks import TASKS, task_rows
 from tidal.errors import UserError
 from tidal.model.tokenizer import CHARS, char_tokenizer
+from tidal.rollout.orchestrate import make_rollout_samples
 
 
 @pytest.fixture(scope="module")

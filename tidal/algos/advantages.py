@@ -10,7 +10,7 @@ A group whose rewards all equal has advantage zero for every sample: it contribu
 still costs a forward and backward pass. Dynamic sampling (DAPO) drops such groups before training.
 
 Rewards are laid out group-major: ``rewards[g * group_size + i]`` is sample ``i`` of prompt ``g``,
-which is the order ``tidal.data.dataset.make_rollout_samples`` produces.
+which is the order ``tidal.rollout.orchestrate.make_rollout_samples`` produces.
 """
 
 from __future__ import annotations

@@ -9,11 +9,15 @@ Layout of one checkpoint, ``<dir>/iter_{rollout:07d}/``::
 
 and ``<dir>/latest`` names the newest complete one.
 
+The format knows nothing of any training backend: it reads and fills a trainer through
+``TrainState``, the public state surface every backend offers (``tidal.trainer.base.Trainer``
+declares it; the FSDP2 backend implements it in ``tidal.trainer.fsdp_state``).
+
 Why full tensors gathered to rank 0 rather than ``torch.distributed.checkpoint`` (DCP):
 
-- the driver saves while the trainer is *paused* (engines own the device). The gather already
-  reads host backups then (``tidal.trainer.weights``), so saving never touches released device
-  memory and needs no resume; DCP would read the DTensors' device storage;
+- the driver saves while the trainer is *paused* (engines own the device). The FSDP2 gather
+  already reads host backups then (``tidal.trainer.weights``), so saving never touches released
+  device memory and needs no resume; DCP would read the DTensors' device storage;
 - a checkpoint is plain safetensors by HF names: readable without torch.distributed, loadable with
   any number of ranks (each rank slices its own rows), and its weights are the export's weights;
 - the cost is rank-0 host memory for one file shard at a time (files are cut at 1 GiB) and a
@@ -34,6 +38,8 @@ import random
 import shutil
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -41,12 +47,53 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tidal.errors import UserError
-from tidal.memory.base import StateClass
-from tidal.trainer.weights import local_shard, scatter_rows
 
 FORMAT = 1
 _SHARD_BYTES = 1 << 30
-_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@runtime_checkable
+class TrainState(Protocol):
+    """What a checkpoint reads from and writes into a trainer: its public state surface.
+
+    Every method is collective (all ranks call it in the same order). Tensors are full, by Hugging
+    Face parameter name (tied weights once), on rank 0 and ``None`` elsewhere; optimizer tensors
+    are named ``"<param>/<moment>"``. A backend keeps its own layout (shards, buckets, pipeline
+    stages) and converts at this surface, so one checkpoint loads into any number of ranks.
+    """
+
+    rank: int
+    world_size: int
+    model_name: str  # the --model the weights belong to (recorded, and named in errors)
+
+    def barrier(self) -> None: ...
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+
+    def model_state(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """fp32 master weights."""
+
+    def optimizer_state(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Optimizer tensors (AdamW: ``<param>/exp_avg``, ``<param>/exp_avg_sq``)."""
+
+    def optimizer_steps(self) -> dict[str, float]:
+        """Per-parameter optimizer step counts."""
+
+    def schedule_state(self) -> dict: ...
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full shape of every weight ``load_model_state`` will ask for."""
+
+    def load_model_state(self, get: Callable[[str], torch.Tensor]) -> None:
+        """Fill every weight from ``get(name)`` (a full tensor, the same on every rank)."""
+
+    def load_optimizer_state(
+        self, get: Callable[[str], torch.Tensor], names: set[str], steps: dict[str, float]
+    ) -> None:
+        """Fill optimizer tensors that are in ``names`` from ``get``, with the step counts ``steps``."""
+
+    def load_schedule_state(self, state: dict) -> None: ...
 
 
 def iter_name(rollout_id: int) -> str:
@@ -175,63 +222,43 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _optimizer_named(trainer) -> list[tuple[str, torch.Tensor]]:
-    names = {id(p): n for n, p in trainer.model.named_parameters()}
-    out = []
-    for p in trainer.params:
-        state = trainer.optimizer.state.get(p, {})
-        for k in _MOMENTS:
-            if k in state:
-                out.append((f"{names[id(p)]}/{k}", state[k]))
-    return out
-
-
-def save_trainer(trainer, root: str, extra: dict) -> dict:
-    """Write one checkpoint of ``trainer`` (a ``TrainerActor``) under ``root``; collective over its ranks."""
+def save_checkpoint(state: TrainState, root: str, extra: dict) -> dict:
+    """Write one checkpoint of ``state`` under ``root``; collective over the trainer's ranks, rank 0 writes."""
     t0 = time.perf_counter()
-    rank, groups = trainer.rank, trainer.groups
+    rank = state.rank
     rollout_id = int(extra.get("rollout_id", 0))
     final = os.path.join(root, iter_name(rollout_id))
-    # Rank 0 picks the temp name and tells the others over the host group.
-    names = [f".tmp-{iter_name(rollout_id)}-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
-    if trainer.world_size > 1:
-        torch.distributed.broadcast_object_list(names, src=0, group=groups.host)
-    tmp = os.path.join(root, names[0])
+    # Rank 0 picks the temp name and tells the others.
+    name = state.broadcast_object(f".tmp-{iter_name(rollout_id)}-{uuid.uuid4().hex[:8]}" if rank == 0 else None)
+    tmp = os.path.join(root, name)
     if rank == 0:
         os.makedirs(tmp, exist_ok=False)
-    groups.barrier()
+    state.barrier()
 
-    # fp32 master weights and moments, read from host backups when paused (see tidal.trainer.weights).
-    model_w = ShardedWriter(tmp, "model") if rank == 0 else None
+    # fp32 master weights and moments (a paused trainer reads them from its host backups).
     nbytes = 0
-    for name, full in trainer._iter_named(list(trainer.model.named_parameters()), None):
-        if full is not None:
-            model_w.add(name, full)
-            nbytes += full.numel() * full.element_size()
-    optim_w = ShardedWriter(tmp, "optim") if rank == 0 else None
-    for name, full in trainer._iter_named(_optimizer_named(trainer), None):
-        if full is not None:
-            optim_w.add(name, full)
-            nbytes += full.numel() * full.element_size()
+    indexes = []
+    for prefix, tensors in (("model", state.model_state()), ("optim", state.optimizer_state())):
+        writer = ShardedWriter(tmp, prefix) if rank == 0 else None
+        for tname, full in tensors:
+            if full is not None:
+                writer.add(tname, full)
+                nbytes += full.numel() * full.element_size()
+        indexes.append(writer.close() if writer is not None else None)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
-    groups.barrier()
+    steps = state.optimizer_steps()
+    state.barrier()
 
     if rank == 0:
-        names_by_id = {id(p): n for n, p in trainer.model.named_parameters()}
-        steps = {
-            names_by_id[id(p)]: float(trainer.optimizer.state[p]["step"])
-            for p in trainer.params
-            if "step" in trainer.optimizer.state.get(p, {})
-        }
         meta = {
             "format": FORMAT,
             "rollout_id": rollout_id,
-            "world_size": trainer.world_size,
-            "model": trainer.model_cfg.model,
-            "model_index": model_w.close(),
-            "optim_index": optim_w.close(),
+            "world_size": state.world_size,
+            "model": state.model_name,
+            "model_index": indexes[0],
+            "optim_index": indexes[1],
             "optim_steps": steps,
-            "schedule": trainer.schedule.state_dict(),
+            "schedule": state.schedule_state(),
             "extra": extra,
             "saved_at": time.time(),
         }
@@ -239,14 +266,14 @@ def save_trainer(trainer, root: str, extra: dict) -> dict:
         _fsync_dir(tmp)
         replace_dir(tmp, final)
         write_text_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")
-    groups.barrier()
+    state.barrier()
     if rank != 0:
         return {}
     return {"checkpoint/path": final, "checkpoint/bytes": nbytes, "checkpoint/save_s": time.perf_counter() - t0}
 
 
-def load_trainer(trainer, root: str) -> dict:
-    """Load the newest complete checkpoint under ``root`` into ``trainer`` (ACTIVE); returns ``extra`` or {}."""
+def load_checkpoint(state: TrainState, root: str) -> dict:
+    """Load the newest complete checkpoint under ``root`` into ``state`` (ACTIVE); returns ``extra`` or {}."""
     path = find_latest(root)
     if path is None:
         return {}
@@ -256,48 +283,31 @@ def load_trainer(trainer, root: str) -> dict:
         raise UserError(
             f"--load {path}: checkpoint format {meta.get('format')} is not {FORMAT}; save it again with this tidal"
         )
-    rank, ws = trainer.rank, trainer.world_size
-    params = dict(trainer.model.named_parameters())
-    missing = sorted(set(params) - set(meta["model_index"]))
+    shapes = state.weight_shapes()
+    missing = sorted(set(shapes) - set(meta["model_index"]))
     if missing:
         raise UserError(
-            f"--load {path}: checkpoint lacks {len(missing)} weight(s) of --model {trainer.model_cfg.model} "
+            f"--load {path}: checkpoint lacks {len(missing)} weight(s) of --model {state.model_name} "
             f"(e.g. {missing[0]}); load it with the model it was saved from ({meta.get('model')})"
         )
     models = ShardedReader(path, meta["model_index"])
-    for mod in trainer._fsdp_modules():
-        mod.reshard()  # an unsharded compute copy left by a forward would otherwise go stale
-    with torch.no_grad():
-        for name, p in params.items():
-            full = models.get(name)
-            if tuple(full.shape) != tuple(p.shape):
-                raise UserError(
-                    f"--load {path}: {name} has shape {tuple(full.shape)}, the model has {tuple(p.shape)}; "
-                    "use the model the checkpoint was saved from"
-                )
-            local = local_shard(p)
-            local.copy_(scatter_rows(full, rank, ws).to(local.dtype))
 
-        optim = ShardedReader(path, meta["optim_index"])
-        with trainer.memory.region(StateClass.OPTIMIZER):
-            for p in trainer.params:
-                name = next(n for n, q in params.items() if q is p)
-                if f"{name}/exp_avg" not in meta["optim_index"]:
-                    continue
-                state = trainer.optimizer.state[p]
-                if not state:
-                    # The same state AdamW creates on its first step: a host scalar step and zero moments.
-                    state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
-                    for k in _MOMENTS:
-                        state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"].fill_(meta["optim_steps"][name])
-                for k in _MOMENTS:
-                    local = local_shard(state[k])
-                    local.copy_(scatter_rows(optim.get(f"{name}/{k}"), rank, ws).to(local.dtype))
-    trainer.schedule.load_state_dict(meta["schedule"])
-    rng_file = os.path.join(path, f"rng_rank{rank}.pt")
-    if meta.get("world_size") == ws and os.path.isfile(rng_file):
-        # Our own file, written by save_trainer (Python/NumPy RNG states are not plain tensors).
+    def weight(name: str) -> torch.Tensor:
+        full = models.get(name)
+        if tuple(full.shape) != tuple(shapes[name]):
+            raise UserError(
+                f"--load {path}: {name} has shape {tuple(full.shape)}, the model has {tuple(shapes[name])}; "
+                "use the model the checkpoint was saved from"
+            )
+        return full
+
+    state.load_model_state(weight)
+    optim = ShardedReader(path, meta["optim_index"])
+    state.load_optimizer_state(optim.get, set(meta["optim_index"]), meta["optim_steps"])
+    state.load_schedule_state(meta["schedule"])
+    rng_file = os.path.join(path, f"rng_rank{state.rank}.pt")
+    if meta.get("world_size") == state.world_size and os.path.isfile(rng_file):
+        # Our own file, written by save_checkpoint (Python/NumPy RNG states are not plain tensors).
         _set_rng_state(torch.load(rng_file, weights_only=False))
-    trainer.groups.barrier()
+    state.barrier()
     return dict(meta["extra"])

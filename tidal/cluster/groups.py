@@ -2,8 +2,9 @@
 
 ``TrainerGroup.call(method, ...)`` calls a method on every rank at once (FSDP collectives need all
 of them) and returns rank 0's result. ``EngineGroup.call(method, ...)`` returns every engine's
-result. ``get`` waits on object refs and turns a user error raised inside an actor back into the
-same ``UserError`` on the driver, so it is printed as one line rather than a remote traceback.
+result. ``get`` (``tidal.errors.ray_get``) waits on object refs and turns a user error raised inside
+an actor back into the same ``UserError`` on the driver, so it is printed as one line rather than a
+remote traceback. The trainer class is the one ``--train-backend`` picks (``tidal.trainer.base``).
 """
 
 from __future__ import annotations
@@ -12,21 +13,9 @@ import socket
 from typing import Any
 
 from tidal.cluster.placement import Placement, actor_options
-from tidal.errors import UserError
+from tidal.errors import ray_get
 
-
-def get(refs: Any) -> Any:
-    """``ray.get`` that re-raises a remote UserError as itself."""
-    import ray
-    from ray.exceptions import RayTaskError
-
-    try:
-        return ray.get(refs)
-    except RayTaskError as e:
-        cause = getattr(e, "cause", None)
-        if isinstance(cause, UserError):
-            raise cause from None
-        raise
+get = ray_get  # the cluster's name for it
 
 
 def _free_port() -> int:

@@ -56,6 +56,7 @@ class ModelConfig:
 
 @dataclass
 class TrainerConfig:
+    train_backend: str = opt("fsdp", "Training backend: fsdp (PyTorch FSDP2).", choices=("fsdp",))
     lr: float = opt(3e-3, "Peak learning rate of AdamW.", min=0)
     min_lr: float = opt(0.0, "Learning rate at the end of decay (constant after warmup when equal to lr).", min=0)
     lr_warmup_steps: int = opt(2, "Optimizer steps of linear warmup.", min=0)

@@ -32,7 +32,6 @@ from typing import Any, NamedTuple
 
 from tidal.data.tasks import task_rows
 from tidal.errors import UserError
-from tidal.rollout.types import Sample
 
 log = logging.getLogger(__name__)
 
@@ -349,29 +348,3 @@ class PromptDataset:
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self._order = self._epoch_order(self.epoch)
-
-
-def make_rollout_samples(
-    batch: Sequence[tuple[Any, Any, list[int]]], n_samples_per_prompt: int, start_index: int = 0
-) -> list[Sample]:
-    """``n_samples_per_prompt`` samples per prompt, group-major (the layout ``tidal.algos`` expects).
-
-    Sample ``k`` of prompt ``g`` gets index ``start_index + g * n + k`` and group
-    ``start_index // n + g`` (so ``index // n == group`` when batches are built back to back); each
-    sample has its own copy of the prompt ids.
-    """
-    if n_samples_per_prompt < 1:
-        raise ValueError(f"n_samples_per_prompt must be positive, got {n_samples_per_prompt}")
-    samples = []
-    for g, (prompt, label, prompt_ids) in enumerate(batch):
-        for k in range(n_samples_per_prompt):
-            samples.append(
-                Sample(
-                    index=start_index + g * n_samples_per_prompt + k,
-                    group=start_index // n_samples_per_prompt + g,
-                    prompt=prompt,
-                    label=label,
-                    prompt_ids=list(prompt_ids),
-                )
-            )
-    return samples

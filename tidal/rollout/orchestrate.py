@@ -9,14 +9,41 @@ equal (zero advantage, no gradient) are dropped before training.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from tidal.algos.advantages import dynamic_sampling_keep, grpo_advantages
-from tidal.cluster.groups import get
-from tidal.data.dataset import make_rollout_samples
+from tidal.errors import ray_get as get
 from tidal.rollout.rewards import score_samples
 from tidal.rollout.types import Sample, SamplingParams
+
+
+def make_rollout_samples(
+    batch: Sequence[tuple[Any, Any, list[int]]], n_samples_per_prompt: int, start_index: int = 0
+) -> list[Sample]:
+    """``n_samples_per_prompt`` samples per prompt, group-major (the layout ``tidal.algos`` expects).
+
+    Sample ``k`` of prompt ``g`` gets index ``start_index + g * n + k`` and group
+    ``start_index // n + g`` (so ``index // n == group`` when batches are built back to back); each
+    sample has its own copy of the prompt ids.
+    """
+    if n_samples_per_prompt < 1:
+        raise ValueError(f"n_samples_per_prompt must be positive, got {n_samples_per_prompt}")
+    samples = []
+    for g, (prompt, label, prompt_ids) in enumerate(batch):
+        for k in range(n_samples_per_prompt):
+            samples.append(
+                Sample(
+                    index=start_index + g * n_samples_per_prompt + k,
+                    group=start_index // n_samples_per_prompt + g,
+                    prompt=prompt,
+                    label=label,
+                    prompt_ids=list(prompt_ids),
+                )
+            )
+    return samples
 
 
 def sampling_params(rollout_cfg, tokenizer, *, greedy: bool = False) -> SamplingParams:

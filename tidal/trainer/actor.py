@@ -1,8 +1,10 @@
-"""The FSDP2 trainer rank: model shards, optimizer, GRPO steps, pause/resume, and the weight source.
+"""The FSDP2 trainer rank (``--train-backend fsdp``): model shards, optimizer, GRPO steps, pause/resume, weight source.
 
-One ``TrainerActor`` per device (process on CPU). The cluster code wraps the class with
-``ray.remote`` and calls every method on all ranks at once; rank 0 returns the reduced result
-(other ranks return ``{}`` where a result only makes sense once).
+One ``TrainerActor`` per device (process on CPU), implementing ``tidal.trainer.base.Trainer`` (the
+contract, and what every backend shares: weight sync, checksums, save/load/export). The cluster
+code wraps the class with ``ray.remote`` and calls every method on all ranks at once; rank 0
+returns the reduced result (other ranks return ``{}`` where a result only makes sense once). Its
+state surface for checkpoints and export is ``tidal.trainer.fsdp_state.FSDPState``.
 
 Per rollout, ``train(samples, rollout_id)``:
 
@@ -43,97 +45,25 @@ from collections.abc import Iterator
 import torch
 
 from tidal.config.schema import AlgorithmConfig, MemoryConfig, ModelConfig, TrainerConfig, WeightSyncConfig
-from tidal.errors import ConfigError, ResidencyError, UserError
+from tidal.dtypes import as_dtype, default_dtype_name
+from tidal.errors import ConfigError, UserError
 from tidal.memory.base import StateClass
 from tidal.memory.residency import TrainerResidency
 from tidal.rollout.types import Sample
+from tidal.trainer.base import Trainer
+from tidal.trainer.fsdp_state import FSDPState, fsdp_modules, reshard
 from tidal.trainer.groups import TrainerGroups
+from tidal.trainer.microbatch import MicroBatch
 from tidal.trainer.packing import oversized, plan_rollout
 from tidal.trainer.schedule import LRSchedule
 from tidal.trainer.weights import iter_full_tensors, local_shard
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 _CLASSES = (StateClass.WEIGHTS, StateClass.OPTIMIZER, StateClass.GRADS)
 
 
-def as_dtype(d: str | torch.dtype | None) -> torch.dtype | None:
-    if d is None or isinstance(d, torch.dtype):
-        return d
-    name = str(d).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ConfigError(f"dtype {d!r}: use float32 or bfloat16")
-    return _DTYPES[name]
-
-
-class MicroBatch:
-    """One padded rectangle of sequences on the device, with everything the loss needs ([B, T-1] aligned to targets).
-
-    Built once per rollout on the host and sent with a few copies (pinned and asynchronous on CUDA),
-    so the training loop never waits for one. Counts the loop needs on the host (response tokens,
-    engine log-probs, the loss normaliser via ``host_mask``) are taken here, from host tensors.
-    Rows are right-padded: a real token never attends to a pad under causal attention, so the model
-    runs without an attention mask (see ``TrainerActor._token_stats``).
-    """
-
-    def __init__(self, samples: list[Sample], idx: list[int], pad_id: int, device: torch.device):
-        self.indices = idx
-        rows = [samples[i] for i in idx]
-        self.empty = not rows
-        if self.empty:
-            # Zero-weight filler: runs forward/backward so this rank joins every FSDP collective.
-            rows_ids = [[pad_id, pad_id]]
-        else:
-            rows_ids = [list(s.prompt_ids) + list(s.response_ids) for s in rows]
-        width = max(len(r) for r in rows_ids)
-        b = len(rows_ids)
-        # [0] input ids, [1] next ids (the target of every position; pad after the last), [2] attention mask
-        longs = torch.full((3, b, width), pad_id, dtype=torch.long)
-        longs[0] = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows_ids], dtype=torch.long)
-        longs[1, :, :-1] = longs[0, :, 1:]
-        lens = torch.tensor([len(r) for r in rows_ids])
-        longs[2] = torch.arange(width) < lens.unsqueeze(1)
-        # [0] response mask, [1] positions with an engine log-prob
-        flags = torch.zeros((2, b, width - 1), dtype=torch.bool)
-        engine_lp = torch.zeros((b, width - 1), dtype=torch.float32)
-        adv = torch.zeros(b, dtype=torch.float32)
-        for r, s in enumerate(rows):
-            p, n = len(s.prompt_ids), len(s.response_ids)
-            if n == 0:
-                continue
-            # Target position t predicts token t + 1: response tokens p .. p+n-1 are targets p-1 .. p+n-2.
-            flags[0, r, p - 1 : p - 1 + n] = True
-            adv[r] = float(s.advantage)
-            if len(s.response_logprobs) == n:
-                engine_lp[r, p - 1 : p - 1 + n] = torch.tensor(s.response_logprobs, dtype=torch.float32)
-                flags[1, r, p - 1 : p - 1 + n] = True
-        self.tokens = int(lens.sum()) if not self.empty else 0  # real (unpadded) tokens, prompt + response
-        self.host_mask = flags[0]
-        self.num_response_tokens = int(flags[0].sum())
-        self.num_engine_logprobs = int(flags[1].sum())
-
-        pin = device.type == "cuda"
-        longs, flags, floats = (
-            t.pin_memory() if pin else t for t in (longs, flags, torch.cat([engine_lp, adv.unsqueeze(1)], 1))
-        )
-        longs, flags, floats = (t.to(device, non_blocking=pin) for t in (longs, flags, floats))
-        self.input_ids, self.next_ids, self.attention_mask = longs[0], longs[1], longs[2]
-        self.targets = self.input_ids[:, 1:]
-        self.mask, self.has_engine_logprobs = flags[0], flags[1]
-        self.engine_logprobs, self.advantages = floats[:, :-1], floats[:, -1]
-        self.old_logprobs: torch.Tensor | None = None
-        self.ref_logprobs: torch.Tensor | None = None
-
-
-class TrainerActor:
+class TrainerActor(Trainer):
     """One rank of the FSDP2 trainer; see the module docstring and ``docs/design.md`` for the contract."""
 
     def __init__(
@@ -209,7 +139,7 @@ class TrainerActor:
 
         param_dtype = self.cfg.param_dtype
         if param_dtype == "auto":
-            param_dtype = "bf16" if self.device_type == "cuda" else "fp32"
+            param_dtype = default_dtype_name(self.device_type)
         self.compute_dtype = as_dtype(param_dtype)
         # fp32 master parameters always; bf16 is only the compute copy FSDP all-gathers.
         self.mp = None
@@ -282,15 +212,6 @@ class TrainerActor:
             fully_shard(layer, **kw)
         fully_shard(model, **kw)  # moves the remaining (root) parameters onto the device too
         return model
-
-    def _fsdp_modules(self) -> list:
-        from torch.distributed.fsdp import FSDPModule
-
-        out = []
-        for m in (self.model, self.ref_model):
-            if m is not None:
-                out += [x for x in m.modules() if isinstance(x, FSDPModule)]
-        return out
 
     # ---- tensors per state class (called by the memory backend at every pause) -----------------
     def _weight_tensors(self):
@@ -462,8 +383,7 @@ class TrainerActor:
             self.schedule.advance()
             self.optimizer.zero_grad(set_to_none=True)
 
-        for mod in self._fsdp_modules():
-            mod.reshard()  # the root keeps its all-gathered parameters after forward; free them
+        reshard([self.model, self.ref_model])  # the root keeps its all-gathered parameters after forward; free them
         # The one device -> host transfer of the rollout.
         host = torch.cat([sums, lp_abs_diff.reshape(1), *(g.to(sums.device).reshape(1) for g in grad_norms)]).tolist()
         sums_host, lp_abs_diff, grad_norms = host[: len(sums)], host[len(sums)], host[len(sums) + 1 :]
@@ -500,8 +420,7 @@ class TrainerActor:
 
     # ---- memory ---------------------------------------------------------------------------------
     def _free_transients(self) -> None:
-        for mod in self._fsdp_modules():
-            mod.reshard()
+        reshard([self.model, self.ref_model])
         self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
         if self.device_type == "cuda":
@@ -531,28 +450,30 @@ class TrainerActor:
             return {"memory/trainer_resume/effective": 0}
         t0 = time.perf_counter()
         report = self.memory.resume(list(_CLASSES))
-        rebuilt = self.groups.rebuild(self._fsdp_modules())
+        rebuilt = self.groups.rebuild(fsdp_modules([self.model, self.ref_model]))
         out = report.metrics("memory/trainer_resume")
         out["memory/trainer_resume/effective"] = 1
         out["memory/trainer_resume/groups_rebuilt"] = int(rebuilt)
         out["memory/trainer_resume/total_s"] = time.perf_counter() - t0
         return out if self.rank == 0 else {}
 
+    # ---- weight source and state surface -------------------------------------------------------------
     @property
-    def _reading_backups(self) -> bool:
+    def weights_from_backup(self) -> bool:
         return self.offload and self.residency.paused
 
-    # ---- weight source --------------------------------------------------------------------------
-    def _named_params(self) -> list[tuple[str, torch.Tensor]]:
-        # named_parameters() lists tied weights once (HF names), which is what engines expect.
-        return list(self.model.named_parameters())
+    def require_active(self, what: str) -> None:
+        self.residency.require_active(what)
 
-    def iter_weights(self, dtype: str | torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """``(name, full CPU tensor in dtype)`` on rank 0, ``(name, None)`` elsewhere; all ranks iterate together."""
-        return self._iter_named(self._named_params(), as_dtype(dtype))
+    def iter_weights(
+        self, dtype: str | torch.dtype | None = None, *, on_device: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """``(name, full tensor in dtype)`` on rank 0, ``(name, None)`` elsewhere; all ranks iterate together.
+        named_parameters() lists tied weights once (HF names), which is what engines expect."""
+        return self._gather(list(self.model.named_parameters()), as_dtype(dtype), on_device)
 
-    def _iter_named(self, named, dtype, on_device: bool = False):
-        backups = self._reading_backups
+    def _gather(self, named, dtype, on_device: bool = False):
+        backups = self.weights_from_backup
         return iter_full_tensors(
             named,
             dtype,
@@ -564,39 +485,20 @@ class TrainerActor:
             on_device=on_device,
         )
 
-    def connect_engines(self, engines: list, engine_dtype: str | torch.dtype, colocated: bool | None = None) -> None:
-        """Rank 0 builds and connects the weight-sync strategy; every rank records the engine dtype."""
-        self.engine_dtype = as_dtype(engine_dtype)
-        if colocated is None:
-            colocated = self.sync_cfg.update_weight_transport in (None, "tensor")
-        if self.rank == 0:
-            from tidal.weight_sync import make_strategy
-
-            self.strategy = make_strategy(self.sync_cfg, engines, device=self.device_type, colocated=colocated)
-            self.strategy.connect()
-        self.connected = True
-
-    def update_weights(self) -> dict:
-        """Weight version += 1 and push every weight to the engines (rank 0 sends; all ranks gather)."""
-        if not self.connected:
-            raise ResidencyError("update_weights() before connect_engines(); connect the engines first")
-        self.version += 1
-        t0 = time.perf_counter()
-        # Full syncs packed on the device (CUDA IPC, NCCL) take device tensors and cast there; every
-        # rank decides alike from the config, since the gather is collective.
-        from tidal.weight_sync import packs_on_device
-
-        on_device = packs_on_device(self.sync_cfg, self.device_type)
-        it = self._iter_named(self._named_params(), self.engine_dtype, on_device)
-        if self.rank != 0:
-            for _ in it:
-                pass
-            return {}
-        report = self.strategy.sync(((n, t) for n, t in it), self.version, self.engine_dtype)
-        out = dict(report.metrics())
-        out["sync/trainer_s"] = time.perf_counter() - t0
-        out["sync/from_backup"] = int(self._reading_backups)
-        return out
+    def checkpoint_state(self) -> FSDPState:
+        return FSDPState(
+            rank=self.rank,
+            world_size=self.world_size,
+            model_name=self.model_cfg.model,
+            model=self.model,
+            params=self.params,
+            optimizer=self.optimizer,
+            schedule=self.schedule,
+            groups=self.groups,
+            memory=self.memory,
+            tokenizer=self.tokenizer,
+            gather=self._gather,
+        )
 
     def memory_stats(self) -> dict[str, int]:
         """Host RSS, device peak since the last call, and device memory in use (for the step line)."""
@@ -604,62 +506,7 @@ class TrainerActor:
 
         return process_memory_stats(self.device_type)
 
-    def weight_checksums(self, dtype: str | torch.dtype | None = None) -> dict[str, str]:
-        """name -> checksum of the full tensor in the engine dtype (rank 0; ``{}`` elsewhere)."""
-        from tidal.weight_sync.checksum import tensor_checksum
-
-        want = as_dtype(dtype) or self.engine_dtype or (torch.bfloat16 if self.device_type == "cuda" else torch.float32)
-        out = {}
-        for name, full in self.iter_weights(want):
-            if full is not None:
-                out[name] = tensor_checksum(full)
-        return out
-
-    def state_checksums(self) -> dict[str, str]:
-        """Checksums of the fp32 master weights and AdamW moments (rank 0): a bitwise fingerprint for tests."""
-        from tidal.weight_sync.checksum import tensor_checksum
-
-        named = list(self._named_params())
-        names = {id(p): n for n, p in named}
-        for p in self.params:
-            for k, v in sorted(self.optimizer.state.get(p, {}).items()):
-                if k != "step" and torch.is_tensor(v):
-                    named.append((f"optim/{names[id(p)]}/{k}", v))
-        out = {}
-        for name, full in self._iter_named(named, None):
-            if full is not None:
-                out[name] = tensor_checksum(full)
-        return out
-
-    # ---- checkpoints ----------------------------------------------------------------------------
-    def save(self, dir: str, extra: dict | None = None) -> dict:
-        """Atomic checkpoint under ``dir/iter_{rollout:07d}/`` (see ``tidal.checkpoint``); works while paused."""
-        from tidal.checkpoint.store import save_trainer
-
-        extra = dict(extra or {})
-        extra.setdefault("rollout_id", self.last_rollout_id)
-        extra["weight_version"] = self.version
-        return save_trainer(self, dir, extra)
-
-    def load(self, dir: str) -> dict:
-        """Resume from the newest complete checkpoint in ``dir``; returns its ``extra`` ({} when there is none)."""
-        from tidal.checkpoint.store import load_trainer
-
-        self.residency.require_active("load")
-        extra = load_trainer(self, dir)
-        if extra:
-            self.version = int(extra.get("weight_version", self.version))
-            self.last_rollout_id = int(extra.get("rollout_id", self.last_rollout_id))
-        return extra
-
-    def export(self, dir: str) -> dict:
-        """A Hugging Face folder (config, safetensors, tokenizer) of the current fp32 weights, written atomically."""
-        from tidal.checkpoint.export import export_hf
-
-        return export_hf(self, dir)
-
     def shutdown(self) -> None:
         """Close the weight-sync strategy and the process groups (call on all ranks)."""
-        if self.strategy is not None:
-            self.strategy.close()
+        super().shutdown()
         self.groups.destroy()

@@ -1,0 +1,185 @@
+"""The trainer interface: what the driver, checkpoints, export and weight sync need from a training backend.
+
+A backend is one class whose instances are the ranks of one training job (one Ray actor per device,
+process on CPU). The cluster code builds every rank with the same arguments::
+
+    cls(rank, world_size, master_addr, master_port, *, model, trainer, algorithm, memory, weight_sync,
+        device, total_steps=None)
+
+(each keyword is that config section's dataclass; ``device`` is ``"cpu"`` or ``"cuda"``), then calls
+each method on all ranks at once; rank 0 returns the reduced result, the other ranks ``{}`` where
+a result only makes sense once. ``--train-backend`` picks the class from ``BACKENDS``.
+
+A backend implements the abstract methods below: its own process groups, model layout, optimizer
+and memory; a weight source (``iter_weights``: full tensors by Hugging Face names, whatever the
+layout); and a state surface for checkpoints and export (``checkpoint_state``, which speaks
+``tidal.checkpoint.store.TrainState`` and ``tidal.checkpoint.export.ExportSource``). What is the
+same for every backend is written here once: connecting to the engines and pushing a weight
+version through the weight-sync strategy, checksums, save/load/export and their bookkeeping.
+
+The FSDP2 backend is ``tidal.trainer.actor.TrainerActor``. A second backend (Megatron-core, say)
+adds its class to ``BACKENDS``, its name to ``--train-backend``'s choices, and converts its tensor-
+and pipeline-parallel shards to full HF-named tensors in ``iter_weights`` and ``checkpoint_state``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from tidal.checkpoint.export import ExportSource, export_hf
+from tidal.checkpoint.store import TrainState, load_checkpoint, save_checkpoint
+from tidal.config.schema import WeightSyncConfig
+from tidal.dtypes import as_dtype, default_dtype
+from tidal.errors import ConfigError, ResidencyError
+
+# --train-backend value -> "module:class"; imported only when chosen.
+BACKENDS = {"fsdp": "tidal.trainer.actor:TrainerActor"}
+
+
+def trainer_class(name: str) -> type[Trainer]:
+    """The backend class ``--train-backend name`` selects."""
+    if name not in BACKENDS:
+        raise ConfigError(f"--train-backend {name!r}: use one of {', '.join(BACKENDS)}")
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+class Trainer(ABC):
+    """One rank of a training backend; see the module docstring for how ranks are built and called."""
+
+    rank: int
+    world_size: int
+    device_type: str  # "cpu" or "cuda"
+    version: int  # weight version last pushed to the engines
+    last_rollout_id: int  # the rollout last trained (saved in checkpoints)
+    strategy: Any  # the weight-sync strategy on rank 0 once connected, else None
+    engine_dtype: torch.dtype | None
+    sync_cfg: WeightSyncConfig
+    connected: bool  # connect_engines() has run
+
+    # ---- backend: lifecycle, training, memory -------------------------------------------------------
+    @abstractmethod
+    def init(self) -> dict:
+        """Process groups, model, optimizer, schedule, memory backend; returns sizes (``num_params``, ...)."""
+
+    @abstractmethod
+    def train(self, samples: list, rollout_id: int) -> dict:
+        """All optimizer steps of one rollout's samples; rank 0 returns the metrics reduced over ranks."""
+
+    @abstractmethod
+    def pause(self) -> dict:
+        """Release the device memory of weights, optimizer state and grads; memory metrics."""
+
+    @abstractmethod
+    def resume(self) -> dict:
+        """Bring back what ``pause`` released, bit for bit; memory metrics."""
+
+    @abstractmethod
+    def memory_stats(self) -> dict[str, int]:
+        """Host RSS, device peak since the last call, device memory in use."""
+
+    # ---- backend: the weight source and the state surface -------------------------------------------
+    @abstractmethod
+    def iter_weights(
+        self, dtype: str | torch.dtype | None = None, *, on_device: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """``(HF name, full tensor in dtype)`` on rank 0, ``(name, None)`` elsewhere; all ranks iterate together.
+        Tensors are on the host unless ``on_device`` (the strategy packs on the device). Works while paused."""
+
+    @property
+    @abstractmethod
+    def weights_from_backup(self) -> bool:
+        """Whether the weight source reads host backups now (paused with offload)."""
+
+    @abstractmethod
+    def checkpoint_state(self) -> TrainState | ExportSource:
+        """The state surface checkpoints and export read and fill (one object speaking both protocols)."""
+
+    @abstractmethod
+    def require_active(self, what: str) -> None:
+        """Raise ``ResidencyError`` unless the trainer is ACTIVE (``what`` names the operation)."""
+
+    def shutdown(self) -> None:
+        """Close the weight-sync strategy (a backend then closes its process groups); call on all ranks."""
+        if self.strategy is not None:
+            self.strategy.close()
+
+    # ---- the same for every backend -------------------------------------------------------------------
+    def connect_engines(self, engines: list, engine_dtype: str | torch.dtype, colocated: bool | None = None) -> None:
+        """Rank 0 builds and connects the weight-sync strategy; every rank records the engine dtype."""
+        self.engine_dtype = as_dtype(engine_dtype)
+        sync_cfg = self.sync_cfg
+        if colocated is None:
+            colocated = sync_cfg.update_weight_transport in (None, "tensor")
+        if self.rank == 0:
+            from tidal.weight_sync import make_strategy
+
+            self.strategy = make_strategy(sync_cfg, engines, device=self.device_type, colocated=colocated)
+            self.strategy.connect()
+        self.connected = True
+
+    def update_weights(self) -> dict:
+        """Weight version += 1 and push every weight to the engines (rank 0 sends; all ranks gather)."""
+        if not self.connected:
+            raise ResidencyError("update_weights() before connect_engines(); connect the engines first")
+        self.version += 1
+        t0 = time.perf_counter()
+        # Full syncs packed on the device (CUDA IPC, NCCL) take device tensors and cast there; every
+        # rank decides alike from the config, since the gather is collective.
+        from tidal.weight_sync import packs_on_device
+
+        on_device = packs_on_device(self.sync_cfg, self.device_type)
+        it = self.iter_weights(self.engine_dtype, on_device=on_device)
+        if self.rank != 0:
+            for _ in it:
+                pass
+            return {}
+        report = self.strategy.sync(((n, t) for n, t in it), self.version, self.engine_dtype)
+        out = dict(report.metrics())
+        out["sync/trainer_s"] = time.perf_counter() - t0
+        out["sync/from_backup"] = int(self.weights_from_backup)
+        return out
+
+    def weight_checksums(self, dtype: str | torch.dtype | None = None) -> dict[str, str]:
+        """name -> checksum of the full tensor in the engine dtype (rank 0; ``{}`` elsewhere)."""
+        from tidal.weight_sync.checksum import tensor_checksum
+
+        want = as_dtype(dtype) or self.engine_dtype or default_dtype(self.device_type)
+        return {name: tensor_checksum(full) for name, full in self.iter_weights(want) if full is not None}
+
+    def state_checksums(self) -> dict[str, str]:
+        """Checksums of the fp32 master weights and optimizer tensors (rank 0): a bitwise fingerprint for tests."""
+        from tidal.weight_sync.checksum import tensor_checksum
+
+        state = self.checkpoint_state()
+        out = {name: tensor_checksum(full) for name, full in state.model_state() if full is not None}
+        for name, full in state.optimizer_state():
+            if full is not None:
+                out[f"optim/{name}"] = tensor_checksum(full)
+        return out
+
+    def save(self, dir: str, extra: dict | None = None) -> dict:
+        """Atomic checkpoint under ``dir/iter_{rollout:07d}/`` (see ``tidal.checkpoint.store``); works while paused."""
+        extra = dict(extra or {})
+        extra.setdefault("rollout_id", self.last_rollout_id)
+        extra["weight_version"] = self.version
+        return save_checkpoint(self.checkpoint_state(), dir, extra)
+
+    def load(self, dir: str) -> dict:
+        """Resume from the newest complete checkpoint in ``dir``; returns its ``extra`` ({} when there is none)."""
+        self.require_active("load")
+        extra = load_checkpoint(self.checkpoint_state(), dir)
+        if extra:
+            self.version = int(extra.get("weight_version", self.version))
+            self.last_rollout_id = int(extra.get("rollout_id", self.last_rollout_id))
+        return extra
+
+    def export(self, dir: str) -> dict:
+        """A Hugging Face folder (config, safetensors, tokenizer) of the current fp32 weights, written atomically."""
+        return export_hf(self.checkpoint_state(), dir)
