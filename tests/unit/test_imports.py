@@ -2,8 +2,9 @@
 
 A package is a folder under ``tidal/`` or a top-level module (``driver``, ``session``, ``errors``,
 ...). Every ``import tidal.x...`` / ``from tidal.x... import`` found anywhere in a file, and every
-relative import, is an edge from the file's package to ``x``. ``docs/design.md`` says which layer
-may import which; this test enforces the part that matters most: the graph has no cycle.
+relative import, is an edge from the file's package to ``x``; imports under ``if TYPE_CHECKING:``
+are not (they never run). ``docs/design.md`` says which layer may import which; this test enforces
+the part that matters most: the graph has no cycle.
 """
 
 from __future__ import annotations
@@ -15,6 +16,18 @@ from collections import defaultdict
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "tidal"
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except those inside ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo += node.orelse
+            continue
+        todo += ast.iter_child_nodes(node)
+
+
 def package_edges(root: pathlib.Path = ROOT) -> dict[str, dict[str, list[str]]]:
     """``{package: {imported package: ["file:line", ...]}}`` over every import statement in ``root``."""
     edges: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
@@ -22,7 +35,7 @@ def package_edges(root: pathlib.Path = ROOT) -> dict[str, dict[str, list[str]]]:
         rel = path.relative_to(root).with_suffix("")
         src = rel.parts[0]
         module = ["tidal", *rel.parts]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -86,10 +99,13 @@ def test_edges_see_lazy_and_relative_imports(tmp_path):
     (pkg / "x").mkdir(parents=True)
     (pkg / "y").mkdir()
     (pkg / "x" / "__init__.py").write_text("from ..y import thing\n")
-    (pkg / "y" / "m.py").write_text("def f():\n    from tidal.x import g\n    import tidal.errors\n")
+    (pkg / "y" / "m.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import tidal.z\n"
+        "def f():\n    from tidal.x import g\n    import tidal.errors\n"
+    )
     edges = package_edges(pkg)
     assert set(edges["x"]) == {"y"} and set(edges["y"]) == {"x", "errors"}
-    assert edges["y"]["x"] == ["tidal/y/m.py:2"]
+    assert edges["y"]["x"] == ["tidal/y/m.py:5"]
 
 
 def test_no_import_cycles_between_packages():
