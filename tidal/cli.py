@@ -5,6 +5,7 @@
     tidal explain [flags]        the resolved configuration, where each value came from, derived sizes, memory plan
                                  (--assume-gpus N --assume-gpu-memory 80GiB plan for a machine you are not on)
     tidal export --load CKPT --out DIR [flags]   write a Hugging Face model folder from a checkpoint
+    tidal serve [flags] [--host H] [--port P] [--api-key K]   the engine as an HTTP server (SGLang's API + OpenAI's)
     tidal bench NAME [args]      benchmarks: memory, weight-sync, delta-codec, rollout, trainer, reward-curve
 
 User errors (bad flags, missing files, impossible combinations) print one line and exit with code 2.
@@ -114,6 +115,12 @@ def export_checkpoint(load_dir: str, out_dir: str, cfg) -> str:
     return out_dir
 
 
+def cmd_serve(argv: list[str]) -> int:
+    from tidal.serve.server import main as serve_main
+
+    return serve_main(argv)
+
+
 def cmd_bench(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCHES:
         raise UserError(f"tidal bench needs one of: {', '.join(BENCHES)}")
@@ -121,7 +128,7 @@ def cmd_bench(argv: list[str]) -> int:
     return int(mod.main(argv[1:]) or 0)
 
 
-COMMANDS = {"train": cmd_train, "explain": cmd_explain, "export": cmd_export, "bench": cmd_bench}
+COMMANDS = {"train": cmd_train, "explain": cmd_explain, "export": cmd_export, "serve": cmd_serve, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -213,6 +213,18 @@ class LoggingConfig:
     log_level: str = opt("info", "Log verbosity.", choices=("debug", "info", "warning", "error"))
 
 
+@dataclass
+class ServeConfig:
+    """``tidal serve``: the embedded engine as an HTTP server speaking SGLang's protocol (docs/engines.md)."""
+
+    serve_host: str = opt("127.0.0.1", "Address tidal serve binds (0.0.0.0: every interface).", flag="--host")
+    serve_port: int = opt(30000, "Port tidal serve listens on (0: a free one, printed at start).", min=0, flag="--port")
+    serve_api_key: str | None = opt(
+        None, "Key every tidal serve request must send as 'Authorization: Bearer KEY'.", flag="--api-key"
+    )
+    served_model_name: str | None = opt(None, "Model name in /v1/models and OpenAI replies (default: --model).")
+
+
 SECTIONS: dict[str, type] = {
     "cluster": ClusterConfig,
     "model": ModelConfig,
@@ -224,6 +236,7 @@ SECTIONS: dict[str, type] = {
     "weight_sync": WeightSyncConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "serve": ServeConfig,
 }
 
 
@@ -239,6 +252,7 @@ class TidalConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -391,6 +391,10 @@ class EmbeddedEngine:
     def get_weight_version(self) -> int:
         return self._version
 
+    def set_weight_version(self, version: int) -> None:
+        """Adopt a version given with weights loaded by name (an SGLang-protocol update), or a new label."""
+        self._version = int(version)
+
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy tensors into the parameters of the same Hugging Face name, in place; returns bytes copied.

@@ -46,12 +46,16 @@ def make_group(
     world_size: int,
     backend: str,
     timeout_s: float = 300.0,
+    prefix: str = PREFIX,
 ):
-    """Join the sync group as ``rank``; blocks until every rank joined. Returns (group, store)."""
+    """Join the sync group as ``rank``; blocks until every rank joined. Returns (group, store).
+
+    ``prefix`` namespaces the group's keys in the store (an SGLang ``group_name``).
+    """
     timeout = timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timeout)
-    prefixed = dist.PrefixStore(PREFIX, store)
+    prefixed = dist.PrefixStore(prefix, store)
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout

@@ -1,0 +1,334 @@
+"""``tidal serve`` as a separate process on 127.0.0.1, driven over real HTTP.
+
+Requests are written from SGLang's documented shapes (``io_struct.py``, ``http_server.py``) with
+httpx, and the weight payloads with the serializer SGLang documents (torch's ``ForkingPickler``,
+base64), not with tidal's client; the OpenAI endpoints are driven by the stock ``openai`` client.
+Weights sent are compared bitwise with what the server holds afterwards (xxh3-128 computed here of
+the bytes sent, and exact values read back through ``/get_weights_by_name``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
+
+import httpx
+import pytest
+import torch
+import xxhash
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def server():
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "tidal", "serve", "--model", "tiny", "--port", "0", "--api-key", KEY]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    assert line.startswith("tidal serve: listening on http://127.0.0.1:"), (
+        line,
+        proc.stderr.read() if proc.poll() is not None else "",
+    )
+    url = line.split()[-1]
+    client = httpx.Client(base_url=url, headers=AUTH, timeout=60)
+    for _ in range(200):
+        try:
+            if client.get("/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    yield client
+    client.close()
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+def _model():
+    from tidal.model import build_model, resolve_model
+
+    return build_model(resolve_model("tiny", None, False))
+
+
+def _random_weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(n, torch.randn(p.shape, generator=gen)) for n, p in _model().named_parameters()]
+
+
+def _xxh(t: torch.Tensor) -> str:
+    return xxhash.xxh3_128_hexdigest(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _serialize(obj) -> str:
+    """SGLang's MultiprocessingSerializer.serialize(obj, output_str=True)."""
+    torch.multiprocessing.set_sharing_strategy("file_system")  # CPU tensors between unrelated processes
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _assert_holds(server, weights) -> None:
+    got = server.get("/weight_checksums").json()["checksums"]
+    assert got == {n: _xxh(t) for n, t in weights}
+    name, t = weights[1]
+    values = server.post("/get_weights_by_name", json={"name": name, "truncate_size": 10**6}).json()
+    assert torch.equal(torch.tensor(values, dtype=t.dtype), t)
+
+
+def test_generate_in_sglang_shapes(server):
+    one = server.post(
+        "/generate", json={"text": "12+3=", "sampling_params": {"max_new_tokens": 4}, "return_logprob": True}
+    )
+    assert one.status_code == 200, one.text
+    out = one.json()
+    assert isinstance(out, dict) and set(out) >= {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert meta["prompt_tokens"] == 5  # one token per character
+    assert meta["completion_tokens"] == len(out["output_ids"]) == len(meta["output_token_logprobs"])
+    for lp, tid, text in meta["output_token_logprobs"]:
+        assert lp <= 0 and isinstance(tid, int) and text is None
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    assert meta["finish_reason"]["type"] in ("stop", "length") and isinstance(meta["weight_version"], str)
+
+    batch = server.post(
+        "/generate",
+        json={"input_ids": [[1, 5, 6], [1, 7]], "sampling_params": {"max_new_tokens": 3, "n": 2, "temperature": 0}},
+    ).json()
+    assert len(batch) == 4 and [b["meta_info"]["prompt_tokens"] for b in batch] == [3, 3, 2, 2]
+    assert batch[0]["output_ids"] == batch[1]["output_ids"]  # greedy: both samples of a prompt agree
+    for b in batch:
+        fr = b["meta_info"]["finish_reason"]
+        assert fr == {"type": "length", "length": 3} or (fr["type"] == "stop" and fr["matched"] == 2)
+
+    # A stop token ends the response; SGLang keeps it in output_ids and names it in finish_reason.
+    first = batch[0]["output_ids"][0]
+    stopped = server.post(
+        "/generate",
+        json={
+            "input_ids": [1, 5, 6],
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0, "stop_token_ids": [first]},
+        },
+    ).json()
+    assert stopped["output_ids"] == [first] and stopped["meta_info"]["finish_reason"] == {
+        "type": "stop",
+        "matched": first,
+    }
+
+
+def test_api_key_is_enforced(server):
+    for path in ("/health", "/model_info", "/v1/models"):
+        assert httpx.get(str(server.base_url) + path).status_code == 401
+        bad = httpx.get(str(server.base_url) + path, headers={"Authorization": "Bearer wrong"})
+        assert bad.status_code == 401 and bad.json() == {"error": "Unauthorized"}
+    for path in ("/generate", "/release_memory_occupation", "/update_weights_from_disk", "/pause_generation"):
+        assert httpx.post(str(server.base_url) + path, json={}).status_code == 401
+    assert server.get("/health").status_code == 200
+
+
+def test_concurrent_requests_share_an_engine_step(server):
+    assert server.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server.base_url, headers=AUTH, timeout=60) as c:
+            body = {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 2}}
+            tasks = [asyncio.create_task(c.post("/generate", json=body)) for _ in range(6)]
+            for _ in range(100):  # every request is queued behind the pause
+                if (await c.get("/server_info")).json()["internal_states"][0]["queued"] == 6:
+                    break
+                await asyncio.sleep(0.05)
+            await c.post("/continue_generation")
+            return [r.json() for r in await asyncio.gather(*tasks)]
+
+    outs = asyncio.run(burst())
+    steps = {o["meta_info"]["engine_step"] for o in outs}
+    assert len(steps) == 1 and all(o["meta_info"]["engine_step_requests"] == 6 for o in outs)
+
+
+def test_update_weights_from_tensor_direct_and_flattened(server):
+    weights = _random_weights(1)
+    body = {"serialized_named_tensors": [_serialize(weights)], "weight_version": "5", "flush_cache": True}
+    r = server.post("/update_weights_from_tensor", json=body)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    _assert_holds(server, weights)
+    assert server.get("/model_info").json()["weight_version"] == "5"
+
+    # flattened_bucket: one uint8 tensor plus per-tensor metadata (SGLang's FlattenedTensorMetadata fields).
+    weights = _random_weights(2)
+    flat = torch.cat([t.view(-1).view(torch.uint8) for _, t in weights])
+    meta, at = [], 0
+    for n, t in weights:
+        nb = t.numel() * t.element_size()
+        meta.append(FlattenedTensorMetadata(n, t.shape, t.dtype, at, at + nb, t.numel()))
+        at += nb
+    body = {
+        "serialized_named_tensors": [_serialize({"flattened_tensor": flat, "metadata": meta})],
+        "load_format": "flattened_bucket",
+        "weight_version": "6",
+    }
+    assert server.post("/update_weights_from_tensor", json=body).json()["success"]
+    _assert_holds(server, weights)
+
+
+class FlattenedTensorMetadata:
+    """Stand-in for SGLang's class of this name (the server resolves it by name)."""
+
+    def __init__(self, name, shape, dtype, start_idx, end_idx, numel):
+        self.name, self.shape, self.dtype = name, shape, dtype
+        self.start_idx, self.end_idx, self.numel = start_idx, end_idx, numel
+
+
+def test_update_weights_from_disk_and_version(server, tmp_path):
+    from safetensors.torch import save_file
+
+    weights = _random_weights(3)
+    half = len(weights) // 2
+    save_file(dict(weights[:half]), str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file(dict(weights[half:]), str(tmp_path / "model-00002-of-00002.safetensors"))
+    r = server.post("/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": "7"})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    _assert_holds(server, weights)
+    assert server.get("/model_info").json()["weight_version"] == "7"
+    out = server.post("/generate", json={"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 1}}).json()
+    assert out["meta_info"]["weight_version"] == "7"
+    r = server.post("/update_weight_version", json={"new_version": "8"})
+    assert r.json()["new_version"] == "8" and server.get("/get_weight_version").json() == {"weight_version": "8"}
+
+
+def test_update_weights_from_distributed_over_gloo(server):
+    import torch.distributed as dist
+
+    weights = _random_weights(4)
+    group = "weight_update_group"
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    replies = {}
+
+    def post(path, body):
+        replies[path] = server.post(path, json=body)
+
+    join = threading.Thread(
+        target=post,
+        args=("/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,
+            "group_name": group, "backend": "gloo",
+        }),
+    )  # fmt: skip
+    join.start()
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(interface="lo")]
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(group, store), 0, 2, opts)
+    pg.broadcast(torch.zeros(1), 0).wait()  # the probe every member sends once the group formed
+    join.join()
+    assert replies["/init_weights_update_group"].json()["success"]
+
+    body = {
+        "names": [n for n, _ in weights],
+        "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in weights],
+        "shapes": [list(t.shape) for _, t in weights],
+        "group_name": group,
+        "weight_version": "9",
+    }
+    update = threading.Thread(target=post, args=("/update_weights_from_distributed", body))
+    update.start()
+    for _, t in weights:
+        pg.broadcast(t.contiguous(), 0).wait()
+    update.join()
+    assert replies["/update_weights_from_distributed"].json()["success"], replies[
+        "/update_weights_from_distributed"
+    ].text
+    _assert_holds(server, weights)
+    assert server.post("/destroy_weights_update_group", json={"group_name": group}).json()["success"]
+
+
+def test_release_resume_then_sync_before_generating(server):
+    assert server.post("/release_memory_occupation", json={"tags": None}).json()["residency"] == "ASLEEP"
+    r = server.post("/generate", json={"input_ids": [1, 5]})
+    assert r.status_code == 400 and "ASLEEP" in r.json()["error"]["message"]
+    assert server.post("/resume_memory_occupation", json={"tags": ["weights"]}).json()["residency"] == "WEIGHTS_ONLY"
+    assert server.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).json()["residency"] == "AWAKE"
+    r = server.post("/generate", json={"input_ids": [1, 5]})
+    assert r.status_code == 400 and "synced" in r.json()["error"]["message"]
+    weights = _random_weights(5)
+    assert server.post("/update_weights_from_tensor", json={"serialized_named_tensors": [_serialize(weights)]}).json()[
+        "success"
+    ]
+    assert (
+        server.post("/generate", json={"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 1}}).status_code
+        == 200
+    )
+    assert server.post("/flush_cache").status_code == 200
+
+
+def test_openai_endpoints_answer_a_stock_client(server):
+    import openai
+
+    client = openai.OpenAI(base_url=str(server.base_url) + "/v1", api_key=KEY)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    comp = client.completions.create(model="tiny", prompt="12+3=", max_tokens=3, logprobs=0, n=2)
+    assert len(comp.choices) == 2 and comp.usage.prompt_tokens == 5
+    counts = [len(c.logprobs.tokens) for c in comp.choices]
+    assert sum(counts) == comp.usage.completion_tokens and all(1 <= k <= 3 for k in counts)
+    assert all(len(c.logprobs.token_logprobs) == len(c.logprobs.tokens) for c in comp.choices)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "2+2"}], max_tokens=3, logprobs=True
+    )
+    choice = chat.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    assert len(choice.logprobs.content) == chat.usage.completion_tokens and all(
+        t.logprob <= 0 for t in choice.logprobs.content
+    )
+    with pytest.raises(openai.BadRequestError, match="serves 'tiny'"):
+        client.completions.create(model="other", prompt="1", max_tokens=1)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=str(server.base_url) + "/v1", api_key="wrong").models.list()
+
+
+@pytest.mark.parametrize(
+    "path, body, needle",
+    [
+        ("/generate", {"text": "1", "input_ids": [1]}, "exactly one of text or input_ids"),
+        ("/generate", {"input_ids": []}, "empty"),
+        ("/generate", {"input_ids": [1, 999]}, "outside the vocabulary"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"ignore_eos": True}}, "ignore_eos is not supported"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": "many"}}, "max_new_tokens"),
+        ("/generate", {"input_ids": [[1], [2]], "sampling_params": [{}]}, "one per prompt"),
+        ("/release_memory_occupation", {"tags": ["cuda_graph"]}, "tags"),
+        ("/update_weights_from_disk", {"model_path": "/nonexistent"}, "no such directory"),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["@@"]}, "not base64"),
+        ("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": []}, "init_weights_update_group"),
+    ],
+)
+def test_bad_requests_get_a_clear_400(server, path, body, needle):
+    r = server.post(path, json=body)
+    assert r.status_code == 400
+    j = r.json()
+    message = j.get("message") or j["error"]["message"]
+    assert needle in message
+
+
+def test_refused_weight_updates_change_nothing(server):
+    before = server.get("/weight_checksums").json()["checksums"]
+    weights = _random_weights(6)
+    wrong = [(n, t) for n, t in weights[:-1]] + [(weights[-1][0], torch.zeros(3))]
+    r = server.post("/update_weights_from_tensor", json={"serialized_named_tensors": [_serialize(wrong)]})
+    assert r.status_code == 400 and not r.json()["success"] and "shape" in r.json()["message"]
+    sums = {n: _xxh(t) for n, t in weights}
+    sums[weights[0][0]] = "0" * 32
+    r = server.post(
+        "/update_weights_from_tensor", json={"serialized_named_tensors": [_serialize(weights)], "checksums": sums}
+    )
+    assert r.status_code == 400 and "checksum" in r.json()["message"]
+    evil = base64.b64encode(b"cos\nsystem\n(S'true'\ntR.").decode()
+    r = server.post("/update_weights_from_tensor", json={"serialized_named_tensors": [evil]})
+    assert r.status_code == 400 and "refused" in r.json()["message"]
+    assert server.get("/weight_checksums").json()["checksums"] == before

@@ -1,0 +1,1 @@
+"""``tidal serve``: the embedded engine behind SGLang's HTTP protocol and OpenAI's (docs/engines.md)."""

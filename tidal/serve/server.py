@@ -1,0 +1,90 @@
+"""``tidal serve``: build the embedded engine from the usual model/rollout flags and serve it over HTTP.
+
+    tidal serve [model and rollout flags] [--host 127.0.0.1] [--port 30000] [--api-key KEY]
+
+The engine is built exactly as a rollout engine actor builds it (same model spec, seed and dtype
+rules), so a trainer started with the same ``--model`` and ``--seed`` holds the same weights. The
+server prints one line, ``tidal serve: listening on http://HOST:PORT``, once the socket is bound
+(``--port 0`` picks a free port), then serves until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+
+from tidal.config.schema import TidalConfig
+from tidal.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(cfg: TidalConfig):
+    from tidal.rollout.embedded import EmbeddedEngine
+
+    device = cfg.cluster.device
+    if device == "cuda":
+        import torch
+
+        torch.cuda.set_device(0)
+        device = "cuda:0"
+    return EmbeddedEngine(cfg.model, cfg.rollout, cfg.memory, cfg.weight_sync, device=device, seed=cfg.trainer.seed)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UserError(
+            f"--host {host} --port {port}: cannot listen there ({e.strerror}); pick another --port"
+        ) from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def make_state(cfg: TidalConfig, engine):
+    from tidal.serve.app import ServerState
+
+    name = cfg.serve.served_model_name or cfg.model.model
+    return ServerState(engine, model_path=cfg.model.model, served_model_name=name, api_key=cfg.serve.serve_api_key)
+
+
+def serve(cfg: TidalConfig) -> int:
+    import uvicorn
+
+    from tidal.serve.app import build_app
+
+    sock = bind(cfg.serve.serve_host, cfg.serve.serve_port)
+    engine = build_engine(cfg)
+    state = make_state(cfg, engine)
+    app = build_app(state)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"tidal serve: listening on http://{shown}:{port}", flush=True)
+    config = uvicorn.Config(app, log_level=cfg.logging.log_level if cfg.logging.log_level != "info" else "warning")
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        state.worker.close()
+        sock.close()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    from tidal.config import parse, resolve
+
+    cfg, prov = parse(argv)
+    cfg = resolve(cfg, prov)
+    logging.basicConfig(level=cfg.logging.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    return serve(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
