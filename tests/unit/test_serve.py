@@ -247,6 +247,17 @@ def test_update_weights_from_distributed_over_gloo(server):
         "/update_weights_from_distributed"
     ].text
     _assert_holds(server, weights)
+
+    # flattened_bucket: one uint8 broadcast of every tensor's bytes back to back.
+    weights = _random_weights(7)
+    update = threading.Thread(
+        target=post, args=("/update_weights_from_distributed", {**body, "load_format": "flattened_bucket"})
+    )
+    update.start()
+    pg.broadcast(torch.cat([t.reshape(-1).view(torch.uint8) for _, t in weights]), 0).wait()
+    update.join()
+    assert replies["/update_weights_from_distributed"].json()["success"]
+    _assert_holds(server, weights)
     assert server.post("/destroy_weights_update_group", json={"group_name": group}).json()["success"]
 
 

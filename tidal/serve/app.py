@@ -314,23 +314,15 @@ def _weight_routes(app: FastAPI, state: ServerState) -> None:
             raise UserError(
                 f"names, dtypes and shapes differ in length ({len(req.names)}, {len(req.dtypes)}, {len(req.shapes)})"
             )
-        if req.load_format not in (None, "direct"):
-            raise UserError(
-                f"load_format {req.load_format!r} over distributed: send one broadcast per tensor (load_format null)"
-            )
+        if req.load_format not in (None, "direct", "flattened_bucket"):
+            raise UserError(f"load_format {req.load_format!r}: use null, direct or flattened_bucket")
         dtypes = [w.dtype_of(d) for d in req.dtypes]
 
         def run():
-            import torch
-
-            from tidal.weight_sync.group import broadcast
-
-            dev = state.engine.device if type(pg).__name__ == "ProcessGroupNCCL" else torch.device("cpu")
-            pairs = []
-            for name, dt, shape in zip(req.names, dtypes, req.shapes):
-                t = torch.empty(shape, dtype=dt, device=dev)
-                broadcast(pg, t)
-                pairs.append((name, t))
+            dev = state.engine.device if type(pg).__name__ == "ProcessGroupNCCL" else None
+            pairs = w.receive_broadcast(
+                pg, req.names, dtypes, req.shapes, dev, flat=req.load_format == "flattened_bucket"
+            )
             return state.applier.apply(pairs, req.checksums)
 
         return await apply(run, req.weight_version, "update_weights_from_distributed")

@@ -16,7 +16,8 @@ given by UUID, ``_rebuild_cuda_tensor_modified``) is mapped to a local equivalen
 ``rank_offset`` (the trainer is rank 0 and hosts the TCPStore at ``master_address:master_port``;
 keys live under ``group_name``); after forming it, rank 0 broadcasts one float32 probe.
 ``/update_weights_from_distributed`` then receives one broadcast from rank 0 per name, in the
-order given, each a contiguous tensor of its dtype and shape (gloo: CPU tensors; NCCL: CUDA).
+order given, each a contiguous tensor of its dtype and shape (gloo: CPU tensors; NCCL: CUDA), or
+with ``load_format: flattened_bucket`` one uint8 broadcast of all their bytes back to back.
 
 Everything received is checked against the engine's parameters (name, shape, dtype) and, when the
 request carries tidal's ``checksums`` extension, against the sender's xxh3-128 of each tensor,
@@ -139,6 +140,33 @@ def dtype_of(name: str) -> torch.dtype:
     if dt is None:
         raise UserError(f"dtype {name!r}: use one of {', '.join(_DTYPES)}")
     return dt
+
+
+def receive_broadcast(pg, names, dtypes, shapes, device, *, flat: bool) -> list[tuple[str, torch.Tensor]]:
+    """Receive the tensors of ``/update_weights_from_distributed`` from rank 0 of ``pg``.
+
+    One broadcast per tensor, in order; or, with ``flat`` (SGLang's ``flattened_bucket``), one
+    broadcast of a uint8 tensor holding every tensor's bytes back to back in the order named.
+    ``device`` None means host tensors (gloo).
+    """
+    from tidal.weight_sync.group import broadcast
+
+    dev = device if device is not None else torch.device("cpu")
+    if not flat:
+        pairs = []
+        for name, dt, shape in zip(names, dtypes, shapes):
+            t = torch.empty(shape, dtype=dt, device=dev)
+            broadcast(pg, t)
+            pairs.append((name, t))
+        return pairs
+    sizes = [int(torch.Size(shape).numel()) * dt.itemsize for dt, shape in zip(dtypes, shapes)]
+    buf = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
+    broadcast(pg, buf)
+    pairs, at = [], 0
+    for name, dt, shape, nb in zip(names, dtypes, shapes, sizes):
+        pairs.append((name, buf[at : at + nb].view(dt).reshape(shape)))
+        at += nb
+    return pairs
 
 
 class WeightApplier:
