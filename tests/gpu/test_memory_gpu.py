@@ -142,6 +142,30 @@ def test_portable_backend_on_cuda():
     _check(out)
 
 
+def test_portable_pause_frees_memory_next_to_a_live_tensor():
+    """A foreign live tensor inside a cached segment must not keep a paused class's memory on the device.
+
+    Earlier tests of the GPU suite leave such segments in this process; here one is made on purpose:
+    a 5 GiB block is freed into the cache and a 64 MiB tensor kept in it. Allocated from the shared
+    pool, the 4 GiB of trainer state would fill that segment's free rest and a pause could hand
+    nothing back; the portable backend allocates every class from its own pool instead.
+    """
+    from tidal.config.schema import MemoryConfig
+    from tidal.memory import make_backend
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.empty_cache()
+    big = torch.empty(5 * GIB, dtype=torch.uint8, device=dev)
+    del big
+    keep = torch.empty(64 * 1024**2, dtype=torch.uint8, device=dev)
+    backend = make_backend(MemoryConfig(memory_backend="portable"), device="cuda", role="trainer", offload_train=True)
+    out = _exercise(backend, "release")
+    print(json.dumps(out))
+    del keep
+    torch.cuda.empty_cache()
+    _check(out)
+
+
 def _run_child(hook_mode: str, policy: str) -> dict:
     from tidal.config.schema import MemoryConfig
     from tidal.memory.preload import actor_env
