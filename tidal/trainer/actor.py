@@ -37,7 +37,6 @@ device memory), see ``tidal.trainer.weights``.
 from __future__ import annotations
 
 import gc
-import logging
 import os
 import time
 from collections.abc import Iterator
@@ -46,7 +45,7 @@ import torch
 
 from tidal.config.schema import AlgorithmConfig, MemoryConfig, ModelConfig, TrainerConfig, WeightSyncConfig
 from tidal.dtypes import as_dtype, default_dtype_name
-from tidal.errors import ConfigError, UserError
+from tidal.errors import ConfigError
 from tidal.memory.base import StateClass
 from tidal.memory.residency import TrainerResidency
 from tidal.rollout.types import Sample
@@ -54,11 +53,10 @@ from tidal.trainer.base import Trainer
 from tidal.trainer.fsdp_state import FSDPState, fsdp_modules, reshard
 from tidal.trainer.groups import TrainerGroups
 from tidal.trainer.microbatch import MicroBatch
-from tidal.trainer.packing import oversized, plan_rollout
+from tidal.trainer.packing import plan_rollout
 from tidal.trainer.schedule import LRSchedule
+from tidal.trainer.step import RolloutSums, check_samples, token_stats
 from tidal.trainer.weights import iter_full_tensors, local_shard
-
-log = logging.getLogger(__name__)
 
 _CLASSES = (StateClass.WEIGHTS, StateClass.OPTIMIZER, StateClass.GRADS)
 
@@ -231,52 +229,9 @@ class TrainerActor(Trainer):
         return [local_shard(p.grad) for p in self.params if p.grad is not None]
 
     # ---- training -----------------------------------------------------------------------------
-    def _token_stats(
-        self, model, mb: MicroBatch, *, entropy: bool = False, entropy_grad: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs [B, T-1] of ``mb``'s targets under ``model`` and, with ``entropy``, the entropy [B, T-1]
-        from the same pass over the logits (``tidal.algos.losses.token_logprobs_and_entropy``).
-
-        No attention mask: rows are right-padded, so causal attention already keeps every real token
-        from seeing a pad and the positions of real tokens are 0, 1, ... either way; without a mask
-        SDPA takes its causal kernel and transformers neither builds a [B, 1, T, T] mask nor reads
-        the padding mask on the host. The log-probs of all T positions are computed on the whole
-        (contiguous) logits, the last one against a pad and dropped: cheaper than flattening a
-        ``[:, :-1]`` slice, which copies the logits.
-        """
-        from tidal.algos.losses import token_logprobs, token_logprobs_and_entropy
-
-        logits = model(input_ids=mb.input_ids, use_cache=False).logits
-        if entropy:
-            logp, ent = token_logprobs_and_entropy(logits, mb.next_ids, with_entropy_grad=entropy_grad)
-            return logp[:, :-1], ent[:, :-1]
-        return token_logprobs(logits, mb.next_ids)[:, :-1], None
-
     def _sync(self) -> None:
         if self.device_type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def _check_samples(self, samples: list[Sample]) -> None:
-        vocab = int(self.model.config.vocab_size)
-        top = max((max(s.prompt_ids + s.response_ids, default=0) for s in samples), default=0)
-        if top >= vocab:
-            raise UserError(
-                f"token id {top} is outside the vocabulary ({vocab}) of --model {self.model_cfg.model}; "
-                "pass a --tokenizer that belongs to the model"
-            )
-        for s in samples:
-            if s.response_ids and not s.prompt_ids:
-                raise ValueError(f"sample {s.index} has a response but no prompt tokens (at least a BOS is needed)")
-        too_long = oversized([s.total_len for s in samples], self.cfg.max_tokens_per_gpu)
-        if too_long and not self._warned_oversized:
-            self._warned_oversized = True
-            log.warning(
-                "%d sample(s) are longer than --max-tokens-per-gpu %d (longest %d tokens); each runs alone in a "
-                "micro-batch over the budget. Raise --max-tokens-per-gpu if this runs out of memory.",
-                len(too_long),
-                self.cfg.max_tokens_per_gpu,
-                max(samples[i].total_len for i in too_long),
-            )
 
     def train(self, samples: list[Sample], rollout_id: int) -> dict:
         """All optimizer steps of one rollout; rank 0 returns the metrics reduced over ranks."""
@@ -288,17 +243,20 @@ class TrainerActor(Trainer):
 
     def _train(self, samples: list[Sample], rollout_id: int) -> dict:
         """One rollout. Nothing here waits for the device until the end: metric sums, the engine
-        log-prob difference and the grad norms stay device tensors and come to the host in one
-        ``tolist()``; host-side counts come from ``MicroBatch``. (One synchronisation after the
-        recompute keeps ``logprob_recompute_s`` a wall-clock figure.)"""
-        from tidal.algos.losses import LossInputs, grpo_loss, loss_normalizer
-
+        log-prob difference and the grad norms stay device tensors (``RolloutSums``) and come to the
+        host in one ``tolist()``; host-side counts come from ``MicroBatch``. (One synchronisation
+        after the recompute keeps ``logprob_recompute_s`` a wall-clock figure.)"""
         self.residency.require_active("train")
         t0 = time.perf_counter()
-        self._check_samples(samples)
-        lengths = [s.total_len for s in samples]
+        self._warned_oversized |= check_samples(
+            samples,
+            vocab=int(self.model.config.vocab_size),
+            model_name=self.model_cfg.model,
+            max_tokens=self.cfg.max_tokens_per_gpu,
+            warn=not self._warned_oversized,
+        )
         plan = plan_rollout(
-            lengths,
+            [s.total_len for s in samples],
             world_size=self.world_size,
             global_batch_size=self.cfg.global_batch_size,
             max_tokens=self.cfg.max_tokens_per_gpu,
@@ -306,117 +264,104 @@ class TrainerActor(Trainer):
         steps = [
             [MicroBatch(samples, mb, self.pad_id, self.device) for mb in step[self.rank].micro_batches] for step in plan
         ]
-
-        # 1. Old (and reference) log-probs with the weights before any update of this rollout. With one
-        #    optimizer step per rollout the weights do not change before the training pass, so the old
-        #    log-probs are that pass's own, detached (ratio 1): no separate pass unless asked for.
         self.model.train()
-        on_policy = len(steps) == 1 and not self.cfg.recompute_logprobs
-        lp_abs_diff = torch.zeros((), dtype=torch.float32, device=self.device)
-        lp_count = 0
-
-        def engine_diff(mb: MicroBatch, logprobs: torch.Tensor) -> None:
-            nonlocal lp_abs_diff, lp_count
-            if mb.num_engine_logprobs:
-                diff = (logprobs.detach().float() - mb.engine_logprobs).abs()
-                lp_abs_diff += torch.where(mb.has_engine_logprobs, diff, 0.0).sum()
-                lp_count += mb.num_engine_logprobs
-
-        with torch.no_grad():
-            for mbs in steps:
-                for mb in mbs:
-                    if not on_policy:
-                        mb.old_logprobs = self._token_stats(self.model, mb)[0].float()
-                        engine_diff(mb, mb.old_logprobs)
-                    if self.ref_model is not None:
-                        mb.ref_logprobs = self._token_stats(self.ref_model, mb)[0].float()
-        self._sync()
+        # With one optimizer step per rollout the weights do not change before the training pass, so
+        # the old log-probs are that pass's own, detached (ratio 1): no separate pass unless asked for.
+        old_from_train_pass = len(steps) == 1 and not self.cfg.recompute_logprobs
+        sums = RolloutSums(self.device)
+        self._old_logprobs(steps, sums, recompute=not old_from_train_pass)
         recompute_s = time.perf_counter() - t0
-        optimizer_s = 0.0
-
-        # 2. Optimizer steps. Per micro-batch: [loss_sum / global_norm, then mean * tokens of each key].
-        keys = ("pg_loss", "kl", "entropy", "clipfrac", "ratio_mean")
-        sums = torch.zeros(1 + len(keys), dtype=torch.float32, device=self.device)
-        tok_total, tokens_all, grad_norms, lr = 0, 0, [], 0.0
-        agg = self.algo.loss_agg_mode
-        entropy_grad = self.algo.entropy_coef != 0.0
+        optimizer_s, lr = 0.0, 0.0
         for mbs in steps:
-            local_norm = sum(float(loss_normalizer(mb.host_mask, agg)) for mb in mbs)  # host tensors: no sync
-            (global_norm,) = self.groups.all_reduce_host([local_norm])
-            global_norm = max(global_norm, 1.0)
-            # FSDP2 averages gradients over ranks, so each rank's share is scaled back by world_size.
-            normalizer = global_norm / self.world_size
-            for mb in mbs:
-                # The current policy's entropy comes from the same pass as the log-probs: a gradient
-                # only for an entropy bonus, otherwise a detached metric.
-                logprobs, ent = self._token_stats(self.model, mb, entropy=True, entropy_grad=entropy_grad)
-                if on_policy:
-                    mb.old_logprobs = logprobs.detach().float()
-                    engine_diff(mb, mb.old_logprobs)
-                inputs = LossInputs(
-                    logprobs=logprobs,
-                    old_logprobs=mb.old_logprobs,
-                    advantages=mb.advantages,
-                    mask=mb.mask,
-                    ref_logprobs=mb.ref_logprobs,
-                    entropy=ent,
-                )
-                loss, m = grpo_loss(inputs, self.algo, normalizer=normalizer)
-                with self.memory.region(StateClass.GRADS):
-                    loss.backward()
-                del logprobs, ent, loss
-                n = mb.num_response_tokens
-                tok_total += n
-                tokens_all += 0 if mb.empty else mb.tokens
-                zero = m["loss_sum"].new_zeros(())
-                sums += torch.stack([m["loss_sum"] / global_norm, *(m[k] * n if k in m else zero for k in keys)])
-            max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm=max_norm)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
-            grad_norms.append(grad_norm.detach().float().reshape(()))
-            lr = self.schedule.apply(self.optimizer)
-            t_opt = time.perf_counter()
-            with self.memory.region(StateClass.OPTIMIZER):
-                self.optimizer.step()
-            optimizer_s += time.perf_counter() - t_opt
-            self.schedule.advance()
-            self.optimizer.zero_grad(set_to_none=True)
-
+            step_s, lr = self._optimizer_step(mbs, sums, old_from_train_pass)
+            optimizer_s += step_s
         reshard([self.model, self.ref_model])  # the root keeps its all-gathered parameters after forward; free them
-        # The one device -> host transfer of the rollout.
-        host = torch.cat([sums, lp_abs_diff.reshape(1), *(g.to(sums.device).reshape(1) for g in grad_norms)]).tolist()
-        sums_host, lp_abs_diff, grad_norms = host[: len(sums)], host[len(sums)], host[len(sums) + 1 :]
-        red = self.groups.all_reduce_host(
-            [*sums_host, float(tok_total), float(tokens_all), lp_abs_diff, float(lp_count)]
-        )
-        loss_sum, pg, kl, ent, clip, ratio, tok_total, tokens_all, lp_abs_diff, lp_count = red
+        red, grad_norms = sums.reduce(self.groups)
         train_s = time.perf_counter() - t0
         self.last_rollout_id = rollout_id
         if self.rank != 0:
             return {}
-        denom = max(tok_total, 1.0)
+        denom = max(red["response_tokens"], 1.0)
         out = {
-            "loss": loss_sum / max(1, len(steps)),
-            "pg_loss": pg / denom,
-            "entropy": ent / denom,
-            "clipfrac": clip / denom,
-            "ratio_mean": ratio / denom,
+            "loss": red["loss_sum"] / max(1, len(steps)),
+            "pg_loss": red["pg_loss"] / denom,
+            "entropy": red["entropy"] / denom,
+            "clipfrac": red["clipfrac"] / denom,
+            "ratio_mean": red["ratio_mean"] / denom,
             "grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
             "lr": lr,
-            "tokens": tokens_all,
-            "response_tokens": tok_total,
+            "tokens": red["tokens"],
+            "response_tokens": red["response_tokens"],
             "optimizer_steps": len(steps),
-            "tokens_per_s": tokens_all / train_s if train_s > 0 else 0.0,
+            "tokens_per_s": red["tokens"] / train_s if train_s > 0 else 0.0,
             "train_s": train_s,
             "logprob_recompute_s": recompute_s,
-            "logprob_recomputed": 0.0 if on_policy else 1.0,
+            "logprob_recomputed": 0.0 if old_from_train_pass else 1.0,
             "optimizer_s": optimizer_s,
-            "logprob_diff": lp_abs_diff / lp_count if lp_count else 0.0,
+            "logprob_diff": red["lp_abs_diff"] / red["lp_count"] if red["lp_count"] else 0.0,
         }
         # Without a reference model there is no KL term; 0 keeps the metric schema the same.
-        out["kl"] = kl / denom if self.ref_model is not None else 0.0
+        out["kl"] = red["kl"] / denom if self.ref_model is not None else 0.0
         return out
+
+    def _old_logprobs(self, steps: list[list[MicroBatch]], sums: RolloutSums, *, recompute: bool) -> None:
+        """Old log-probs (when ``recompute``) and reference log-probs (with a reference model) of every
+        micro-batch, with the weights as they are before any update of this rollout, in ``no_grad``."""
+        with torch.no_grad():
+            for mbs in steps:
+                for mb in mbs:
+                    if recompute:
+                        mb.old_logprobs = token_stats(self.model, mb)[0].float()
+                        sums.engine_diff(mb, mb.old_logprobs)
+                    if self.ref_model is not None:
+                        mb.ref_logprobs = token_stats(self.ref_model, mb)[0].float()
+        self._sync()
+
+    def _optimizer_step(
+        self, mbs: list[MicroBatch], sums: RolloutSums, old_from_train_pass: bool
+    ) -> tuple[float, float]:
+        """One optimizer step over this rank's micro-batches: token-mean loss over the whole global batch,
+        backward per micro-batch, global-norm clipping, AdamW at the scheduled rate. Returns
+        ``(seconds in optimizer.step, learning rate)``."""
+        from tidal.algos.losses import LossInputs, grpo_loss, loss_normalizer
+
+        agg = self.algo.loss_agg_mode
+        entropy_grad = self.algo.entropy_coef != 0.0
+        local_norm = sum(float(loss_normalizer(mb.host_mask, agg)) for mb in mbs)  # host tensors: no sync
+        (global_norm,) = self.groups.all_reduce_host([local_norm])
+        global_norm = max(global_norm, 1.0)
+        # FSDP2 averages gradients over ranks, so each rank's share is scaled back by world_size.
+        normalizer = global_norm / self.world_size
+        for mb in mbs:
+            # The current policy's entropy comes from the same pass as the log-probs: a gradient
+            # only for an entropy bonus, otherwise a detached metric.
+            logprobs, ent = token_stats(self.model, mb, entropy=True, entropy_grad=entropy_grad)
+            if old_from_train_pass:
+                mb.old_logprobs = logprobs.detach().float()
+                sums.engine_diff(mb, mb.old_logprobs)
+            inputs = LossInputs(
+                logprobs=logprobs,
+                old_logprobs=mb.old_logprobs,
+                advantages=mb.advantages,
+                mask=mb.mask,
+                ref_logprobs=mb.ref_logprobs,
+                entropy=ent,
+            )
+            loss, m = grpo_loss(inputs, self.algo, normalizer=normalizer)
+            with self.memory.region(StateClass.GRADS):
+                loss.backward()
+            del logprobs, ent, loss
+            sums.add_loss(mb, m, global_norm)
+        max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else float("inf")
+        sums.add_grad_norm(torch.nn.utils.clip_grad_norm_(self.params, max_norm=max_norm))
+        lr = self.schedule.apply(self.optimizer)
+        t_opt = time.perf_counter()
+        with self.memory.region(StateClass.OPTIMIZER):
+            self.optimizer.step()
+        step_s = time.perf_counter() - t_opt
+        self.schedule.advance()
+        self.optimizer.zero_grad(set_to_none=True)
+        return step_s, lr
 
     # ---- memory ---------------------------------------------------------------------------------
     def _free_transients(self) -> None:

@@ -18,7 +18,7 @@ class MicroBatch:
     so the training loop never waits for one. Counts the loop needs on the host (response tokens,
     engine log-probs, the loss normaliser via ``host_mask``) are taken here, from host tensors.
     Rows are right-padded: a real token never attends to a pad under causal attention, so the model
-    runs without an attention mask (see ``TrainerActor._token_stats``).
+    runs without an attention mask (see ``tidal.trainer.step.token_stats``).
     """
 
     def __init__(self, samples: list[Sample], idx: list[int], pad_id: int, device: torch.device):

@@ -1,0 +1,119 @@
+"""The pieces of one rollout's training that are not FSDP-specific: forward statistics, checks, metric sums.
+
+``TrainerActor.train`` plans the rollout, runs the old-log-prob pass and the optimizer steps with
+these. ``token_stats`` is the one model call of the trainer (log-probs, and the entropy from the
+same pass over the logits); ``RolloutSums`` keeps every metric sum on the device until one transfer
+at the end of the rollout, so the loop never waits for the device.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tidal.errors import UserError
+from tidal.rollout.types import Sample
+from tidal.trainer.microbatch import MicroBatch
+from tidal.trainer.packing import oversized
+
+log = logging.getLogger(__name__)
+
+# Token-weighted loss terms summed per rollout (each micro-batch adds mean * response tokens).
+LOSS_KEYS = ("pg_loss", "kl", "entropy", "clipfrac", "ratio_mean")
+
+
+def token_stats(
+    model, mb: MicroBatch, *, entropy: bool = False, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [B, T-1] of ``mb``'s targets under ``model`` and, with ``entropy``, the entropy [B, T-1]
+    from the same pass over the logits (``tidal.algos.losses.token_logprobs_and_entropy``).
+
+    No attention mask: rows are right-padded, so causal attention already keeps every real token
+    from seeing a pad and the positions of real tokens are 0, 1, ... either way; without a mask
+    SDPA takes its causal kernel and transformers neither builds a [B, 1, T, T] mask nor reads
+    the padding mask on the host. The log-probs of all T positions are computed on the whole
+    (contiguous) logits, the last one against a pad and dropped: cheaper than flattening a
+    ``[:, :-1]`` slice, which copies the logits.
+    """
+    from tidal.algos.losses import token_logprobs, token_logprobs_and_entropy
+
+    logits = model(input_ids=mb.input_ids, use_cache=False).logits
+    if entropy:
+        logp, ent = token_logprobs_and_entropy(logits, mb.next_ids, with_entropy_grad=entropy_grad)
+        return logp[:, :-1], ent[:, :-1]
+    return token_logprobs(logits, mb.next_ids)[:, :-1], None
+
+
+def check_samples(samples: list[Sample], *, vocab: int, model_name: str, max_tokens: int, warn: bool) -> bool:
+    """Raise on token ids outside the vocabulary or a response without a prompt; log once (when ``warn``)
+    about samples over the micro-batch budget. Returns whether it logged."""
+    top = max((max(s.prompt_ids + s.response_ids, default=0) for s in samples), default=0)
+    if top >= vocab:
+        raise UserError(
+            f"token id {top} is outside the vocabulary ({vocab}) of --model {model_name}; "
+            "pass a --tokenizer that belongs to the model"
+        )
+    for s in samples:
+        if s.response_ids and not s.prompt_ids:
+            raise ValueError(f"sample {s.index} has a response but no prompt tokens (at least a BOS is needed)")
+    too_long = oversized([s.total_len for s in samples], max_tokens)
+    if too_long and warn:
+        log.warning(
+            "%d sample(s) are longer than --max-tokens-per-gpu %d (longest %d tokens); each runs alone in a "
+            "micro-batch over the budget. Raise --max-tokens-per-gpu if this runs out of memory.",
+            len(too_long),
+            max_tokens,
+            max(samples[i].total_len for i in too_long),
+        )
+        return True
+    return False
+
+
+class RolloutSums:
+    """Metric sums of one rollout on one rank: device tensors while training, host floats at the end.
+
+    ``sums`` holds ``[loss_sum / global_norm, then mean * tokens of each LOSS_KEYS entry]`` added per
+    micro-batch; the engine log-prob difference is a device sum with a host count; token counts are
+    host integers (from the micro-batches' host copies).
+    """
+
+    def __init__(self, device: torch.device):
+        self.sums = torch.zeros(1 + len(LOSS_KEYS), dtype=torch.float32, device=device)
+        self.lp_abs_diff = torch.zeros((), dtype=torch.float32, device=device)
+        self.lp_count = 0
+        self.response_tokens = 0
+        self.tokens = 0
+        self.grad_norms: list[torch.Tensor] = []
+
+    def engine_diff(self, mb: MicroBatch, logprobs: torch.Tensor) -> None:
+        """Add |trainer log-prob - engine log-prob| over the positions that have an engine log-prob."""
+        if mb.num_engine_logprobs:
+            diff = (logprobs.detach().float() - mb.engine_logprobs).abs()
+            self.lp_abs_diff += torch.where(mb.has_engine_logprobs, diff, 0.0).sum()
+            self.lp_count += mb.num_engine_logprobs
+
+    def add_loss(self, mb: MicroBatch, metrics: dict, global_norm: float) -> None:
+        n = mb.num_response_tokens
+        self.response_tokens += n
+        self.tokens += 0 if mb.empty else mb.tokens
+        zero = metrics["loss_sum"].new_zeros(())
+        self.sums += torch.stack(
+            [metrics["loss_sum"] / global_norm, *(metrics[k] * n if k in metrics else zero for k in LOSS_KEYS)]
+        )
+
+    def add_grad_norm(self, grad_norm: torch.Tensor) -> None:
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.grad_norms.append(grad_norm.detach().float().reshape(()))
+
+    def reduce(self, groups) -> tuple[dict[str, float], list[float]]:
+        """The one device -> host transfer of the rollout, then a sum over ranks: the summed values by
+        name and this rank's grad norms (equal on every rank after clipping's all-reduce)."""
+        s = self.sums
+        host = torch.cat([s, self.lp_abs_diff.reshape(1), *(g.to(s.device).reshape(1) for g in self.grad_norms)])
+        host = host.tolist()
+        n = len(s)
+        values = [*host[:n], float(self.response_tokens), float(self.tokens), host[n], float(self.lp_count)]
+        names = ("loss_sum", *LOSS_KEYS, "response_tokens", "tokens", "lp_abs_diff", "lp_count")
+        return dict(zip(names, groups.all_reduce_host(values))), host[n + 1 :]
