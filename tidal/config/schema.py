@@ -223,6 +223,11 @@ class ServeConfig:
         None, "Key every tidal serve request must send as 'Authorization: Bearer KEY'.", flag="--api-key"
     )
     served_model_name: str | None = opt(None, "Model name in /v1/models and OpenAI replies (default: --model).")
+    serve_batch_wait_ms: float = opt(
+        5.0,
+        "tidal serve starts an engine step once --rollout-max-batch rows are queued or no request came for this long.",
+        min=0,
+    )
 
 
 SECTIONS: dict[str, type] = {

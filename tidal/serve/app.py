@@ -47,9 +47,13 @@ log = logging.getLogger(__name__)
 class ServerState:
     """The engine, its worker thread, the weight applier and the served weight version (a string, as in SGLang)."""
 
-    def __init__(self, engine, *, model_path: str, served_model_name: str, api_key: str | None) -> None:
+    def __init__(
+        self, engine, *, model_path: str, served_model_name: str, api_key: str | None, batch_wait_s: float = 0.005
+    ) -> None:
         self.engine = engine
-        self.worker = EngineWorker(engine, max_rows=max(engine.max_rows, 1) * 4)
+        self.worker = EngineWorker(
+            engine, max_rows=engine.max_rows * 4, fill_rows=engine.rollout.rollout_max_batch, wait_s=batch_wait_s
+        )
         self.applier = WeightApplier(engine)
         self.model_path = model_path
         self.served_model_name = served_model_name

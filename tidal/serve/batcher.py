@@ -8,7 +8,10 @@ overtakes a request sent before it, and no request sent after it runs on the old
 ``max_rows`` rows; the jobs are grouped by sampling parameters (the engine takes one set per call)
 and each group runs as one engine step. Requests that arrive while a step runs wait in the queue
 and form the next step together: continuous batching across HTTP requests, at the granularity of
-whole engine steps (the engine does not admit rows into a running decode).
+whole engine steps (the engine does not admit rows into a running decode). So that a burst of
+requests (a rollout sent as one request per sample) is not cut into a one-row step and the rest, a
+step starts only once the engine's batch of rows (``--rollout-max-batch``) is queued or no request
+arrived for ``--serve-batch-wait-ms``.
 
 Pause (SGLang's ``/pause_generation``): while paused, generate jobs stay queued and other jobs
 (weight updates, memory) still run; ``abort`` mode finishes the queued generates at once with an
@@ -66,9 +69,15 @@ def _key(s: SamplingParams) -> tuple:
 
 
 class EngineWorker:
-    def __init__(self, engine, *, max_rows: int = 4096) -> None:
+    """``max_rows``: rows one step may take; ``fill_rows`` / ``wait_s``: a step starts once ``fill_rows``
+    rows are queued or no request arrived for ``wait_s`` (a burst of requests becomes one step)."""
+
+    def __init__(self, engine, *, max_rows: int = 4096, fill_rows: int = 512, wait_s: float = 0.005) -> None:
         self.engine = engine
         self.max_rows = max_rows
+        self.fill_rows = min(fill_rows, max_rows)
+        self.wait_s = wait_s
+        self._last_arrival = 0.0
         self._jobs: deque[_Job] = deque()
         self._cv = threading.Condition()
         self._paused = False
@@ -93,6 +102,7 @@ class EngineWorker:
             if self._closed:
                 raise RuntimeError("the server is shutting down")
             self._jobs.append(job)
+            self._last_arrival = time.monotonic()
             self._cv.notify()
         return await asyncio.wrap_future(job.future)
 
@@ -135,6 +145,14 @@ class EngineWorker:
 
     # ------------------------------------------------------------------ engine thread
 
+    def _queued_rows(self) -> int:
+        rows = 0
+        for job in self._jobs:
+            if not job.is_generate:
+                break
+            rows += len(job.prompts)
+        return rows
+
     def _next(self) -> list[_Job] | None:
         """Block until work is runnable: one non-generate job, or the generate jobs of the next step."""
         with self._cv:
@@ -144,6 +162,10 @@ class EngineWorker:
                 if self._jobs and not self._jobs[0].is_generate:
                     return [self._jobs.popleft()]
                 if self._jobs and not self._paused:
+                    quiet = time.monotonic() - self._last_arrival
+                    if quiet < self.wait_s and self._queued_rows() < self.fill_rows:
+                        self._cv.wait(self.wait_s - quiet)  # more of the burst may be on its way
+                        continue
                     batch, rows = [], 0
                     while self._jobs and self._jobs[0].is_generate:
                         n = len(self._jobs[0].prompts)

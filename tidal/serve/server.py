@@ -52,7 +52,13 @@ def make_state(cfg: TidalConfig, engine):
     from tidal.serve.app import ServerState
 
     name = cfg.serve.served_model_name or cfg.model.model
-    return ServerState(engine, model_path=cfg.model.model, served_model_name=name, api_key=cfg.serve.serve_api_key)
+    return ServerState(
+        engine,
+        model_path=cfg.model.model,
+        served_model_name=name,
+        api_key=cfg.serve.serve_api_key,
+        batch_wait_s=cfg.serve.serve_batch_wait_ms / 1000,
+    )
 
 
 def serve(cfg: TidalConfig) -> int:
