@@ -31,15 +31,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "tidal", "serve", "--model", "tiny", "--port", "0", "--api-key", KEY]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    log = open(tmp_path_factory.mktemp("serve") / "stderr.log", "w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     line = proc.stdout.readline()
-    assert line.startswith("tidal serve: listening on http://127.0.0.1:"), (
-        line,
-        proc.stderr.read() if proc.poll() is not None else "",
-    )
+    assert line.startswith("tidal serve: listening on http://127.0.0.1:"), (line, log.seek(0) or log.read())
     url = line.split()[-1]
     client = httpx.Client(base_url=url, headers=AUTH, timeout=60)
     for _ in range(200):
@@ -53,6 +51,8 @@ def server():
     client.close()
     proc.terminate()
     proc.wait(timeout=20)
+    log.seek(0)
+    print(log.read()[-4000:])  # the server's own log, shown when a test failed
 
 
 def _model():
@@ -249,16 +249,26 @@ def test_update_weights_from_distributed_over_gloo(server):
     _assert_holds(server, weights)
 
     # flattened_bucket: one uint8 broadcast of every tensor's bytes back to back.
+    # tidal's bucket checksum of the flat buffer travels along and is verified before applying.
+    from tidal.weight_sync.bucket import buffer_checksum
+
     weights = _random_weights(7)
-    update = threading.Thread(
-        target=post, args=("/update_weights_from_distributed", {**body, "load_format": "flattened_bucket"})
-    )
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in weights])
+    flat_body = {**body, "load_format": "flattened_bucket", "tidal_checksum": buffer_checksum(flat)}
+    update = threading.Thread(target=post, args=("/update_weights_from_distributed", flat_body))
     update.start()
-    pg.broadcast(torch.cat([t.reshape(-1).view(torch.uint8) for _, t in weights]), 0).wait()
+    pg.broadcast(flat, 0).wait()
     update.join()
     assert replies["/update_weights_from_distributed"].json()["success"]
     _assert_holds(server, weights)
     assert server.post("/destroy_weights_update_group", json={"group_name": group}).json()["success"]
+
+
+def test_randomize_weights_changes_every_weight(server):
+    before = server.get("/weight_checksums").json()["checksums"]
+    assert server.post("/randomize_weights", json={"seed": 3}).json()["success"]
+    after = server.get("/weight_checksums").json()["checksums"]
+    assert set(after) == set(before) and all(after[n] != before[n] for n in before)
 
 
 def test_release_resume_then_sync_before_generating(server):
@@ -339,6 +349,11 @@ def test_refused_weight_updates_change_nothing(server):
         "/update_weights_from_tensor", json={"serialized_named_tensors": [_serialize(weights)], "checksums": sums}
     )
     assert r.status_code == 400 and "checksum" in r.json()["message"]
+    r = server.post(
+        "/update_weights_from_tensor",
+        json={"serialized_named_tensors": [_serialize(weights)], "tidal_checksum": "0" * 32},
+    )
+    assert r.status_code == 400 and "bucket checksum" in r.json()["message"]
     evil = base64.b64encode(b"cos\nsystem\n(S'true'\ntR.").decode()
     r = server.post("/update_weights_from_tensor", json={"serialized_named_tensors": [evil]})
     assert r.status_code == 400 and "refused" in r.json()["message"]

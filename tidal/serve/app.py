@@ -34,6 +34,7 @@ from tidal.serve.protocol import (
     MemoryTagsReqInput,
     PauseGenerationReqInput,
     PullWeightsReqInput,
+    RandomizeWeightsReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
@@ -123,6 +124,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     for kind in _REQUEST_ERRORS:
         app.add_exception_handler(kind, _request_error)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("%s failed", request.url.path)
+        return _error(RuntimeError(f"{request.url.path}: internal error: {type(exc).__name__}: {exc}"), 500)
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(req: GenerateReqInput):
@@ -273,7 +279,7 @@ def _weight_routes(app: FastAPI, state: ServerState) -> None:
     async def from_tensor(req: UpdateWeightsFromTensorReqInput):
         def run():
             pairs = w.named_tensors_from_payload(req.serialized_named_tensors, req.load_format)
-            return state.applier.apply(pairs, req.checksums)
+            return state.applier.apply(pairs, req.checksums, req.tidal_checksum)
 
         return await apply(run, req.weight_version, "update_weights_from_tensor")
 
@@ -324,10 +330,10 @@ def _weight_routes(app: FastAPI, state: ServerState) -> None:
 
         def run():
             dev = state.engine.device if type(pg).__name__ == "ProcessGroupNCCL" else None
-            pairs = w.receive_broadcast(
+            pairs, buf = w.receive_broadcast(
                 pg, req.names, dtypes, req.shapes, dev, flat=req.load_format == "flattened_bucket"
             )
-            return state.applier.apply(pairs, req.checksums)
+            return state.applier.apply(pairs, req.checksums, req.tidal_checksum, buf)
 
         return await apply(run, req.weight_version, "update_weights_from_distributed")
 
@@ -358,6 +364,12 @@ def _weight_routes(app: FastAPI, state: ServerState) -> None:
             "weight_version": state.weight_version,
             "checksums": await state.worker.call(state.engine.weight_checksums),
         }
+
+    @app.post("/randomize_weights")
+    async def randomize_weights(req: RandomizeWeightsReqInput):
+        """tidal extension (``--check-weight-update-equal``): seeded noise in every weight; a missed tensor shows."""
+        await state.worker.call(lambda: state.engine.randomize_weights(req.seed))
+        return _ok(f"weights randomized with seed {req.seed}")
 
     @app.post("/update_weight_version")
     async def update_weight_version(req: UpdateWeightVersionReqInput):

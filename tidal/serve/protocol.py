@@ -87,8 +87,10 @@ class UpdateWeightsFromTensorReqInput(_Body):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | int | None = None
-    # tidal extension: name -> xxh3-128 hex of the tensor's bytes, verified before anything is applied.
+    # tidal extensions, verified before anything is applied: name -> xxh3-128 hex of each tensor's
+    # bytes, and/or tidal's bucket checksum of all the tensors' bytes back to back, in order.
     checksums: dict[str, str] | None = None
+    tidal_checksum: str | None = None
 
 
 class InitWeightsUpdateGroupReqInput(_Body):
@@ -110,6 +112,13 @@ class UpdateWeightsFromDistributedReqInput(_Body):
     weight_version: str | int | None = None
     load_format: str | None = None
     checksums: dict[str, str] | None = None
+    tidal_checksum: str | None = None
+
+
+class RandomizeWeightsReqInput(_Body):
+    """tidal extension (``--check-weight-update-equal``): fill every weight with seeded noise."""
+
+    seed: int = 0
 
 
 class DestroyWeightsUpdateGroupReqInput(_Body):

@@ -142,12 +142,12 @@ def dtype_of(name: str) -> torch.dtype:
     return dt
 
 
-def receive_broadcast(pg, names, dtypes, shapes, device, *, flat: bool) -> list[tuple[str, torch.Tensor]]:
+def receive_broadcast(pg, names, dtypes, shapes, device, *, flat: bool) -> tuple[list, torch.Tensor | None]:
     """Receive the tensors of ``/update_weights_from_distributed`` from rank 0 of ``pg``.
 
     One broadcast per tensor, in order; or, with ``flat`` (SGLang's ``flattened_bucket``), one
     broadcast of a uint8 tensor holding every tensor's bytes back to back in the order named.
-    ``device`` None means host tensors (gloo).
+    ``device`` None means host tensors (gloo). Returns the pairs and the flat buffer (None without ``flat``).
     """
     from tidal.weight_sync.group import broadcast
 
@@ -158,7 +158,7 @@ def receive_broadcast(pg, names, dtypes, shapes, device, *, flat: bool) -> list[
             t = torch.empty(shape, dtype=dt, device=dev)
             broadcast(pg, t)
             pairs.append((name, t))
-        return pairs
+        return pairs, None
     sizes = [int(torch.Size(shape).numel()) * dt.itemsize for dt, shape in zip(dtypes, shapes)]
     buf = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
     broadcast(pg, buf)
@@ -166,7 +166,7 @@ def receive_broadcast(pg, names, dtypes, shapes, device, *, flat: bool) -> list[
     for name, dt, shape, nb in zip(names, dtypes, shapes, sizes):
         pairs.append((name, buf[at : at + nb].view(dt).reshape(shape)))
         at += nb
-    return pairs
+    return pairs, buf
 
 
 class WeightApplier:
@@ -207,8 +207,24 @@ class WeightApplier:
             extra = sorted(set(checksums) - seen)
             raise UserError(f"checksums names {extra[:3]} that were not sent")
 
-    def apply(self, pairs: list[tuple[str, torch.Tensor]], checksums: dict[str, str] | None = None) -> int:
+    def apply(
+        self,
+        pairs: list[tuple[str, torch.Tensor]],
+        checksums: dict[str, str] | None = None,
+        bucket_checksum: str | None = None,
+        flat: torch.Tensor | None = None,
+    ) -> int:
+        """Check, then copy into the engine. ``bucket_checksum``: tidal's ``buffer_checksum`` of ``flat``
+        (the received flat buffer) or, without one, of the tensors' bytes back to back."""
         self.check(pairs, checksums)
+        if bucket_checksum is not None:
+            from tidal.weight_sync.bucket import buffer_checksum
+
+            if flat is None:
+                flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in pairs])
+            got = buffer_checksum(flat)
+            if got != bucket_checksum:
+                raise WeightSyncError(f"bucket checksum {got} != sent {bucket_checksum}; nothing applied")
         self.engine.residency.require_sync()
         self.engine.flush_cache()
         nbytes = self.engine.load_weights(pairs)
