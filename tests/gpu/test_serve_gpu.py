@@ -1,0 +1,106 @@
+"""``tidal serve`` on one CUDA GPU: colocated ``update_weights_from_tensor`` through CUDA IPC handles, and
+release/resume through the torch_memory_saver backend.
+
+Run on the GPU host: ``pytest -m gpu -s tests/gpu/test_serve_gpu.py``. The server is a separate
+process on 127.0.0.1 (bf16 engine, ``--memory-backend tms``); this test process plays the trainer:
+it holds bf16 CUDA tensors on the same GPU and sends them in SGLang's form (torch ``ForkingPickler``
+bytes, base64; CUDA tensors travel as IPC handles, never as values), then compares the server's
+weights bitwise with what it sent.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import subprocess
+import sys
+import time
+from multiprocessing.reduction import ForkingPickler
+
+import httpx
+import pytest
+import torch
+import xxhash
+
+pytestmark = pytest.mark.gpu
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KEY = "gpu-key"
+SHAPE = "qwen2.5-0.5b-shape"
+
+
+@pytest.fixture(scope="module")
+def server():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)}
+    cmd = [sys.executable, "-m", "tidal", "serve", "--model", SHAPE, "--device", "cuda", "--memory-backend", "tms"]
+    cmd += ["--port", "0", "--api-key", KEY, "--no-check-memory-plan"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    assert "listening on" in line, line
+    client = httpx.Client(base_url=line.split()[-1], headers={"Authorization": f"Bearer {KEY}"}, timeout=600)
+    for _ in range(600):
+        try:
+            if client.get("/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    yield client
+    client.close()
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    from tidal.model import build_model, resolve_model
+
+    model = build_model(resolve_model(SHAPE), dtype=torch.bfloat16, seed=seed, device="cuda")
+    return [(n, p.detach()) for n, p in model.named_parameters()]
+
+
+def _xxh(t: torch.Tensor) -> str:
+    return xxhash.xxh3_128_hexdigest(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+
+
+def _serialize(obj) -> str:
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_update_weights_from_tensor_over_cuda_ipc(server):
+    info = server.get("/model_info").json()
+    assert info["dtype"] == "bfloat16" and info["device"].startswith("cuda")
+    weights = _weights(11)
+    payload = _serialize(weights)
+    assert len(payload) < 10 * 2**20  # handles, not the ~1 GB of bf16 values
+    t0 = time.perf_counter()
+    r = server.post("/update_weights_from_tensor", json={"serialized_named_tensors": [payload], "weight_version": "1"})
+    print(f"update_weights_from_tensor (CUDA IPC, {len(weights)} tensors): {time.perf_counter() - t0:.3f} s")
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert server.get("/weight_checksums").json()["checksums"] == {n: _xxh(t) for n, t in weights}
+    out = server.post("/generate", json={"input_ids": [[5, 6, 7, 8]] * 4, "sampling_params": {"max_new_tokens": 8}})
+    assert out.status_code == 200 and all(o["meta_info"]["weight_version"] == "1" for o in out.json())
+
+
+def test_release_resume_through_tms(server):
+    weights = _weights(12)
+    param_bytes = sum(t.numel() * t.element_size() for _, t in weights)
+    rel = server.post("/release_memory_occupation", json={}).json()
+    freed = rel["memory/engine_release/device_used_before"] - rel["memory/engine_release/device_used_after"]
+    print(
+        f"release: {freed / 2**20:.0f} MiB freed (weights {param_bytes / 2**20:.0f} MiB), {rel['memory/engine_release/seconds']:.4f} s"
+    )
+    assert rel["residency"] == "ASLEEP" and freed >= 0.9 * param_bytes
+    assert server.post("/generate", json={"input_ids": [1, 2]}).status_code == 400
+    assert server.post("/resume_memory_occupation", json={"tags": ["weights"]}).json()["residency"] == "WEIGHTS_ONLY"
+    r = server.post(
+        "/update_weights_from_tensor", json={"serialized_named_tensors": [_serialize(weights)], "weight_version": "2"}
+    )
+    assert r.json()["success"], r.text
+    assert server.get("/weight_checksums").json()["checksums"] == {n: _xxh(t) for n, t in weights}
+    res = server.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).json()
+    assert res["residency"] == "AWAKE"
+    out = server.post("/generate", json={"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 8}}).json()
+    assert out["meta_info"]["weight_version"] == "2" and out["meta_info"]["completion_tokens"] >= 1
