@@ -379,22 +379,28 @@ def _weight_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/pull_weights")
     async def pull_weights(req: PullWeightsReqInput):
+        """slime's endpoint: bring ``local_checkpoint_dir`` up to ``target_version`` from the versions published
+        under ``source_dir`` (verified); the engine's weights change only with the next update_weights_from_disk."""
         pull = getattr(state.engine, "pull_weights", None)
         if pull is None:
             return _fail(
                 UserError("this engine has no pull_weights; use /update_weights_from_disk with the version folder")
             )
-        target = req.target_version
+        if req.local_checkpoint_dir is None or req.target_version is None:
+            raise UserError("pull_weights needs local_checkpoint_dir and target_version")
+        try:
+            target = int(req.target_version)
+        except ValueError:
+            raise UserError(f"target_version {req.target_version!r}: an integer version") from None
 
         def run():
-            return pull(req.source_dir, local_checkpoint_dir=req.local_checkpoint_dir, target_version=target)
+            return pull(local_checkpoint_dir=req.local_checkpoint_dir, source_dir=req.source_dir, target_version=target)
 
         try:
-            out = await state.worker.call(run)
+            result = await state.worker.call(run)
         except (UserError, WeightSyncError, ResidencyError) as e:
             return _fail(e)
-        state.set_version(state.engine.get_weight_version())
-        return _ok(f"pulled weights from {req.source_dir}", weight_version=state.weight_version, **(out or {}))
+        return _ok(getattr(result, "message", f"pulled version {target}"), version=getattr(result, "version", target))
 
 
 def _folder_version(path: str) -> int:
