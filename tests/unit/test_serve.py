@@ -163,6 +163,20 @@ def test_update_weights_from_tensor_direct_and_flattened(server):
     _assert_holds(server, weights)
     assert server.get("/model_info").json()["weight_version"] == "5"
 
+    # The log-probs served are the policy's: a forward pass here over prompt + response, with the weights sent.
+    model = _model()
+    model.load_state_dict(dict(weights), strict=False)
+    prompt = [1, 5, 6, 7]
+    out = server.post(
+        "/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 6}, "return_logprob": True}
+    ).json()
+    ids = torch.tensor([prompt + out["output_ids"]])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+    want = logp[len(prompt) - 1 :].gather(1, ids[0, len(prompt) :, None]).squeeze(1)
+    got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(got, want, atol=1e-4), (got, want)
+
     # flattened_bucket: one uint8 tensor plus per-tensor metadata (SGLang's FlattenedTensorMetadata fields).
     weights = _random_weights(2)
     flat = torch.cat([t.view(-1).view(torch.uint8) for _, t in weights])
@@ -323,6 +337,8 @@ def test_openai_endpoints_answer_a_stock_client(server):
         ("/generate", {"input_ids": [1], "sampling_params": {"ignore_eos": True}}, "ignore_eos is not supported"),
         ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": "many"}}, "max_new_tokens"),
         ("/generate", {"input_ids": [[1], [2]], "sampling_params": [{}]}, "one per prompt"),
+        ("/generate", {"input_ids": [1], "top_logprobs_num": 5}, "top_logprobs_num"),
+        ("/generate", {"input_ids": [1], "stream": True}, "stream"),
         ("/release_memory_occupation", {"tags": ["cuda_graph"]}, "tags"),
         ("/update_weights_from_disk", {"model_path": "/nonexistent"}, "no such directory"),
         ("/update_weights_from_tensor", {"serialized_named_tensors": ["@@"]}, "not base64"),

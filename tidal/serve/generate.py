@@ -112,6 +112,11 @@ class GenerateHandler:
             raise UserError(f"{bad[0]} is not supported by tidal serve (text-only models)")
         if req.stream:
             raise UserError("stream=true is not supported by tidal serve; send stream=false")
+        nums = req.top_logprobs_num if isinstance(req.top_logprobs_num, list) else [req.top_logprobs_num]
+        if any(k > 0 for k in nums):
+            raise UserError(
+                "top_logprobs_num > 0 is not supported: the engine records the sampled token's log-prob only"
+            )
         engine = self.server.engine
         prompts, batch = _prompts(req, engine.tokenizer)
         count = len(prompts)
