@@ -1,24 +1,147 @@
-"""Disk weight versions without Ray: full and delta folders, the per-host local checkpoint, atomic publication.
+"""Delta over disk in slime's stream format, both directions, without Ray.
 
-The engine side here is a real ``WeightReceiver`` over a minimal engine (a dict of tensors and a
-``load_weights`` that copies by name); the engine actors are covered in ``test_weight_sync.py``.
+The other half of each exchange is written here from slime's published rules alone (version folders
+``weight_v{N:06d}``, the index metadata keys, one zstd frame with its content size per changed
+tensor, the ``xor``/``overwrite`` byte layouts, checksums of the new full bytes in each shard's
+``__metadata__``, ``.weight_sync/state.json``), not with tidal's codec: ``slime_apply`` reads a
+stream as slime's receiver does, ``slime_publish`` writes one as slime's trainer does.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
+import struct
 import subprocess
 import sys
+import zlib
 
+import numpy as np
 import pytest
 import torch
+import xxhash
+import zstandard
+from safetensors.torch import save_file
 
 from tidal.config.schema import WeightSyncConfig
-from tidal.errors import WeightSyncError
+from tidal.errors import UserError, WeightSyncError
+from tidal.weight_sync import disk_format as fmt
 from tidal.weight_sync.checksum import tensor_checksum
-from tidal.weight_sync.disk import INDEX, DiskStrategy, LocalCheckpoint, newest_full, version_dir
+from tidal.weight_sync.disk import DiskStrategy
+from tidal.weight_sync.local_checkpoint import load_folder, pull, read_applied
 from tidal.weight_sync.receiver import WeightReceiver
+
+# ------------------------------------------------------------------ slime's rules, written out here
+
+
+def _hash(algo: str, buf) -> str:
+    if algo == "xxh3-128":
+        h = xxhash.xxh3_128()
+    elif algo == "blake3":
+        blake3 = pytest.importorskip("blake3")
+        h = blake3.blake3()
+    else:
+        return f"{zlib.adler32(bytes(buf), 1):08x}"
+    h.update(bytes(buf))
+    return h.hexdigest()
+
+
+def _header(path: str) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n, json.loads(f.read(n))
+
+
+def _locations(folder: str) -> dict:
+    out = {}
+    for path in glob.glob(os.path.join(folder, "*.safetensors")):
+        start, header = _header(path)
+        for name, info in header.items():
+            if name != "__metadata__":
+                a, b = info["data_offsets"]
+                out[name] = (path, start + a, b - a)
+    return out
+
+
+def slime_apply(local: str, version_folder: str) -> None:
+    """Apply one version as slime's receiver does: full -> copy, delta -> patch in place and verify."""
+    index_path = os.path.join(version_folder, "model.safetensors.index.json")
+    meta = json.load(open(index_path))["metadata"] if os.path.exists(index_path) else {}
+    if "delta_encoding" not in meta:
+        for f in os.listdir(local):
+            os.remove(os.path.join(local, f))
+        for f in os.listdir(version_folder):
+            shutil.copy(os.path.join(version_folder, f), local)
+        return
+    assert meta["version"] == f"{int(meta['version']):06d}" and int(meta["base_version"]) == int(meta["version"]) - 1
+    assert meta["compression_format"] == "zstd"
+    locs = _locations(local)
+    for delta_file in sorted(glob.glob(os.path.join(version_folder, "*.safetensors"))):
+        blob = open(delta_file, "rb").read()
+        start, header = _header(delta_file)
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            assert info["dtype"] == "U8" and len(info["shape"]) == 1
+            a, b = info["data_offsets"]
+            frame = blob[start + a : start + b]
+            diff = np.frombuffer(zstandard.ZstdDecompressor().decompress(frame), dtype=np.uint8)  # needs content size
+            path, off, n = locs[name]
+            region = np.memmap(path, dtype=np.uint8, mode="r+", offset=off, shape=(n,))
+            if meta["delta_encoding"] == "xor":
+                region ^= diff
+            else:
+                count = int(np.frombuffer(diff[:4].tobytes(), "<u4")[0])
+                region[np.frombuffer(diff[4 : 4 + 4 * count].tobytes(), "<u4")] = diff[4 + 4 * count :]
+            assert _hash(meta["checksum_format"], region) == header["__metadata__"][name], name
+            region.flush()
+
+
+def slime_publish(disk: str, version: int, old: dict, new: dict, encoding: str, algo: str) -> None:
+    """Write one delta version as slime's trainer does (one shard, changed tensors only)."""
+    folder = os.path.join(disk, f"weight_v{version:06d}")
+    os.makedirs(folder)
+    tensors, sums = {}, {}
+    for name in new:
+        n, o = _raw(new[name]), _raw(old[name])
+        if encoding == "xor":
+            d = n ^ o
+            if not d.any():
+                continue
+        else:
+            mask = n != o
+            if not mask.any():
+                continue
+            pos = np.flatnonzero(mask).astype("<u4")
+            d = np.concatenate([np.array([pos.size], "<u4").view(np.uint8), pos.view(np.uint8), n[mask]])
+        tensors[name] = torch.frombuffer(
+            bytearray(zstandard.ZstdCompressor(level=1).compress(d.tobytes())), dtype=torch.uint8
+        )
+        sums[name] = _hash(algo, n)
+    shard = "model-00000-of-00001.safetensors"
+    if tensors:
+        save_file(tensors, os.path.join(folder, shard), metadata=sums)
+    index = {
+        "metadata": {
+            "version": f"{version:06d}",
+            "base_version": f"{version - 1:06d}",
+            "delta_encoding": encoding,
+            "compression_format": "zstd",
+            "checksum_format": algo,
+        },
+        "weight_map": dict.fromkeys(tensors, shard),
+    }
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        f.write(json.dumps(index))
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().copy()
 
 
 class DictEngine:
@@ -30,19 +153,17 @@ class DictEngine:
         self.params = {k: torch.full_like(v, 7) for k, v in like.items()}
 
     def load_weights(self, pairs) -> int:
-        n = 0
         for name, t in pairs:
             self.params[name].copy_(t)
-            n += t.numel() * t.element_size()
-        return n
+        return 0
 
 
 def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {
-        "embed.weight": torch.randn(64, 32, generator=g),
-        "layers.0.proj.weight": torch.randn(48, 32, generator=g),
-        "layers.0.norm.weight": torch.ones(32),
+        "embed.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16),
+        "layers.0.proj.weight": torch.randn(48, 32, generator=g).to(torch.bfloat16),
+        "layers.0.norm.weight": torch.ones(32, dtype=torch.bfloat16),
         "head.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16),
     }
 
@@ -62,133 +183,250 @@ def _cfg(tmp_path, **kw) -> WeightSyncConfig:
     base = dict(
         update_weight_mode="delta",
         update_weight_transport="disk",
-        update_weight_buffer_size=6000,  # several shards for these ~30 KB of weights
+        update_weight_buffer_size=3000,  # several shards for these ~16 KB of weights
         update_weight_disk_dir=str(tmp_path / "disk"),
         update_weight_local_checkpoint_dir=str(tmp_path / "local"),
     )
     return WeightSyncConfig(**{**base, **kw})
 
 
-def _equal(engine: DictEngine, w: dict[str, torch.Tensor]) -> bool:
-    return all(tensor_checksum(engine.params[k]) == tensor_checksum(v) for k, v in w.items())
+def _base(tmp_path, w) -> str:
+    folder = tmp_path / "base"
+    folder.mkdir(exist_ok=True)
+    save_file({k: v.contiguous() for k, v in w.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text("{}")
+    return str(folder)
 
 
-def test_full_then_delta_layout_and_apply(tmp_path):
-    cfg = _cfg(tmp_path)
-    s = DiskStrategy(cfg, [])
-    w1 = _weights()
-    p1 = s.write(w1.items(), 1)
-    engine = DictEngine(w1)
-    rx = WeightReceiver(engine, cfg)
-    assert rx.from_disk(p1)["complete"]
-    assert _equal(engine, w1)
-    w2 = _step(w1, 1)
-    p2 = s.write(w2.items(), 2)
-    index = json.load(open(os.path.join(p2, INDEX)))
-    meta = index["metadata"]
-    assert (meta["format"], meta["version"], meta["base_version"]) == ("delta", "2", "1")
-    assert {"delta_encoding", "compression_format", "checksum_format"} <= set(meta)
-    # Unchanged tensors are absent from a delta.
-    assert set(index["weight_map"]) == {"embed.weight", "head.weight"}
-    stats = rx.from_disk(p2)
-    assert stats["version"] == 2 and _equal(engine, w2)
-    assert json.load(open(tmp_path / "local" / "state.json"))["version"] == 2
-    assert os.path.basename(p1) == "weight_v000001" and newest_full(cfg.update_weight_disk_dir)[0] == 1
+def _equal_files(folder: str, w: dict[str, torch.Tensor]) -> bool:
+    locs = _locations(folder)
+    return all(
+        np.array_equal(np.fromfile(locs[k][0], np.uint8, count=locs[k][2], offset=locs[k][1]), _raw(v))
+        for k, v in w.items()
+    )
 
 
-def test_out_of_order_refused_and_fresh_host_starts_from_full(tmp_path):
-    cfg = _cfg(tmp_path)
-    s = DiskStrategy(cfg, [])
+# ------------------------------------------------------------------ tidal writes, slime's rules read
+
+
+@pytest.mark.parametrize(
+    ("encoding", "algo"), [("xor", "xxh3-128"), ("overwrite", "adler32"), ("overwrite", "blake3"), ("xor", "blake3")]
+)
+def test_tidal_stream_applies_with_slimes_rules(tmp_path, encoding, algo):
+    w0 = _weights()
+    base = _base(tmp_path, w0)
+    s = DiskStrategy(
+        _cfg(tmp_path, update_weight_delta_encoding=encoding, update_weight_checksum=algo), [], base_dir=base
+    )
+    disk = s.disk_dir
+    assert s.write(w0.items(), 1) == base and s.stream_version == 0  # the first sync publishes nothing
+    assert os.listdir(disk) == []
+    local = tmp_path / "slime-local"
+    shutil.copytree(base, local)  # version 0: the engines' own checkpoint
+    w = w0
+    for v in (1, 2, 3):
+        w = _step(w, v) if v != 2 else w  # v2: nothing changed
+        s.write(w.items(), v + 1)
+        folder = os.path.join(disk, f"weight_v{v:06d}")
+        index = json.load(open(os.path.join(folder, "model.safetensors.index.json")))
+        assert index["metadata"] == {
+            "version": f"{v:06d}",
+            "base_version": f"{v - 1:06d}",
+            "delta_encoding": encoding,
+            "compression_format": "zstd",
+            "checksum_format": algo,
+        }
+        shards = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+        assert sorted(set(index["weight_map"].values())) == shards
+        if v == 2:
+            assert shards == [] and index["weight_map"] == {}
+        else:
+            assert set(index["weight_map"]) == {"embed.weight", "head.weight"}  # unchanged tensors omitted
+            assert shards[0] == f"model-00000-of-{len(shards):05d}.safetensors"
+            frame = open(os.path.join(folder, shards[0]), "rb").read()[-40:]
+            assert frame  # content sizes are checked by slime_apply's one-shot decompress
+        slime_apply(str(local), folder)
+        assert _equal_files(str(local), w)
+
+
+def test_preset_writes_the_base_once_as_a_full_version(tmp_path):
     w = _weights()
+    s = DiskStrategy(_cfg(tmp_path), [], base_dir=None)
     p1 = s.write(w.items(), 1)
+    assert os.path.basename(p1) == "weight_v000001" and "delta_encoding" not in fmt.index_metadata(p1)
     w2 = _step(w, 1)
-    p2 = s.write(w2.items(), 2)
-    w3 = _step(w2, 2)
-    p3 = s.write(w3.items(), 3)
+    s.write(w2.items(), 2)
+    local = tmp_path / "slime-local"
+    local.mkdir()
+    slime_apply(str(local), p1)
+    slime_apply(str(local), os.path.join(s.disk_dir, "weight_v000002"))
+    assert _equal_files(str(local), w2)
+    # tidal's receiver on a fresh host replays from the full version, and the engine loads the result.
+    result = pull(str(tmp_path / "local"), s.disk_dir, 2, base_dir=None)
+    assert (result.version, result.seeded_from, result.applied) == (2, 1, [2])
     engine = DictEngine(w)
-    rx = WeightReceiver(engine, cfg)
-    rx.from_disk(p1)
-    with pytest.raises(WeightSyncError, match="out of order"):
-        rx.from_disk(p3)
-    assert json.load(open(tmp_path / "local" / "state.json"))["version"] == 1
-    rx.from_disk(p2)
-    rx.from_disk(p3)
-    assert _equal(engine, w3)
-    # A host that never saw a version starts from the newest full one (v1), then applies v2.
-    fresh_cfg = _cfg(tmp_path, update_weight_local_checkpoint_dir=str(tmp_path / "fresh"))
-    fresh = DictEngine(w)
-    WeightReceiver(fresh, fresh_cfg).from_disk(p2)
-    assert _equal(fresh, w2)
+    load_folder(WeightReceiver(engine, None), str(tmp_path / "local"))
+    assert all(tensor_checksum(engine.params[k]) == tensor_checksum(v) for k, v in w2.items())
 
 
-@pytest.mark.parametrize("compression", ["none", "zstd"])
-def test_flipped_byte_aborts_without_advancing(tmp_path, compression):
-    cfg = _cfg(tmp_path, update_weight_compression=compression)
-    s = DiskStrategy(cfg, [])
-    w = _weights()
-    rx = WeightReceiver(DictEngine(w), cfg)
-    rx.from_disk(s.write(w.items(), 1))
-    p2 = s.write(_step(w, 1).items(), 2)
-    local = LocalCheckpoint(str(tmp_path / "local"))
-    before = {n: tensor_checksum(local.tensor(n)) for n in local.names()}
-    shard = sorted(f for f in os.listdir(p2) if f.endswith(".safetensors"))[0]
-    with open(os.path.join(p2, shard), "r+b") as f:
-        f.seek(-3, os.SEEK_END)  # inside the last tensor's encoded bytes
+# ------------------------------------------------------------------ slime's rules write, tidal reads
+
+
+@pytest.mark.parametrize(("encoding", "algo"), [("xor", "adler32"), ("overwrite", "xxh3-128"), ("xor", "blake3")])
+def test_slime_stream_applies_with_tidals_receiver(tmp_path, encoding, algo):
+    disk = str(tmp_path / "disk")
+    os.makedirs(disk)
+    w = [_weights()]
+    for v in (1, 2, 3):
+        w.append(_step(w[-1], v) if v != 2 else w[-1])
+        slime_publish(disk, v, w[v - 1], w[v], encoding, algo)
+    base = _base(tmp_path, w[0])
+    local = str(tmp_path / "local")
+    first = pull(local, disk, 0, base_dir=base)
+    assert (first.version, first.seeded_from) == (0, 0) and read_applied(local) == 0
+    assert os.path.exists(os.path.join(local, "config.json"))
+    assert json.load(open(os.path.join(local, ".weight_sync", "state.json"))) == {"version": "000000"}
+    r = pull(local, disk, 2, base_dir=base)
+    assert (r.seeded_from, r.applied) == (None, [1, 2]) and _equal_files(local, w[2])
+    assert pull(local, disk, 2, base_dir=base).applied == []  # already applied: a no-op
+    pull(local, disk, 3, base_dir=base)
+    assert _equal_files(local, w[3]) and read_applied(local) == 3
+    # A fresh host replays the whole chain from version 0.
+    fresh = pull(str(tmp_path / "fresh"), disk, 3, base_dir=base)
+    assert (fresh.seeded_from, fresh.applied) == (0, [1, 2, 3]) and _equal_files(str(tmp_path / "fresh"), w[3])
+
+
+# ------------------------------------------------------------------ refusals and failures
+
+
+def _stream(tmp_path, encoding="overwrite", n=2):
+    w = [_weights()]
+    base = _base(tmp_path, w[0])
+    s = DiskStrategy(_cfg(tmp_path, update_weight_delta_encoding=encoding), [], base_dir=base)
+    s.write(w[0].items(), 1)
+    for v in range(1, n + 1):
+        w.append(_step(w[-1], v))
+        s.write(w[-1].items(), v + 1)
+    return s, base, w
+
+
+def test_out_of_order_delta_is_refused(tmp_path):
+    s, base, w = _stream(tmp_path)
+    local = str(tmp_path / "local")
+    pull(local, s.disk_dir, 1, base_dir=base)
+    # A version whose base is not what the host holds (here: v2 re-labelled as building on v0).
+    v2 = fmt.version_dir(s.disk_dir, 2)
+    index = json.load(open(os.path.join(v2, fmt.INDEX)))
+    index["metadata"]["base_version"] = "000000"
+    json.dump(index, open(os.path.join(v2, fmt.INDEX), "w"))
+    with pytest.raises(WeightSyncError, match="out-of-order delta.*local at 1, the delta builds on 0"):
+        pull(local, s.disk_dir, 2, base_dir=base)
+    assert read_applied(local) == 1 and _equal_files(local, w[1])
+
+
+@pytest.mark.parametrize("encoding", ["xor", "overwrite"])
+def test_flipped_byte_applies_nothing_and_keeps_the_state(tmp_path, encoding):
+    s, base, w = _stream(tmp_path, encoding)
+    local = str(tmp_path / "local")
+    pull(local, s.disk_dir, 1, base_dir=base)
+    folder = fmt.version_dir(s.disk_dir, 2)
+    shard = sorted(glob.glob(os.path.join(folder, "*.safetensors")))[-1]
+    with open(shard, "r+b") as f:
+        f.seek(-3, os.SEEK_END)  # inside the last tensor's compressed diff
         b = f.read(1)
         f.seek(-3, os.SEEK_END)
         f.write(bytes([b[0] ^ 0x5A]))
-    with pytest.raises(WeightSyncError):
-        rx.from_disk(p2)
-    assert json.load(open(tmp_path / "local" / "state.json"))["version"] == 1
-    assert {n: tensor_checksum(local.tensor(n)) for n in local.names()} == before
-    assert not os.path.exists(local.pending)
+    with pytest.raises(WeightSyncError, match="checksum mismatch for 1 tensors"):
+        pull(local, s.disk_dir, 2, base_dir=base)
+    assert read_applied(local) == 1 and _equal_files(local, w[1])
 
 
-def test_reapplying_overwrite_is_harmless_xor_is_not(tmp_path):
-    for enc in ("overwrite", "xor"):
-        cfg = _cfg(tmp_path / enc, update_weight_delta_encoding=enc)
-        s = DiskStrategy(cfg, [])
-        w = _weights()
-        rx = WeightReceiver(DictEngine(w), cfg)
-        rx.from_disk(s.write(w.items(), 1))
-        w2 = _step(w, 1)
-        p2 = s.write(w2.items(), 2)
-        rx.from_disk(p2)
-        local = LocalCheckpoint(cfg.update_weight_local_checkpoint_dir)
-        index = json.load(open(os.path.join(p2, INDEX)))
-        # A crash after writing the bytes but before advancing the state: the delta is applied again.
-        if enc == "overwrite":
-            local._apply_locked(p2, index)
-            assert all(tensor_checksum(local.tensor(n)) == tensor_checksum(w2[n]) for n in w2)
-        else:
-            with pytest.raises(WeightSyncError, match="checksum"):
-                local._apply_locked(p2, index)
+def test_reapplied_delta_overwrite_is_idempotent_xor_reverts(tmp_path):
+    new, old = np.arange(64, dtype=np.uint8), np.zeros(64, np.uint8)
+    for encoding in ("overwrite", "xor"):
+        _, d = fmt.diff(new, old, encoding)
+        blob = fmt.compress(d)
+        once = fmt.apply(old, blob, encoding)
+        twice = fmt.apply(once, blob, encoding)
+        assert np.array_equal(once, new)
+        assert np.array_equal(twice, new) == (encoding == "overwrite")
+    # Through the receiver, a pull of a version already applied changes nothing (slime's no-op rule).
+    s, base, w = _stream(tmp_path, "xor")
+    local = str(tmp_path / "local")
+    pull(local, s.disk_dir, 2, base_dir=base)
+    assert pull(local, s.disk_dir, 2, base_dir=base).applied == [] and _equal_files(local, w[2])
+
+
+def test_patch_interrupted_before_the_state_is_written_resets_on_the_next_pull(tmp_path):
+    s, base, w = _stream(tmp_path, "xor")
+    local = str(tmp_path / "local")
+    pull(local, s.disk_dir, 2, base_dir=base)
+    # What a process killed between patching v2 and writing its state leaves: new bytes, no state.
+    os.remove(os.path.join(local, ".weight_sync", "state.json"))
+    r = pull(local, s.disk_dir, 2, base_dir=base)
+    assert (r.seeded_from, r.applied) == (0, [1, 2]) and _equal_files(local, w[2])
 
 
 _KILLED_WRITER = """
 import os, sys, torch
 from tidal.config.schema import WeightSyncConfig
 from tidal.weight_sync.disk import DiskStrategy
-cfg = WeightSyncConfig(update_weight_mode="full", update_weight_transport="disk", update_weight_buffer_size=6000, update_weight_disk_dir=sys.argv[1])
-s = DiskStrategy(cfg, [])
+cfg = WeightSyncConfig(update_weight_mode="delta", update_weight_transport="disk", update_weight_buffer_size=3000,
+                       update_weight_disk_dir=sys.argv[1], update_weight_local_checkpoint_dir=sys.argv[2])
+s = DiskStrategy(cfg, [], base_dir=None)
+w = {f"w{i}": torch.randn(40, 40) for i in range(4)}
+s.write(w.items(), 1)
 s.fault_hook = lambda index, attempt, path: os.kill(os.getpid(), 9) if index == 1 else None
-s.write([(f"w{i}", torch.randn(40, 40)) for i in range(4)], 2)
+s.write([(k, v + 1) for k, v in w.items()], 2)
 """
 
 
-def test_killed_writer_leaves_nothing_loadable(tmp_path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    proc = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(disk)], capture_output=True, timeout=120)
+def test_killed_writer_leaves_nothing_a_reader_takes_for_a_version(tmp_path):
+    disk, local = tmp_path / "disk", tmp_path / "local"
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_WRITER, str(disk), str(local)], capture_output=True, timeout=120
+    )
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
-    leftovers = os.listdir(disk)
-    assert leftovers and all(e.startswith(".tmp-weight_v000002") for e in leftovers)
-    assert newest_full(str(disk)) is None
-    rx = WeightReceiver(DictEngine({"w0": torch.zeros(40, 40)}), _cfg(tmp_path, update_weight_mode="full"))
-    with pytest.raises(WeightSyncError, match="not a published|incomplete"):
-        rx.from_disk(version_dir(str(disk), 2))
-    with pytest.raises(WeightSyncError, match="not a published"):
-        rx.from_disk(str(disk / leftovers[0]))
-    # The next writer clears the leftovers.
-    DiskStrategy(_cfg(tmp_path, update_weight_mode="full"), []).connect()
-    assert os.listdir(disk) == []
+    entries = sorted(os.listdir(disk))
+    assert entries[0].startswith(".tmp-weight_v000002") and entries[1:] == ["weight_v000001"]
+    with pytest.raises(WeightSyncError, match="published weight version missing"):
+        pull(str(local), str(disk), 2)
+    assert pull(str(local), str(disk), 1).version == 1  # the published versions still apply
+    DiskStrategy(_cfg(tmp_path), []).connect()  # the next writer clears the leftovers
+    assert os.listdir(disk) == ["weight_v000001"]
+
+
+def test_overwrite_of_a_4gib_tensor_is_refused_not_wrapped():
+    huge = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), shape=(1 << 32,), strides=(0,))  # 4 GiB, no memory
+    with pytest.raises(UserError, match=r"lm_head.weight: 4294967296 bytes .* use --update-weight-delta-encoding xor"):
+        fmt.diff(huge, huge, "overwrite", "lm_head.weight")
+    fmt.check_overwrite_size("lm_head.weight", (1 << 32) - 1)  # the largest tensor u32 positions cover
+
+
+def test_old_tidal_folders_are_refused_in_one_line(tmp_path):
+    disk = tmp_path / "disk"
+    old = disk / "weight_v000002"
+    old.mkdir(parents=True)
+    meta = {"format": "delta", "version": "2", "base_version": "1", "delta_encoding": "overwrite"}
+    (old / fmt.INDEX).write_text(json.dumps({"metadata": meta, "weight_map": {}}))
+    with pytest.raises(UserError, match="written by an older tidal.*start over") as e:
+        DiskStrategy(_cfg(tmp_path), []).connect()
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="older tidal"):
+        pull(str(tmp_path / "local"), str(disk), 2)
+    stale = tmp_path / "stale-local"
+    stale.mkdir()
+    (stale / "state.json").write_text('{"version": 1, "full_version": 1}')
+    with pytest.raises(UserError, match="local checkpoint .* older tidal"):
+        pull(str(stale), str(disk), 2)
+
+
+def test_rejected_delta_is_rewritten_as_a_full_version(tmp_path):
+    s, base, w = _stream(tmp_path, n=1)
+    s._write_full_version(
+        1, __import__("tidal.weight_sync.base", fromlist=["SyncReport"]).SyncReport("delta", "disk", 2)
+    )
+    assert not fmt.is_delta(fmt.version_dir(s.disk_dir, 1))
+    local = str(tmp_path / "local")
+    r = pull(local, s.disk_dir, 1, base_dir=base)
+    assert r.seeded_from == 1 and _equal_files(local, w[1])

@@ -60,7 +60,7 @@ class SyncSource:
         self.engine_dtype = getattr(torch, engine_dtype)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.engines = engines
-        self.strategy = make_strategy(cfg, engines, device=device, colocated=colocated)
+        self.strategy = make_strategy(cfg, engines, device=device, colocated=colocated, base_dir=self.spec.path)
         self.version = 0
         self._host: dict[str, torch.Tensor] | None = None
 
@@ -72,7 +72,9 @@ class SyncSource:
         from tidal.weight_sync import make_strategy
 
         self.strategy.close()
-        self.strategy = make_strategy(cfg, self.engines, device=self.device, colocated=colocated)
+        self.strategy = make_strategy(
+            cfg, self.engines, device=self.device, colocated=colocated, base_dir=self.spec.path
+        )
         self.version = 0
 
     def pause(self) -> int:

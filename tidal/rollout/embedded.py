@@ -383,6 +383,12 @@ class EmbeddedEngine:
     def update_weights_from_disk(self, path: str, version: int) -> dict:
         return self._sync("from_disk", path, version)
 
+    def pull_weights(self, local_checkpoint_dir: str, source_dir: str, target_version: int):
+        """slime's ``/pull_weights``: bring this host's local checkpoint up to ``target_version`` of the
+        disk stream in ``source_dir`` (version 0: this engine's model folder). Files only; the engine
+        then loads the local checkpoint with ``update_weights_from_disk``. Returns a ``PullResult``."""
+        return self._receiver_().pull_weights(local_checkpoint_dir, source_dir, int(target_version), self.spec.path)
+
     def init_weights_update_group(
         self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str
     ) -> None:

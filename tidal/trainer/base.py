@@ -120,7 +120,11 @@ class Trainer(ABC):
         if self.rank == 0:
             from tidal.weight_sync import make_strategy
 
-            self.strategy = make_strategy(sync_cfg, engines, device=self.device_type, colocated=colocated)
+            # The engines' own checkpoint folder (None for a preset): version 0 of a delta-over-disk stream.
+            base_dir = getattr(getattr(self, "spec", None), "path", None)
+            self.strategy = make_strategy(
+                sync_cfg, engines, device=self.device_type, colocated=colocated, base_dir=base_dir
+            )
             self.strategy.connect()
         self.connected = True
 

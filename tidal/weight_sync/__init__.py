@@ -21,8 +21,13 @@ def packs_on_device(cfg, device: str) -> bool:
     return device == "cuda" and cfg.update_weight_mode == "full" and cfg.update_weight_transport != "disk"
 
 
-def make_strategy(cfg, engines: list, *, device: str, colocated: bool) -> WeightSyncStrategy:
-    """The strategy for ``cfg.update_weight_transport`` (tensor | broadcast | nccl | disk) over ``engines``."""
+def make_strategy(
+    cfg, engines: list, *, device: str, colocated: bool, base_dir: str | None = None
+) -> WeightSyncStrategy:
+    """The strategy for ``cfg.update_weight_transport`` (tensor | broadcast | nccl | disk) over ``engines``.
+
+    ``base_dir``: the engines' own checkpoint folder (None for a preset), version 0 of a delta-over-disk stream.
+    """
     from tidal.errors import ConfigError
 
     transport = cfg.update_weight_transport
@@ -39,5 +44,5 @@ def make_strategy(cfg, engines: list, *, device: str, colocated: bool) -> Weight
     if transport == "disk":
         from tidal.weight_sync.disk import DiskStrategy
 
-        return DiskStrategy(cfg, engines, device=device, colocated=colocated)
+        return DiskStrategy(cfg, engines, device=device, colocated=colocated, base_dir=base_dir)
     raise ConfigError(f"--update-weight-transport {transport}: unknown; use tensor, broadcast, nccl or disk")

@@ -6,7 +6,8 @@ An engine actor holds one ``WeightReceiver(engine)``. ``engine`` provides ``load
 
     from_tensor(payload)      colocated: a bucket from the object store (host) or a CUDA IPC handle
     from_distributed(meta)    a bucket broadcast over the group formed by ``init_group``
-    from_disk(path)           a version folder (full safetensors, or a delta applied via a local checkpoint)
+    from_disk(path)           a full folder: a version written in full mode, or the host-local checkpoint
+    pull_weights(local, source, target, base)   bring the local checkpoint up to a version of the disk stream
 
 Each returns a stats dict: ``apply_s``, ``bytes``, ``complete`` (True once the version is fully
 applied: the engine should set its version only then) and ``version``.
@@ -85,9 +86,16 @@ class WeightReceiver:
         return self.apply_bucket(meta, buf)
 
     def from_disk(self, path: str) -> dict:
-        from tidal.weight_sync.disk import load_folder
+        from tidal.weight_sync.local_checkpoint import load_folder
 
         return load_folder(self, path)
+
+    def pull_weights(self, local_checkpoint_dir: str, source_dir: str, target_version: int, base_dir: str | None):
+        """Bring this host's local checkpoint up to ``target_version`` of the disk stream in ``source_dir``
+        (``base_dir``: the engine's own checkpoint, version 0); returns a ``PullResult``."""
+        from tidal.weight_sync.local_checkpoint import pull
+
+        return pull(local_checkpoint_dir, source_dir, target_version, base_dir)
 
     # ------------------------------------------------------------------ applying
 

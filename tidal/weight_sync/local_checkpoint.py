@@ -1,0 +1,278 @@
+"""The engine host's side of the disk stream: bring a host-local checkpoint up to a published version.
+
+``pull(local_checkpoint_dir, source_dir, target_version, base_dir)`` follows the rules of slime's
+``/pull_weights`` receiver (``disk_format`` describes the stream):
+
+- Per host, ``<local_checkpoint_dir>/.weight_sync/lock`` (``fcntl.flock``, exclusive) serialises every
+  engine process of the host, and ``.weight_sync/state.json`` = ``{"version": "%06d"}`` names the
+  version the local copy holds, so engines sharing a host apply each version once.
+- ``applied == target``: nothing to do. A fresh host (no state) scans back from the target to the
+  newest full version (or version 0: ``base_dir``, the engine's own checkpoint), copies it in (files
+  it lacks are pruned, sizes checked), then replays the deltas after it; a host behind a newer full
+  version resets from it the same way.
+- A delta applies only when ``applied == base_version`` (else: out of order, refused);
+  ``compression_format`` must be ``zstd``; every changed tensor's new bytes must match their
+  checksum, else nothing is applied and the state is not advanced.
+
+Where this goes beyond slime's receiver, for safety: every changed tensor is decoded and checked
+in memory before any byte of the local copy is written (slime patches in place, so a mismatch
+there leaves a half-patched copy); the state file is removed while files are being copied or
+patched, so a process killed half-way leaves a fresh host that resets on the next pull; and a local
+copy *ahead* of the target (left by an earlier stream in the same folder) is reset instead of
+silently kept. Older tidal's local layout (``state.json`` at the root) is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tidal.errors import UserError, WeightSyncError
+from tidal.weight_sync import disk_format as fmt
+
+SYNC_DIR = ".weight_sync"
+
+
+@dataclass
+class PullResult:
+    """What ``pull`` did: the version the local checkpoint holds now and how it got there."""
+
+    version: int
+    seeded_from: int | None = None  # full version (0: the base checkpoint) it was reset from; None: kept
+    applied: list[int] = field(default_factory=list)  # deltas applied, in order
+    changed_tensors: int = 0
+    seconds: float = 0.0
+
+    @property
+    def message(self) -> str:
+        how = f"reset from v{self.seeded_from}, " if self.seeded_from is not None else ""
+        return f"local checkpoint at v{self.version} ({how}{len(self.applied)} deltas, {self.changed_tensors} tensors)"
+
+
+@contextlib.contextmanager
+def _lock(local_dir: str):
+    sync = os.path.join(local_dir, SYNC_DIR)
+    os.makedirs(sync, exist_ok=True)
+    with open(os.path.join(sync, "lock"), "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _state_path(local_dir: str) -> str:
+    return os.path.join(local_dir, SYNC_DIR, "state.json")
+
+
+def read_applied(local_dir: str) -> int | None:
+    """The version the local checkpoint holds (None: a fresh host)."""
+    try:
+        return int(fmt.read_json(_state_path(local_dir))["version"])
+    except FileNotFoundError:
+        return None
+
+
+def _write_applied(local_dir: str, version: int) -> None:
+    path = _state_path(local_dir)
+    fmt.atomic_write(path, json.dumps({"version": f"{version:06d}"}).encode())
+
+
+def _forget_applied(local_dir: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(_state_path(local_dir))
+
+
+def _check_local_layout(local_dir: str) -> None:
+    if os.path.exists(os.path.join(local_dir, "state.json")) or os.path.isdir(os.path.join(local_dir, "weights")):
+        raise UserError(fmt.OLD_TIDAL.format(where=f"the local checkpoint {local_dir}"))
+
+
+def pull(local_checkpoint_dir: str, source_dir: str, target_version: int, base_dir: str | None = None) -> PullResult:
+    """Bring ``local_checkpoint_dir`` up to ``target_version`` of the stream in ``source_dir``."""
+    t0 = time.perf_counter()
+    local = os.path.abspath(local_checkpoint_dir)
+    os.makedirs(local, exist_ok=True)
+    _check_local_layout(local)
+    result = PullResult(version=target_version)
+    with _lock(local):
+        applied = read_applied(local)
+        if applied is not None and applied > target_version:
+            applied = None  # a copy from an earlier stream: no delta leads back from it
+        floor = applied if applied is not None else 0
+        start = target_version
+        while start > floor and fmt.is_delta(fmt.version_dir(source_dir, start)):
+            start -= 1
+        if applied is None or start > applied:
+            seed = base_dir if start == 0 else fmt.version_dir(source_dir, start)
+            if seed is None:
+                raise WeightSyncError(
+                    f"{source_dir}: no full version at or below v{target_version} and this engine has no base "
+                    "checkpoint folder (a preset); the stream must start with a full version"
+                )
+            _reset(seed, local, start)
+            result.seeded_from = start
+        else:
+            start = applied
+        for version in range(start + 1, target_version + 1):
+            result.changed_tensors += _apply_delta(local, fmt.version_dir(source_dir, version))
+            result.applied.append(version)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _reset(src: str, local: str, version: int) -> None:
+    """Make ``local`` an exact copy of the full checkpoint ``src`` (files it lacks pruned), then mark it ``version``."""
+    meta = fmt.index_metadata(src)
+    fmt.check_not_old_tidal(src, meta)
+    _forget_applied(local)  # a copy killed half-way leaves a fresh host
+    files = sorted(e.name for e in os.scandir(src) if e.is_file() and not e.name.endswith(".tmp"))
+    if not any(f.endswith(".safetensors") for f in files):
+        raise WeightSyncError(f"{src}: a full version without safetensors files")
+    for name in files:
+        shutil.copyfile(os.path.join(src, name), os.path.join(local, name))
+    for e in os.scandir(local):
+        if e.is_file() and e.name not in files:
+            os.remove(e.path)
+    for name in files:
+        a, b = os.path.getsize(os.path.join(src, name)), os.path.getsize(os.path.join(local, name))
+        if a != b:
+            raise WeightSyncError(f"size mismatch copying {src}/{name}: {a} bytes there, {b} here")
+    if meta is not None and meta.get("checksum_format") in fmt.CHECKSUMS:
+        _verify_full(local, meta["checksum_format"])
+    _write_applied(local, version)
+
+
+def _verify_full(folder: str, algo: str) -> None:
+    """Check the tensors of a full version against the checksums its shards carry (where they carry them)."""
+    for shard in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        _, header = fmt.safetensors_header(os.path.join(folder, shard))
+        want = header.get("__metadata__") or {}
+        locs = {n: loc for n, loc in fmt.tensor_locations(folder).items() if loc.path.endswith(shard) and n in want}
+        bad = [n for n, loc in locs.items() if fmt.checksum(algo, fmt.read_bytes(loc)) != want[n]]
+        if bad:
+            raise WeightSyncError(f"{folder}/{shard}: checksum mismatch for {len(bad)} tensors: {sorted(bad)[:5]}")
+
+
+def _delta_entries(version_dir: str, locations: dict[str, fmt.TensorLocation]) -> list[tuple]:
+    """(name, encoded bytes, local location, wanted checksum) of every entry, shards in sorted order."""
+    items = []
+    for shard in sorted(f for f in os.listdir(version_dir) if f.endswith(".safetensors")):
+        path = os.path.join(version_dir, shard)
+        start, header = fmt.safetensors_header(path)
+        want = header.get("__metadata__") or {}
+        with open(path, "rb") as f:
+            data = memoryview(f.read())
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if name not in locations:
+                raise WeightSyncError(f"{path}: a delta for {name}, which the local checkpoint does not hold")
+            if info["dtype"] != "U8" or len(info["shape"]) != 1:
+                raise WeightSyncError(f"{path}: {name} is {info['dtype']}{info['shape']}, not a 1-D uint8 diff")
+            a, b = info["data_offsets"]
+            items.append((name, data[start + a : start + b], locations[name], want.get(name)))
+    return items
+
+
+def _apply_delta(local: str, version_dir: str) -> int:
+    """Apply one delta version to the local copy; returns the number of changed tensors."""
+    from tidal.weight_sync.delta import pool
+
+    meta = fmt.index_metadata(version_dir) or {}
+    fmt.check_not_old_tidal(version_dir, meta)
+    version, base = int(meta["version"]), int(meta["base_version"])
+    applied = read_applied(local)
+    if applied == version:
+        return 0
+    if applied != base:
+        raise WeightSyncError(f"out-of-order delta {version_dir}: local at {applied}, the delta builds on {base}")
+    if meta["compression_format"] != fmt.COMPRESSION:
+        raise WeightSyncError(f"{version_dir}: compression {meta['compression_format']!r} not supported (zstd only)")
+    encoding, algo = meta["delta_encoding"], meta["checksum_format"]
+    items = _delta_entries(version_dir, fmt.tensor_locations(local))
+
+    def decode(item) -> tuple[str, np.ndarray, bool]:
+        name, blob, loc, want = item
+        try:
+            new = fmt.apply(fmt.read_bytes(loc), blob, encoding, name)
+        except WeightSyncError:
+            return name, np.empty(0, np.uint8), False
+        return name, new, fmt.checksum(algo, new) == want
+
+    # Phase 1, in memory: decode every tensor and check it; nothing is written if any fails.
+    staged = list(pool().map(decode, items))
+    bad = sorted(name for name, _, ok in staged if not ok)
+    if bad:
+        raise WeightSyncError(
+            f"checksum mismatch for {len(bad)} tensors after applying {version_dir}: {bad[:20]}; "
+            f"nothing applied, the local checkpoint stays at v{applied}"
+        )
+    # Phase 2: patch the files in place. The state is gone meanwhile, so a killed write means a reset next time.
+    _forget_applied(local)
+    fds: dict[str, int] = {}
+    try:
+        for (_, new, _), item in zip(staged, items):
+            loc = item[2]
+            if loc.path not in fds:
+                fds[loc.path] = os.open(loc.path, os.O_WRONLY)
+            os.pwrite(fds[loc.path], new, loc.offset)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    _write_applied(local, version)
+    return len(items)
+
+
+def is_local_checkpoint(path: str) -> bool:
+    return os.path.isdir(os.path.join(path, SYNC_DIR))
+
+
+def load_folder(receiver, path: str) -> dict:
+    """``WeightReceiver.from_disk``: load every tensor of a full folder into the engine.
+
+    ``path`` is a host-local checkpoint that ``pull`` brought up to date (verified there), or a full
+    version folder (its shards' checksums are verified before each shard is applied). A delta
+    folder cannot be loaded as it is: engines pull it into their local checkpoint first.
+    """
+    from safetensors import safe_open
+
+    t0 = time.perf_counter()
+    path = os.path.abspath(path)
+    if is_local_checkpoint(path):
+        _check_local_layout(path)
+        if read_applied(path) is None:
+            raise WeightSyncError(f"{path}: the local checkpoint is incomplete (no state); pull_weights again")
+        algo = None
+    else:
+        meta = fmt.index_metadata(path)
+        fmt.check_not_old_tidal(path, meta)
+        if meta is not None and "delta_encoding" in meta:
+            raise WeightSyncError(f"{path} is a delta; pull_weights it into a local checkpoint and load that")
+        if not os.path.isdir(path) or not any(f.endswith(".safetensors") for f in os.listdir(path)):
+            raise WeightSyncError(f"{path}: not a published weight folder (no safetensors files)")
+        algo = (meta or {}).get("checksum_format")
+    total = 0
+    for shard in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(path, shard), framework="pt") as f:
+            want = f.metadata() or {}
+            pairs = [(name, f.get_tensor(name)) for name in f.keys()]
+        if algo in fmt.CHECKSUMS:
+            from tidal.weight_sync.checksum import tensor_checksum
+
+            bad = [n for n, t in pairs if tensor_checksum(t, algo) != want.get(n)]
+            if bad:
+                raise WeightSyncError(
+                    f"{path}/{shard}: {len(bad)} tensors do not match their checksums, e.g. {bad[:3]}; nothing of this shard applied"
+                )
+        receiver.load(pairs)
+        total += sum(t.numel() * t.element_size() for _, t in pairs)
+    receiver._loaded = set()
+    return {"apply_s": time.perf_counter() - t0, "bytes": total, "complete": True}
