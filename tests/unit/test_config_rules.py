@@ -395,6 +395,18 @@ def test_rule_transport(argv, expect):
     check(argv, CPU, expect)
 
 
+_DELTA_DISK = [
+    "--update-weight-mode",
+    "delta",
+    "--update-weight-transport",
+    "disk",
+    "--update-weight-disk-dir",
+    "/tmp/w",
+    "--update-weight-local-checkpoint-dir",
+    "/tmp/l",
+]
+
+
 @pytest.mark.parametrize(
     "argv, expect",
     [
@@ -427,6 +439,16 @@ def test_rule_transport(argv, expect):
         (
             ["--update-weight-local-checkpoint-dir", "/tmp/l"],
             "only used with --update-weight-mode delta --update-weight-transport disk",
+        ),
+        (
+            [*_DELTA_DISK, "--update-weight-compression", "none"],
+            "--update-weight-compression none: delta over disk writes slime's stream, which is always zstd",
+        ),
+        ([*_DELTA_DISK, "--update-weight-checksum", "none"], "use xxh3-128, blake3 or adler32"),
+        ([*_DELTA_DISK, "--update-weight-checksum", "blake3"], {"update_weight_checksum": "blake3"}),
+        (
+            ["--update-weight-mode", "delta", "--update-weight-compression", "none"],
+            {"update_weight_compression": "none"},
         ),
     ],
 )

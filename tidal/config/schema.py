@@ -190,7 +190,9 @@ class WeightSyncConfig:
     update_weight_delta_encoding: str = opt("overwrite", "Delta encoding.", choices=("xor", "overwrite"))
     update_weight_compression: str = opt("zstd", "Delta payload compression.", choices=("zstd", "none"))
     update_weight_checksum: str = opt(
-        "xxh3-128", "Checksum of each new tensor.", choices=("xxh3-128", "adler32", "none")
+        "xxh3-128",
+        "Checksum of each new tensor (blake3 needs the blake3 extra).",
+        choices=("xxh3-128", "blake3", "adler32", "none"),
     )
     update_weight_local_checkpoint_dir: str | None = opt(None, "Per-host folder where delta-over-disk is applied.")
     check_weight_update_equal: bool = opt(

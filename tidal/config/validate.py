@@ -396,8 +396,9 @@ def _transport(ctx: Context) -> None:
 
 @rule(
     "delta",
-    "`--update-weight-mode delta` works over every transport; over disk it needs `--update-weight-local-checkpoint-dir`; "
-    "that folder is only used by delta over disk.",
+    "`--update-weight-mode delta` works over every transport; over disk it needs `--update-weight-local-checkpoint-dir` "
+    "and writes slime's stream, which is zstd-compressed and checksummed (no `--update-weight-compression none`, "
+    "no `--update-weight-checksum none`); that folder is only used by delta over disk.",
 )
 def _delta(ctx: Context) -> None:
     w = ctx.cfg.weight_sync
@@ -405,6 +406,15 @@ def _delta(ctx: Context) -> None:
     if delta_disk and not w.update_weight_local_checkpoint_dir:
         raise ConfigError(
             "--update-weight-mode delta over disk needs --update-weight-local-checkpoint-dir (a per-host folder where engines apply deltas)"
+        )
+    if delta_disk and w.update_weight_compression != "zstd":
+        raise ConfigError(
+            "--update-weight-compression none: delta over disk writes slime's stream, which is always zstd; drop the flag"
+        )
+    if delta_disk and w.update_weight_checksum == "none":
+        raise ConfigError(
+            "--update-weight-checksum none: delta over disk writes slime's stream, which checksums every changed tensor; "
+            "use xxh3-128, blake3 or adler32"
         )
     if w.update_weight_local_checkpoint_dir and not delta_disk:
         raise ConfigError(
