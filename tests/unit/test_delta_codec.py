@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -175,3 +176,14 @@ def test_bench_runs_small_and_checks_itself(monkeypatch, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["bitwise_equal"] and out["tensors"] > 1 and 0.02 < out["density"] < 0.04
     assert set(out["memcpy_gbps"]) == {"1", "2"} and out["encode_gbps"] > 0 and out["apply_gbps"] > 0
+
+
+def test_bench_disk_format_runs_small_and_checks_itself(monkeypatch, capsys, tmp_path):
+    try:
+        bench.main(["--mib", "2", "--threads", "2", "--reps", "1", "--format", "disk", "--disk-dir", str(tmp_path)])
+    finally:
+        delta.set_threads(None)
+    out = json.loads(capsys.readouterr().out)
+    assert out["format"] == "disk (slime)" and out["bitwise_equal"] and out["tensors"] > 1
+    assert 0 < out["bytes_on_disk"] < out["bytes_total"] and out["apply_gbps"] > 0 and out["write_s"] > 0
+    assert os.listdir(tmp_path) == []  # the bench removes its files

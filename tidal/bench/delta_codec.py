@@ -19,6 +19,13 @@ copy of the old bytes, returning each tensor's checksum. GB/s count the bytes of
 Each repetition's result is checked bitwise against the new bytes and the checksums against the
 encoder's. ``memcpy_gbps`` is ``np.copyto`` of the whole buffer in the same run, on one thread and
 chunked over the same pool. Prints one JSON line; nothing is asserted.
+
+``--format disk`` measures the disk path instead, in slime's stream format, on the same buffers:
+the old bytes are the engines' base checkpoint (version 0, one safetensors file); encode + write is
+``DiskStrategy.write`` of the new weights as version 1 (diff, one zstd frame per tensor, checksum,
+shard files fsynced: ``write_s`` is the file writing within it), apply is ``pull`` of version 1
+into a host-local copy of the base (decode, verify, patch in place). It reports the bytes on disk
+against the full bytes and checks the patched copy bitwise against the new bytes.
 """
 
 from __future__ import annotations
@@ -153,7 +160,7 @@ def set_threads(codec, threads: int) -> None:
         codec._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tidal-delta")
 
 
-def run(args) -> dict:
+def run(args, disk: bool = False) -> dict:
     codec = importlib.import_module(args.codec)
     if args.chunk_mib:
         codec.CHUNK = int(args.chunk_mib * 1024**2)
@@ -175,6 +182,11 @@ def run(args) -> dict:
     real_density = float(np.count_nonzero(old != new)) / old.size
     set_threads(codec, threads)
     limit = memcpy_gbps(old, threads)
+    if disk:
+        return {
+            **run_disk(args, old, new, spans, threads, real_density),
+            "memcpy_gbps": {k: round(v, 2) for k, v in limit.items()},
+        }
     snap = np.empty_like(old)
     target = np.empty_like(old)
     enc_s, app_s = [], []
@@ -222,6 +234,84 @@ def run(args) -> dict:
     }
 
 
+def run_disk(args, old: np.ndarray, new: np.ndarray, spans: list, threads: int, density: float) -> dict:
+    """The disk stream (slime's format): write version 1 against the base, then pull it on a host."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from tidal.config.schema import WeightSyncConfig
+    from tidal.weight_sync import delta
+    from tidal.weight_sync.disk import DiskStrategy
+    from tidal.weight_sync.local_checkpoint import pull
+
+    delta.set_threads(threads)
+
+    def tensors(buf):
+        return [(f"t{i:04d}", torch.from_numpy(buf[a : a + n]).view(torch.bfloat16)) for i, (a, n) in enumerate(spans)]
+
+    root = tempfile.mkdtemp(prefix="tidal-bench-disk-", dir=args.disk_dir)
+    try:
+        base = os.path.join(root, "base")
+        os.makedirs(base)
+        save_file(dict(tensors(old)), os.path.join(base, "model.safetensors"))
+        cfg = WeightSyncConfig(
+            update_weight_mode="delta",
+            update_weight_transport="disk",
+            update_weight_disk_dir=os.path.join(root, "disk"),
+            update_weight_local_checkpoint_dir=os.path.join(root, "local"),
+            update_weight_delta_encoding=args.encoding,
+            update_weight_checksum=args.checksum,
+        )
+        rows = []
+        for _ in range(args.reps):
+            s = DiskStrategy(cfg, [], base_dir=base)
+            s.write(tensors(old), 1)  # first sync: seeds the snapshot from the base, publishes nothing
+            pull(cfg.update_weight_local_checkpoint_dir, s.disk_dir, 0, base_dir=base)  # version 0 on the host
+            t0 = time.perf_counter()
+            folder = s.write(tensors(new), 2)
+            write_total = time.perf_counter() - t0
+            on_disk = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+            t0 = time.perf_counter()
+            pull(cfg.update_weight_local_checkpoint_dir, s.disk_dir, 1, base_dir=base)
+            apply_s = time.perf_counter() - t0
+            with open(os.path.join(cfg.update_weight_local_checkpoint_dir, "model.safetensors"), "rb") as f:
+                (n,) = np.frombuffer(f.read(8), "<u8")
+                f.seek(8 + int(n))
+                equal = bool(np.array_equal(np.frombuffer(f.read(), np.uint8), _packed(new, spans)))
+            rows.append((write_total - s.last_write_s, s.last_write_s, apply_s, on_disk, equal))
+            shutil.rmtree(s.disk_dir)
+        total = sum(n for _, n in spans)
+        enc, wr, app = (statistics.median(r[i] for r in rows) for i in range(3))
+        return {
+            "bench": "delta_codec",
+            "format": "disk (slime)",
+            "encoding": args.encoding,
+            "checksum": args.checksum,
+            "threads": threads,
+            "tensors": len(spans),
+            "bytes_total": total,
+            "bytes_on_disk": rows[-1][3],
+            "disk_fraction": round(rows[-1][3] / total, 5),
+            "density": round(density, 5),
+            "encode_s": round(enc, 4),
+            "write_s": round(wr, 4),
+            "apply_s": round(app, 4),
+            "encode_gbps": round(total / enc / 1e9, 3),
+            "encode_write_gbps": round(total / (enc + wr) / 1e9, 3),
+            "apply_gbps": round(total / app / 1e9, 3),
+            "bitwise_equal": all(r[4] for r in rows),
+        }
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _packed(buf: np.ndarray, spans: list) -> np.ndarray:
+    """The tensors' bytes back to back (safetensors stores them unpadded, in name order = span order here)."""
+    return np.concatenate([buf[a : a + n] for a, n in spans])
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=1024, help="model size in MiB (default 1024)")
@@ -234,7 +324,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", default=None, help="folder to keep the generated buffers in between runs")
     p.add_argument("--codec", default="tidal.weight_sync.delta", help="codec module (A/B runs against a copy)")
-    print(json.dumps(run(p.parse_args(argv))), flush=True)
+    p.add_argument("--format", default="tidal", choices=("tidal", "disk", "both"), help="in-memory codec, disk stream")
+    p.add_argument("--checksum", default="xxh3-128", choices=("xxh3-128", "blake3", "adler32"), help="disk format")
+    p.add_argument("--disk-dir", default=None, help="folder for the disk format's files (default: the temp dir)")
+    args = p.parse_args(argv)
+    if args.format in ("tidal", "both"):
+        print(json.dumps(run(args)), flush=True)
+    if args.format in ("disk", "both"):
+        print(json.dumps(run(args, disk=True)), flush=True)
 
 
 if __name__ == "__main__":

@@ -143,7 +143,8 @@ class SyncSource:
     def sync(self) -> dict:
         self.version += 1
         report = self.strategy.sync(self.named_tensors(), self.version, self.engine_dtype)
-        return {**report.metrics(), "version": self.version}
+        extra = {"sync/write_s": self.strategy.last_write_s} if hasattr(self.strategy, "last_write_s") else {}
+        return {**report.metrics(), **extra, "version": self.version}
 
     def checksums(self) -> dict[str, str]:
         from tidal.weight_sync.checksum import tensor_checksum
@@ -304,6 +305,7 @@ def run_case(
         "encode_s": round(rep["sync/encode_s"], 4),
         "send_s": round(rep["sync/send_s"], 4),
         "apply_s": round(rep["sync/apply_s"], 4),
+        **({"write_s": round(rep["sync/write_s"], 4)} if "sync/write_s" in rep else {}),
         "gbps": round(rep["sync/gbps"], 3),
         "limit_gbps": round(limit, 3),
         "source_bytes": src_bytes or rep["sync/bytes_total"],
@@ -332,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rl-steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of the RL steps (GRPO runs use ~1e-6)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    p.add_argument("--disk-dir", default=None, help="where the disk transport writes (default: the temp dir)")
     args = p.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -339,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     models = args.model or ("qwen2.5-0.5b-shape" if args.device == "cuda" else "tiny")
     transports = args.transports or ("tensor,broadcast,disk" if args.device == "cpu" else "tensor,disk")
     ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
-    disk_dir = tempfile.mkdtemp(prefix="tidal-bench-ws-")
+    disk_dir = tempfile.mkdtemp(prefix="tidal-bench-ws-", dir=args.disk_dir)
     engine_dtype = "bfloat16" if args.device == "cuda" else "float32"
     try:
         for model in models.split(","):

@@ -80,10 +80,13 @@ class VersionWriter:
         self.shards: list[list[str]] = []
         self.hook = hook
         self.bytes = 0
+        self.write_s = 0.0  # time spent writing and fsyncing files
 
     def shard(self, blob: bytes, names: list[str]) -> None:
         path = os.path.join(self.tmp, f"part-{len(self.shards):05d}")
+        t0 = time.perf_counter()
         fmt.atomic_write(path, blob)
+        self.write_s += time.perf_counter() - t0
         self.bytes += len(blob)
         if self.hook is not None:
             self.hook(len(self.shards), path)
@@ -96,6 +99,7 @@ class VersionWriter:
             final = fmt.shard_name(i + self.first, n - 1 + self.first if self.first else n)
             os.rename(os.path.join(self.tmp, f"part-{i:05d}"), os.path.join(self.tmp, final))
             weight_map.update(dict.fromkeys(names, final))
+        t0 = time.perf_counter()
         fmt.write_index(self.tmp, {"metadata": metadata, "weight_map": weight_map})
         fmt.fsync_dir(self.tmp)
         if os.path.exists(self.final):  # a retry replaces the folder: move the old one aside first
@@ -106,13 +110,14 @@ class VersionWriter:
         else:
             os.rename(self.tmp, self.final)
         fmt.fsync_dir(os.path.dirname(self.final))
+        self.write_s += time.perf_counter() - t0
         return self.final
 
 
 def write_full(
     disk_dir: str, version: int, tensors: Iterable[tuple[str, torch.Tensor]], limit: int, algo: str, hook=None
-) -> tuple[str, int]:
-    """A full Hugging Face checkpoint as version ``version``; returns (folder, bytes written)."""
+) -> tuple[str, VersionWriter]:
+    """A full Hugging Face checkpoint as version ``version``; returns (folder, its writer's figures)."""
     w = VersionWriter(disk_dir, version, hook)
     total = 0
     for group in plan_buckets(tensors, limit):
@@ -121,7 +126,7 @@ def write_full(
         total += sum(t.numel() * t.element_size() for t in shard.values())
         w.shard(save_torch(shard, metadata={"format": "pt", **meta}), list(shard))
     path = w.publish({"total_size": total, "checksum_format": algo})
-    return path, w.bytes
+    return path, w
 
 
 def _encode_one(name: str, new: np.ndarray, old: np.ndarray, encoding: str, algo: str):
@@ -159,6 +164,7 @@ class DiskStrategy(WeightSyncStrategy):
         self.stream_version: int | None = None  # newest version of the stream; None before the first sync
         self.full_version = 0  # newest full version of the stream (0: the base)
         self.chain_bytes = 0  # bytes of the deltas since it
+        self.last_write_s = 0.0  # file-writing seconds of the last ``write`` (benchmarks)
         self.fault_hook: Callable[[int, int, object], None] | None = None
         self._attempt = 0
 
@@ -187,12 +193,12 @@ class DiskStrategy(WeightSyncStrategy):
         """
         report = report if report is not None else SyncReport(mode=self.mode, transport=self.transport, version=version)
         os.makedirs(self.disk_dir, exist_ok=True)
+        self.last_write_s = 0.0
         stream = timed_stream(tensors, report, dtype=dtype)
         if self.mode == "full":
             t0 = time.perf_counter()
-            path, nbytes = write_full(self.disk_dir, version, stream, self.limit, self.algo, self._hook())
-            report.encode_s += time.perf_counter() - t0 - report.gather_s
-            report.bytes_sent += nbytes
+            path, w = write_full(self.disk_dir, version, stream, self.limit, self.algo, self._hook())
+            self._written(w, report, time.perf_counter() - t0 - report.gather_s)
             report.changed_bytes = report.bytes_total
             return path
         if self.stream_version is None:
@@ -247,9 +253,8 @@ class DiskStrategy(WeightSyncStrategy):
 
     def _write_full_version(self, version: int, report: SyncReport) -> str:
         t0 = time.perf_counter()
-        path, nbytes = write_full(self.disk_dir, version, self._snapshot_tensors(), self.limit, self.algo, self._hook())
-        report.encode_s += time.perf_counter() - t0
-        report.bytes_sent += nbytes
+        path, w = write_full(self.disk_dir, version, self._snapshot_tensors(), self.limit, self.algo, self._hook())
+        self._written(w, report, time.perf_counter() - t0)
         self.full_version, self.chain_bytes = version, 0
         return path
 
@@ -305,11 +310,17 @@ class DiskStrategy(WeightSyncStrategy):
             w.shard(save_numpy(shard, metadata=sums), list(shard))
         index = fmt.delta_index(version, self.encoding, self.algo, {})["metadata"]
         path = w.publish(index)
-        report.encode_s += time.perf_counter() - t0 - (report.gather_s - t_gather)
-        report.bytes_sent += w.bytes
+        self._written(w, report, time.perf_counter() - t0 - (report.gather_s - t_gather))
         self.stream_version = version
         self.chain_bytes += w.bytes
         return path
+
+    def _written(self, w: VersionWriter, report: SyncReport, seconds: float) -> None:
+        """Account a written version: file writes are transport time (``send_s``), the rest encoding."""
+        report.bytes_sent += w.bytes
+        report.send_s += w.write_s
+        report.encode_s += max(seconds - w.write_s, 0.0)
+        self.last_write_s += w.write_s
 
     # ------------------------------------------------------------------ engines
 

@@ -202,13 +202,32 @@ def diff(new: np.ndarray, old: np.ndarray, encoding: str, name: str = "tensor") 
         return changed, (d if changed else None)
     if encoding == "overwrite":
         check_overwrite_size(name, new.size)
-        mask = new != old
-        pos = np.flatnonzero(mask).astype("<u4")
+        pos, vals = _changed_bytes(new, old)
         if not pos.size:
             return 0, None
         head = np.array([pos.size], dtype="<u4")
-        return int(pos.size), np.concatenate([head.view(np.uint8), pos.view(np.uint8), new[mask]])
+        return int(pos.size), np.concatenate([head.view(np.uint8), pos.view(np.uint8), vals])
     raise WeightSyncError(f"delta_encoding {encoding!r} is not one of {', '.join(ENCODINGS)}")
+
+
+def _changed_bytes(new: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(u32le positions in increasing order, new values) of the bytes that differ.
+
+    Compared as 8-byte words first: an RL update changes ~23 % of the words of bf16 weights, so the
+    byte-level work runs on those only (the bytes on the wire are the same as a byte-wise compare's).
+    """
+    words = new.size // 8
+    nw, ow = new[: words * 8].view("<u8"), old[: words * 8].view("<u8")
+    idx = np.flatnonzero(nw != ow).astype("<u4")  # < 2**29 words: positions fit u32 (tensors < 4 GiB)
+    nb = nw[idx].view(np.uint8).reshape(-1, 8)
+    mask = nb != ow[idx].view(np.uint8).reshape(-1, 8)
+    pos = (idx[:, None] * np.uint32(8) + np.arange(8, dtype="<u4"))[mask]
+    vals = nb[mask]
+    tail = np.flatnonzero(new[words * 8 :] != old[words * 8 :]).astype("<u4")
+    if tail.size:
+        pos = np.concatenate([pos, tail + np.uint32(words * 8)])
+        vals = np.concatenate([vals, new[words * 8 :][tail]])
+    return pos, vals
 
 
 def compress(d: np.ndarray, threads: int = 0) -> np.ndarray:
@@ -229,13 +248,13 @@ def decompress(blob, name: str) -> np.ndarray:
     return np.frombuffer(out, dtype=np.uint8)
 
 
-def apply(old: np.ndarray, blob, encoding: str, name: str = "tensor") -> np.ndarray:
-    """The new bytes of a tensor: ``old`` (not modified) with one decoded diff applied."""
+def apply(old: np.ndarray, blob, encoding: str, name: str = "tensor", inplace: bool = False) -> np.ndarray:
+    """The new bytes of a tensor: ``old`` with one decoded diff applied (in ``old`` itself when ``inplace``)."""
     d = decompress(blob, name)
     if encoding == "xor":
         if d.size != old.size:
             raise WeightSyncError(f"{name}: xor diff of {d.size} bytes for a tensor of {old.size}")
-        return np.bitwise_xor(old, d)
+        return np.bitwise_xor(old, d, out=old if inplace else None)
     if encoding == "overwrite":
         if d.size < 4:
             raise WeightSyncError(f"{name}: overwrite diff of {d.size} bytes has no count")
@@ -245,7 +264,7 @@ def apply(old: np.ndarray, blob, encoding: str, name: str = "tensor") -> np.ndar
         pos = d[4 : 4 + 4 * count].view("<u4")
         if count and int(pos.max()) >= old.size:
             raise WeightSyncError(f"{name}: overwrite position past the tensor's {old.size} bytes")
-        new = old.copy()
+        new = old if inplace else old.copy()
         new[pos] = d[4 + 4 * count :]
         return new
     raise WeightSyncError(f"delta_encoding {encoding!r} is not one of {', '.join(ENCODINGS)}")

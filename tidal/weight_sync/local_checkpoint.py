@@ -202,7 +202,7 @@ def _apply_delta(local: str, version_dir: str) -> int:
     def decode(item) -> tuple[str, np.ndarray, bool]:
         name, blob, loc, want = item
         try:
-            new = fmt.apply(fmt.read_bytes(loc), blob, encoding, name)
+            new = fmt.apply(fmt.read_bytes(loc), blob, encoding, name, inplace=True)  # a fresh read: patch it
         except WeightSyncError:
             return name, np.empty(0, np.uint8), False
         return name, new, fmt.checksum(algo, new) == want
