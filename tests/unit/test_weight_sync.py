@@ -9,6 +9,7 @@ serve the whole module (starting actors dominates the cost on a small machine).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, WeightSyncConfig
 from tidal.errors import WeightSyncError
@@ -135,3 +136,59 @@ def test_delta_restores_weights_the_engine_discarded_while_asleep(actors, tmp_pa
     ray.get([e.resume_memory.remote(["kv_cache"]) for e in engines])
     assert report["sync/changed_bytes"] < report["sync/bytes_total"]  # only changes crossed...
     assert _mismatches(ray, source, engines) == []  # ...yet every weight, unchanged ones included, is back
+
+
+def test_delta_over_disk_starts_from_the_engines_own_checkpoint(ray_cluster, tmp_path):
+    """A model folder is version 0 of slime's stream: the first sync publishes nothing, yet engines
+    that were randomised end bitwise equal (they reload the base from their local checkpoint)."""
+    import os
+
+    from tidal.bench.weight_sync import SyncSource
+    from tidal.model.load import build_model, resolve_model
+    from tidal.model.tokenizer import char_tokenizer
+    from tidal.rollout.actor import EngineActor
+    from tidal.weight_sync.disk_format import is_delta
+    from tidal.weight_sync.local_checkpoint import read_applied
+
+    ray = ray_cluster
+    folder = str(tmp_path / "model")
+    build_model(resolve_model(MODEL), dtype=torch.float32, seed=1234).save_pretrained(folder)  # SyncSource's seed
+    char_tokenizer().save_pretrained(folder)
+    cfg = WeightSyncConfig(
+        update_weight_mode="delta",
+        update_weight_transport="disk",
+        update_weight_buffer_size=BUFFER,
+        update_weight_disk_dir=str(tmp_path / "disk"),
+        update_weight_local_checkpoint_dir=str(tmp_path / "local"),
+        update_weight_delta_encoding="xor",  # fp32 updates change most bytes: xor's diff still compresses below full
+    )
+    engine = (
+        ray.remote(EngineActor)
+        .options(num_cpus=0.25)
+        .remote(
+            0,
+            model=ModelConfig(model=folder),
+            rollout=RolloutConfig(),
+            memory=MemoryConfig(),
+            weight_sync=cfg,
+            device="cpu",
+        )
+    )
+    ray.get(engine.init.remote())
+    source = ray.remote(SyncSource).options(num_cpus=0.25).remote(folder, cfg, [engine], lr=1e-3)
+    try:
+        ray.get(source.connect.remote())
+        ray.get(engine.randomize_weights.remote(5))
+        first = ray.get(source.sync.remote())
+        assert first["sync/bytes_sent"] == 0 and os.listdir(tmp_path / "disk") == []  # version 0 is never written
+        assert _mismatches(ray, source, [engine]) == [] and read_applied(str(tmp_path / "local")) == 0
+        ray.get(source.rl_steps.remote(1))
+        second = ray.get(source.sync.remote())
+        assert 0 < second["sync/bytes_sent"] < second["sync/bytes_total"]
+        assert os.listdir(tmp_path / "disk") == ["weight_v000001"] and read_applied(str(tmp_path / "local")) == 1
+        assert is_delta(str(tmp_path / "disk" / "weight_v000001"))
+        assert _mismatches(ray, source, [engine]) == [] and _versions(ray, [engine]) == [2]
+    finally:
+        ray.get(source.close.remote())
+        for a in (source, engine):
+            ray.kill(a)

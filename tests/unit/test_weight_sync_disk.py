@@ -430,3 +430,15 @@ def test_rejected_delta_is_rewritten_as_a_full_version(tmp_path):
     local = str(tmp_path / "local")
     r = pull(local, s.disk_dir, 1, base_dir=base)
     assert r.seeded_from == 1 and _equal_files(local, w[1])
+
+
+def test_a_delta_denser_than_the_weights_is_written_full(tmp_path):
+    w0 = _weights()
+    base = _base(tmp_path, w0)
+    s = DiskStrategy(_cfg(tmp_path), [], base_dir=base)  # overwrite: 5 bytes per changed byte
+    s.write(w0.items(), 1)
+    w1 = {k: v + 1 for k, v in w0.items()}  # every element changes
+    folder = s.write(w1.items(), 2)
+    assert os.path.basename(folder) == "weight_v000001" and not fmt.is_delta(folder)
+    local = str(tmp_path / "local")
+    assert pull(local, s.disk_dir, 1, base_dir=base).seeded_from == 1 and _equal_files(local, w1)

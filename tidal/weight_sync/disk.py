@@ -30,6 +30,9 @@ takes for a version (slime's writer fsyncs file by file into the final folder; t
 same). The first sync removes the versions of an earlier stream in the folder (they would apply to
 the wrong base) and refuses folders an older tidal wrote.
 
+A delta that would be larger than the weights (a dense change: ``overwrite`` spends 5 bytes per
+changed byte) is written as a full version of the same number instead.
+
 Retention: a fresh host replays the chain from the newest full version, so delta versions are kept.
 Once the deltas since the last full version add up to a full version's bytes, the next version is
 written full and older versions are removed (unless ``--update-weight-disk-keep-files``).
@@ -308,6 +311,11 @@ class DiskStrategy(WeightSyncStrategy):
             collect(inflight.popleft())
         if shard:
             w.shard(save_numpy(shard, metadata=sums), list(shard))
+        if w.bytes >= report.bytes_total > 0:
+            # Denser than the weights themselves (overwrite spends 5 bytes per changed byte): write it full.
+            shutil.rmtree(w.tmp, ignore_errors=True)
+            self.stream_version = version
+            return self._write_full_version(version, report)
         index = fmt.delta_index(version, self.encoding, self.algo, {})["metadata"]
         path = w.publish(index)
         self._written(w, report, time.perf_counter() - t0 - (report.gather_s - t_gather))
