@@ -99,3 +99,30 @@ def test_paused_trainer_syncs_from_host_backup(ray_cluster):
     finally:
         for a in (source, engine):
             ray.kill(a)
+
+
+@pytest.mark.parametrize("encoding", ["xor", "overwrite"])
+def test_delta_over_disk_in_slimes_format_is_bitwise_equal(ray_cluster, tmp_path, encoding):
+    from tidal.weight_sync.disk_format import is_delta, version_dir
+
+    ray = ray_cluster
+    cfg = WeightSyncConfig(
+        update_weight_mode="delta",
+        update_weight_transport="disk",
+        update_weight_disk_dir=str(tmp_path / "disk"),
+        update_weight_local_checkpoint_dir=str(tmp_path / "local"),
+        update_weight_delta_encoding=encoding,
+        update_weight_disk_keep_files=True,
+    )
+    source, engine = _actors(ray, cfg)
+    try:
+        ray.get(source.sync.remote())  # a preset: the base is written once as the full version 1
+        assert _mismatches(ray, source, engine) == [] and not is_delta(version_dir(cfg.update_weight_disk_dir, 1))
+        for step in (2, 3):
+            ray.get(source.rl_steps.remote(1))
+            rep = ray.get(source.sync.remote())
+            assert _mismatches(ray, source, engine) == [] and ray.get(engine.get_weight_version.remote()) == step
+            assert not rep["sync/retried"] and rep["sync/changed_bytes"] > 0
+    finally:
+        for a in (source, engine):
+            ray.kill(a)
