@@ -30,7 +30,7 @@ from tidal.errors import UserError, WeightSyncError
 from tidal.weight_sync import disk_format as fmt
 from tidal.weight_sync.checksum import tensor_checksum
 from tidal.weight_sync.disk import DiskStrategy
-from tidal.weight_sync.local_checkpoint import load_folder, pull, read_applied
+from tidal.weight_sync.local_checkpoint import load_folder, newest_version, pull, read_applied
 from tidal.weight_sync.receiver import WeightReceiver
 
 # ------------------------------------------------------------------ slime's rules, written out here
@@ -282,6 +282,7 @@ def test_slime_stream_applies_with_tidals_receiver(tmp_path, encoding, algo):
         slime_publish(disk, v, w[v - 1], w[v], encoding, algo)
     base = _base(tmp_path, w[0])
     local = str(tmp_path / "local")
+    assert newest_version(disk) == 3  # what pull_weights targets when no target_version is given
     first = pull(local, disk, 0, base_dir=base)
     assert (first.version, first.seeded_from) == (0, 0) and read_applied(local) == 0
     assert os.path.exists(os.path.join(local, "config.json"))

@@ -138,8 +138,11 @@ class EngineActor(RolloutEngine):
     def _update(self, stats: dict) -> WeightUpdateResult:
         return update_result(stats, self._engine().get_weight_version())
 
-    def pull_weights(self, local_checkpoint_dir: str, source_dir: str, target_version: int):
-        return self._engine().pull_weights(local_checkpoint_dir, source_dir, target_version)
+    def pull_weights(
+        self, source_dir: str, local_checkpoint_dir: str | None = None, target_version: int | str | None = None
+    ):
+        """slime's ``/pull_weights`` (files only; see ``EmbeddedEngine.pull_weights``) -> ``PullResult``."""
+        return self._engine().pull_weights(source_dir, local_checkpoint_dir, target_version)
 
     def init_weights_update_group(
         self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str

@@ -383,11 +383,20 @@ class EmbeddedEngine:
     def update_weights_from_disk(self, path: str, version: int) -> dict:
         return self._sync("from_disk", path, version)
 
-    def pull_weights(self, local_checkpoint_dir: str, source_dir: str, target_version: int):
-        """slime's ``/pull_weights``: bring this host's local checkpoint up to ``target_version`` of the
-        disk stream in ``source_dir`` (version 0: this engine's model folder). Files only; the engine
-        then loads the local checkpoint with ``update_weights_from_disk``. Returns a ``PullResult``."""
-        return self._receiver_().pull_weights(local_checkpoint_dir, source_dir, int(target_version), self.spec.path)
+    def pull_weights(
+        self, source_dir: str, local_checkpoint_dir: str | None = None, target_version: int | str | None = None
+    ):
+        """slime's ``/pull_weights``: bring this host's local checkpoint up to ``target_version`` (default:
+        the newest published) of the disk stream in ``source_dir``; version 0 is this engine's model
+        folder. Files only: the engine's weights change when it then loads the local checkpoint with
+        ``update_weights_from_disk(local_checkpoint_dir, version)``. Returns a ``PullResult``."""
+        from tidal.weight_sync.local_checkpoint import newest_version
+
+        local = local_checkpoint_dir or getattr(self.weight_sync_cfg, "update_weight_local_checkpoint_dir", None)
+        if not local:
+            raise UserError("pull_weights needs local_checkpoint_dir (or --update-weight-local-checkpoint-dir)")
+        target = newest_version(source_dir) if target_version is None else int(target_version)
+        return self._receiver_().pull_weights(local, source_dir, target, self.spec.path)
 
     def init_weights_update_group(
         self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str

@@ -227,7 +227,14 @@ class DiskStrategy(WeightSyncStrategy):
     def _first_version(self, stream: Iterator[tuple[str, torch.Tensor]], report: SyncReport) -> str:
         self._start_stream()
         base = self._base_locations()
-        pulls = [e.pull_weights.remote(self.local_dir, self.disk_dir, 0) for e in self.engines] if base else []
+        pulls = (
+            [
+                e.pull_weights.remote(self.disk_dir, local_checkpoint_dir=self.local_dir, target_version=0)
+                for e in self.engines
+            ]
+            if base
+            else []
+        )
         held: list[tuple[str, torch.Tensor]] = []
         why = "the model is a preset: it has no checkpoint folder" if base is None else None
         t0 = time.perf_counter()
@@ -350,15 +357,20 @@ class DiskStrategy(WeightSyncStrategy):
         apply_s = 0.0
         if self.mode == "delta":
             pulled = self._gather(
-                [e.pull_weights.remote(self.local_dir, self.disk_dir, self.stream_version) for e in self.engines]
+                [
+                    e.pull_weights.remote(
+                        self.disk_dir, local_checkpoint_dir=self.local_dir, target_version=self.stream_version
+                    )
+                    for e in self.engines
+                ]
             )
             apply_s += max((p.seconds for p in pulled), default=0.0)
             path = self.local_dir
         stats = self._gather([e.update_weights_from_disk.remote(path, version) for e in self.engines])
-        apply_s += max((s.get("apply_s", 0.0) for s in stats), default=0.0)
+        apply_s += max((s.apply_s for s in stats), default=0.0)
         report.apply_s += apply_s
         report.send_s += max(time.perf_counter() - t0 - apply_s, 0.0)
-        bad = [i for i, s in enumerate(stats) if s.get("engine_version", version) != version]
+        bad = [i for i, s in enumerate(stats) if s.engine_version != version]
         if bad:
             raise WeightSyncError(f"weight sync v{version}: engines {bad} report other versions after loading {path}")
 

@@ -231,6 +231,15 @@ def _apply_delta(local: str, version_dir: str) -> int:
     return len(items)
 
 
+def newest_version(source_dir: str) -> int:
+    """The newest published version in ``source_dir`` (0 when none is: the base)."""
+    try:
+        entries = os.listdir(source_dir)
+    except FileNotFoundError:
+        raise WeightSyncError(f"{source_dir}: no such weight stream folder") from None
+    return max((v for v in map(fmt.parse_version_dir, entries) if v is not None), default=0)
+
+
 def is_local_checkpoint(path: str) -> bool:
     return os.path.isdir(os.path.join(path, SYNC_DIR))
 
