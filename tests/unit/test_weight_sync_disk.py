@@ -443,3 +443,20 @@ def test_a_delta_denser_than_the_weights_is_written_full(tmp_path):
     assert os.path.basename(folder) == "weight_v000001" and not fmt.is_delta(folder)
     local = str(tmp_path / "local")
     assert pull(local, s.disk_dir, 1, base_dir=base).seeded_from == 1 and _equal_files(local, w1)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 13, 4099])
+def test_overwrite_positions_are_every_changed_byte_in_order(n):
+    rng = np.random.default_rng(n)
+    old = rng.integers(0, 256, n, dtype=np.uint8)
+    new = old.copy()
+    if n:
+        hit = rng.integers(0, n, n // 3 + 1)
+        new[hit] ^= rng.integers(1, 256, hit.size, dtype=np.uint8)
+    changed, d = fmt.diff(new, old, "overwrite")
+    mask = new != old
+    assert changed == int(mask.sum())
+    if changed:
+        count = int(d[:4].view("<u4")[0])
+        assert count == changed and np.array_equal(d[4 : 4 + 4 * count].view("<u4"), np.flatnonzero(mask))
+        assert np.array_equal(d[4 + 4 * count :], new[mask])

@@ -385,8 +385,10 @@ class DiskStrategy(WeightSyncStrategy):
             report.retried = True
             self._attempt = 1
             try:
-                if self.mode == "delta":
+                if self.mode == "delta" and self.stream_version > 0:
                     path = self._write_full_version(self.stream_version, report)  # replaces the rejected folder
+                elif self.mode == "delta":
+                    pass  # version 0 is the engines' own checkpoint: nothing to rewrite, pull it again
                 else:
                     self._verify_folder(path)
                 self._load(path, version, report)

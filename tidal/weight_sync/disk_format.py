@@ -219,10 +219,10 @@ def _changed_bytes(new: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.nda
     words = new.size // 8
     nw, ow = new[: words * 8].view("<u8"), old[: words * 8].view("<u8")
     idx = np.flatnonzero(nw != ow).astype("<u4")  # < 2**29 words: positions fit u32 (tensors < 4 GiB)
-    nb = nw[idx].view(np.uint8).reshape(-1, 8)
-    mask = nb != ow[idx].view(np.uint8).reshape(-1, 8)
-    pos = (idx[:, None] * np.uint32(8) + np.arange(8, dtype="<u4"))[mask]
-    vals = nb[mask]
+    changed = nw[idx]
+    j = np.flatnonzero((changed ^ ow[idx]).view(np.uint8)).astype("<u4")  # changed bytes within those words
+    pos = idx[j >> 3] * np.uint32(8) + (j & np.uint32(7))
+    vals = changed.view(np.uint8)[j]
     tail = np.flatnonzero(new[words * 8 :] != old[words * 8 :]).astype("<u4")
     if tail.size:
         pos = np.concatenate([pos, tail + np.uint32(words * 8)])
@@ -248,6 +248,19 @@ def decompress(blob, name: str) -> np.ndarray:
     return np.frombuffer(out, dtype=np.uint8)
 
 
+def overwrite_parts(d: np.ndarray, size: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, new values) of a decompressed ``overwrite`` diff, checked against a tensor of ``size`` bytes."""
+    if d.size < 4:
+        raise WeightSyncError(f"{name}: overwrite diff of {d.size} bytes has no count")
+    count = int(d[:4].view("<u4")[0])
+    if d.size != 4 + 5 * count:
+        raise WeightSyncError(f"{name}: overwrite diff of {d.size} bytes for {count} positions")
+    pos = d[4 : 4 + 4 * count].view("<u4")
+    if count and int(pos.max()) >= size:
+        raise WeightSyncError(f"{name}: overwrite position past the tensor's {size} bytes")
+    return pos, d[4 + 4 * count :]
+
+
 def apply(old: np.ndarray, blob, encoding: str, name: str = "tensor", inplace: bool = False) -> np.ndarray:
     """The new bytes of a tensor: ``old`` with one decoded diff applied (in ``old`` itself when ``inplace``)."""
     d = decompress(blob, name)
@@ -256,16 +269,9 @@ def apply(old: np.ndarray, blob, encoding: str, name: str = "tensor", inplace: b
             raise WeightSyncError(f"{name}: xor diff of {d.size} bytes for a tensor of {old.size}")
         return np.bitwise_xor(old, d, out=old if inplace else None)
     if encoding == "overwrite":
-        if d.size < 4:
-            raise WeightSyncError(f"{name}: overwrite diff of {d.size} bytes has no count")
-        count = int(d[:4].view("<u4")[0])
-        if d.size != 4 + 5 * count:
-            raise WeightSyncError(f"{name}: overwrite diff of {d.size} bytes for {count} positions")
-        pos = d[4 : 4 + 4 * count].view("<u4")
-        if count and int(pos.max()) >= old.size:
-            raise WeightSyncError(f"{name}: overwrite position past the tensor's {old.size} bytes")
+        pos, vals = overwrite_parts(d, old.size, name)
         new = old if inplace else old.copy()
-        new[pos] = d[4 + 4 * count :]
+        new[pos] = vals
         return new
     raise WeightSyncError(f"delta_encoding {encoding!r} is not one of {', '.join(ENCODINGS)}")
 

@@ -14,10 +14,10 @@
   ``compression_format`` must be ``zstd``; every changed tensor's new bytes must match their
   checksum, else nothing is applied and the state is not advanced.
 
-Where this goes beyond slime's receiver, for safety: every changed tensor is decoded and checked
-in memory before any byte of the local copy is written (slime patches in place, so a mismatch
-there leaves a half-patched copy); the state file is removed while files are being copied or
-patched, so a process killed half-way leaves a fresh host that resets on the next pull; and a local
+Where this goes beyond slime's receiver, for safety: on a checksum mismatch every tensor already
+patched is reverted, so nothing is applied (slime leaves a half-patched copy); the state file is
+removed while files are being copied or patched, so a process killed half-way leaves a fresh host
+that resets on the next pull; and a local
 copy *ahead* of the target (left by an earlier stream in the same folder) is reset instead of
 silently kept. Older tidal's local layout (``state.json`` at the root) is refused.
 """
@@ -182,8 +182,35 @@ def _delta_entries(version_dir: str, locations: dict[str, fmt.TensorLocation]) -
     return items
 
 
+def _patch(region: np.ndarray, blob, encoding: str, name: str) -> np.ndarray | None:
+    """Apply one diff in place (decoded and checked before the first byte is written). Returns what
+    ``_unpatch`` needs: the overwritten bytes (``overwrite``), or None (``xor``: applying again reverts)."""
+    if encoding == "overwrite":
+        pos, vals = fmt.overwrite_parts(fmt.decompress(blob, name), region.size, name)
+        old = region[pos]
+        region[pos] = vals
+        return old
+    fmt.apply(region, blob, encoding, name, inplace=True)
+    return None
+
+
+def _unpatch(region: np.ndarray, blob, encoding: str, name: str, old: np.ndarray | None) -> None:
+    if encoding == "overwrite":
+        pos, _ = fmt.overwrite_parts(fmt.decompress(blob, name), region.size, name)
+        region[pos] = old
+    else:
+        fmt.apply(region, blob, encoding, name, inplace=True)
+
+
 def _apply_delta(local: str, version_dir: str) -> int:
-    """Apply one delta version to the local copy; returns the number of changed tensors."""
+    """Apply one delta version to the local copy in place; returns the number of changed tensors.
+
+    Every tensor is patched through a shared memory map on the pool and checked against its
+    checksum; if any fails, every patched tensor is reverted (``overwrite``: its old bytes, kept while
+    patching; ``xor``: the same diff once more), so nothing is applied and the state stays.
+    """
+    import mmap
+
     from tidal.weight_sync.delta import pool
 
     meta = fmt.index_metadata(version_dir) or {}
@@ -197,36 +224,44 @@ def _apply_delta(local: str, version_dir: str) -> int:
     if meta["compression_format"] != fmt.COMPRESSION:
         raise WeightSyncError(f"{version_dir}: compression {meta['compression_format']!r} not supported (zstd only)")
     encoding, algo = meta["delta_encoding"], meta["checksum_format"]
+    if encoding not in fmt.ENCODINGS:
+        raise WeightSyncError(f"{version_dir}: delta_encoding {encoding!r} is not one of {', '.join(fmt.ENCODINGS)}")
     items = _delta_entries(version_dir, fmt.tensor_locations(local))
-
-    def decode(item) -> tuple[str, np.ndarray, bool]:
-        name, blob, loc, want = item
-        try:
-            new = fmt.apply(fmt.read_bytes(loc), blob, encoding, name, inplace=True)  # a fresh read: patch it
-        except WeightSyncError:
-            return name, np.empty(0, np.uint8), False
-        return name, new, fmt.checksum(algo, new) == want
-
-    # Phase 1, in memory: decode every tensor and check it; nothing is written if any fails.
-    staged = list(pool().map(decode, items))
-    bad = sorted(name for name, _, ok in staged if not ok)
-    if bad:
-        raise WeightSyncError(
-            f"checksum mismatch for {len(bad)} tensors after applying {version_dir}: {bad[:20]}; "
-            f"nothing applied, the local checkpoint stays at v{applied}"
-        )
-    # Phase 2: patch the files in place. The state is gone meanwhile, so a killed write means a reset next time.
-    _forget_applied(local)
-    fds: dict[str, int] = {}
+    maps: dict[str, tuple] = {}
     try:
-        for (_, new, _), item in zip(staged, items):
-            loc = item[2]
-            if loc.path not in fds:
-                fds[loc.path] = os.open(loc.path, os.O_WRONLY)
-            os.pwrite(fds[loc.path], new, loc.offset)
+        for _, _, loc, _ in items:
+            if loc.path not in maps:
+                f = open(loc.path, "r+b")  # noqa: SIM115 - closed below, with its map
+                maps[loc.path] = (f, mmap.mmap(f.fileno(), 0))
+
+        def region(loc: fmt.TensorLocation) -> np.ndarray:
+            return np.ndarray((loc.nbytes,), dtype=np.uint8, buffer=maps[loc.path][1], offset=loc.offset)
+
+        def patch(item) -> tuple[bool, object, bool]:
+            name, blob, loc, want = item
+            try:
+                undo = _patch(region(loc), blob, encoding, name)
+            except WeightSyncError:
+                return False, None, False  # refused before writing
+            return True, undo, fmt.checksum(algo, region(loc)) == want
+
+        _forget_applied(local)  # while patching: a killed process leaves a fresh host, which resets
+        results = list(pool().map(patch, items))
+        bad = sorted(item[0] for item, (_, _, ok) in zip(items, results) if not ok)
+        if bad:
+            for item, (patched, undo, _) in zip(items, results):
+                if patched:
+                    _unpatch(region(item[2]), item[1], encoding, item[0], undo)
+            _write_applied(local, applied)
+            raise WeightSyncError(
+                f"checksum mismatch for {len(bad)} tensors after applying {version_dir}: {bad[:20]}; "
+                f"nothing applied, the local checkpoint stays at v{applied}"
+            )
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        for f, m in maps.values():
+            with contextlib.suppress(BufferError):  # a view still held by a traceback: the map closes when freed
+                m.close()
+            f.close()
     _write_applied(local, version)
     return len(items)
 
