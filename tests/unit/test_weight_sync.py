@@ -142,6 +142,11 @@ def test_delta_over_disk_starts_from_the_engines_own_checkpoint(ray_cluster, tmp
     """A model folder is version 0 of slime's stream: the first sync publishes nothing, yet engines
     that were randomised end bitwise equal (they reload the base from their local checkpoint)."""
     import os
+    import shutil
+
+    import numpy as np
+    import xxhash
+    from slime_rules import _locations, slime_apply
 
     from tidal.bench.weight_sync import SyncSource
     from tidal.model.load import build_model, resolve_model
@@ -187,6 +192,16 @@ def test_delta_over_disk_starts_from_the_engines_own_checkpoint(ray_cluster, tmp
         assert 0 < second["sync/bytes_sent"] < second["sync/bytes_total"]
         assert os.listdir(tmp_path / "disk") == ["weight_v000001"] and read_applied(str(tmp_path / "local")) == 1
         assert is_delta(str(tmp_path / "disk" / "weight_v000001"))
+        # slime's receiver rules (written out in the test, not tidal's) turn the base + v1 into the trainer's weights.
+        slime_local = tmp_path / "slime-local"
+        shutil.copytree(folder, slime_local)
+        slime_apply(str(slime_local), str(tmp_path / "disk" / "weight_v000001"))
+        trainer = ray.get(source.checksums.remote())
+        locs = _locations(str(slime_local))
+        got = {
+            n: xxhash.xxh3_128_hexdigest(np.fromfile(p, np.uint8, count=k, offset=o)) for n, (p, o, k) in locs.items()
+        }
+        assert {n: got[n] for n in trainer} == trainer
         assert _mismatches(ray, source, [engine]) == [] and _versions(ray, [engine]) == [2]
     finally:
         ray.get(source.close.remote())

@@ -1,10 +1,8 @@
 """Delta over disk in slime's stream format, both directions, without Ray.
 
-The other half of each exchange is written here from slime's published rules alone (version folders
-``weight_v{N:06d}``, the index metadata keys, one zstd frame with its content size per changed
-tensor, the ``xor``/``overwrite`` byte layouts, checksums of the new full bytes in each shard's
-``__metadata__``, ``.weight_sync/state.json``), not with tidal's codec: ``slime_apply`` reads a
-stream as slime's receiver does, ``slime_publish`` writes one as slime's trainer does.
+The other half of each exchange is ``slime_rules`` (written from slime's published rules alone, not
+with tidal's codec): ``slime_apply`` reads a stream as slime's receiver does, ``slime_publish``
+writes one as slime's trainer does.
 """
 
 from __future__ import annotations
@@ -13,17 +11,14 @@ import glob
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
-import zlib
 
 import numpy as np
 import pytest
 import torch
-import xxhash
-import zstandard
 from safetensors.torch import save_file
+from slime_rules import _locations, _raw, slime_apply, slime_publish
 
 from tidal.config.schema import WeightSyncConfig
 from tidal.errors import UserError, WeightSyncError
@@ -33,115 +28,7 @@ from tidal.weight_sync.disk import DiskStrategy
 from tidal.weight_sync.local_checkpoint import load_folder, newest_version, pull, read_applied
 from tidal.weight_sync.receiver import WeightReceiver
 
-# ------------------------------------------------------------------ slime's rules, written out here
-
-
-def _hash(algo: str, buf) -> str:
-    if algo == "xxh3-128":
-        h = xxhash.xxh3_128()
-    elif algo == "blake3":
-        blake3 = pytest.importorskip("blake3")
-        h = blake3.blake3()
-    else:
-        return f"{zlib.adler32(bytes(buf), 1):08x}"
-    h.update(bytes(buf))
-    return h.hexdigest()
-
-
-def _header(path: str) -> tuple[int, dict]:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return 8 + n, json.loads(f.read(n))
-
-
-def _locations(folder: str) -> dict:
-    out = {}
-    for path in glob.glob(os.path.join(folder, "*.safetensors")):
-        start, header = _header(path)
-        for name, info in header.items():
-            if name != "__metadata__":
-                a, b = info["data_offsets"]
-                out[name] = (path, start + a, b - a)
-    return out
-
-
-def slime_apply(local: str, version_folder: str) -> None:
-    """Apply one version as slime's receiver does: full -> copy, delta -> patch in place and verify."""
-    index_path = os.path.join(version_folder, "model.safetensors.index.json")
-    meta = json.load(open(index_path))["metadata"] if os.path.exists(index_path) else {}
-    if "delta_encoding" not in meta:
-        for f in os.listdir(local):
-            os.remove(os.path.join(local, f))
-        for f in os.listdir(version_folder):
-            shutil.copy(os.path.join(version_folder, f), local)
-        return
-    assert meta["version"] == f"{int(meta['version']):06d}" and int(meta["base_version"]) == int(meta["version"]) - 1
-    assert meta["compression_format"] == "zstd"
-    locs = _locations(local)
-    for delta_file in sorted(glob.glob(os.path.join(version_folder, "*.safetensors"))):
-        blob = open(delta_file, "rb").read()
-        start, header = _header(delta_file)
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            assert info["dtype"] == "U8" and len(info["shape"]) == 1
-            a, b = info["data_offsets"]
-            frame = blob[start + a : start + b]
-            diff = np.frombuffer(zstandard.ZstdDecompressor().decompress(frame), dtype=np.uint8)  # needs content size
-            path, off, n = locs[name]
-            region = np.memmap(path, dtype=np.uint8, mode="r+", offset=off, shape=(n,))
-            if meta["delta_encoding"] == "xor":
-                region ^= diff
-            else:
-                count = int(np.frombuffer(diff[:4].tobytes(), "<u4")[0])
-                region[np.frombuffer(diff[4 : 4 + 4 * count].tobytes(), "<u4")] = diff[4 + 4 * count :]
-            assert _hash(meta["checksum_format"], region) == header["__metadata__"][name], name
-            region.flush()
-
-
-def slime_publish(disk: str, version: int, old: dict, new: dict, encoding: str, algo: str) -> None:
-    """Write one delta version as slime's trainer does (one shard, changed tensors only)."""
-    folder = os.path.join(disk, f"weight_v{version:06d}")
-    os.makedirs(folder)
-    tensors, sums = {}, {}
-    for name in new:
-        n, o = _raw(new[name]), _raw(old[name])
-        if encoding == "xor":
-            d = n ^ o
-            if not d.any():
-                continue
-        else:
-            mask = n != o
-            if not mask.any():
-                continue
-            pos = np.flatnonzero(mask).astype("<u4")
-            d = np.concatenate([np.array([pos.size], "<u4").view(np.uint8), pos.view(np.uint8), n[mask]])
-        tensors[name] = torch.frombuffer(
-            bytearray(zstandard.ZstdCompressor(level=1).compress(d.tobytes())), dtype=torch.uint8
-        )
-        sums[name] = _hash(algo, n)
-    shard = "model-00000-of-00001.safetensors"
-    if tensors:
-        save_file(tensors, os.path.join(folder, shard), metadata=sums)
-    index = {
-        "metadata": {
-            "version": f"{version:06d}",
-            "base_version": f"{version - 1:06d}",
-            "delta_encoding": encoding,
-            "compression_format": "zstd",
-            "checksum_format": algo,
-        },
-        "weight_map": dict.fromkeys(tensors, shard),
-    }
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        f.write(json.dumps(index))
-
-
 # ------------------------------------------------------------------ helpers
-
-
-def _raw(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().copy()
 
 
 class DictEngine:
@@ -460,3 +347,13 @@ def test_overwrite_positions_are_every_changed_byte_in_order(n):
         count = int(d[:4].view("<u4")[0])
         assert count == changed and np.array_equal(d[4 : 4 + 4 * count].view("<u4"), np.flatnonzero(mask))
         assert np.array_equal(d[4 + 4 * count :], new[mask])
+
+
+def test_multithreaded_compression_of_a_large_diff_is_still_one_frame_with_its_size():
+    import zstandard
+
+    d = np.zeros(40 << 20, np.uint8)  # past the size where several zstd threads compress it
+    d[::4099] = 1
+    frame = fmt.compress(d, threads=-1)
+    assert zstandard.get_frame_parameters(bytes(frame[:18])).content_size == d.size
+    assert np.array_equal(np.frombuffer(zstandard.ZstdDecompressor().decompress(bytes(frame)), np.uint8), d)
