@@ -48,46 +48,83 @@ def train(cfg: TidalConfig, on_step=None) -> dict:
     from tidal.session import Session
 
     with Session(cfg) as s:
-        trainer, engines, run, display = s.trainer, s.engines, s.run, s.display
-        offload_train, offload_rollout = cfg.memory.offload_train, cfg.memory.offload_rollout
-        start = s.resume_from_checkpoint()
-        if offload_train:
-            s.timeline_mark("trainer init", trainer.call("pause"))
-        row: dict = sync_weights(s, first=True)
+        try:
+            return _loop(s, on_step)
+        except Exception as e:
+            short = _one_line(s, e)
+            if short is e:
+                raise
+            raise short from None
+
+
+def _one_line(s, e: BaseException) -> BaseException:
+    """A trainer rank or an engine that died outside generation: one line with the checkpoint to resume from."""
+    from ray.exceptions import RayActorError
+
+    from tidal.cluster.groups import is_engine_death
+    from tidal.errors import RunFailed
+
+    if isinstance(e, RunFailed):
+        return e
+    trainers = {a._actor_id.hex() for a in getattr(s.trainer, "actors", [])}
+    if isinstance(e, RayActorError) and getattr(e, "actor_id", None) in trainers:
+        return s.trainer_died(e)
+    if is_engine_death(e):
+        return RunFailed(
+            f"an engine died outside generation (restarts cover generation only): {_last(e)}{s.checkpoint_hint()}"
+        )
+    return e
+
+
+def _last(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else type(e).__name__
+
+
+def _loop(s, on_step) -> dict:
+    """The steps of one run inside an open session (see the module docstring)."""
+    cfg = s.cfg
+    trainer, engines, run, display = s.trainer, s.engines, s.run, s.display
+    offload_train, offload_rollout = cfg.memory.offload_train, cfg.memory.offload_rollout
+    start = s.resume_from_checkpoint()
+    if offload_train:
+        s.timeline_mark("trainer init", trainer.call("pause"))
+    row: dict = sync_weights(s, first=True)
+    if on_step is not None:
+        on_step(s, start - 1, row)
+    for rollout_id in range(start, cfg.rollout.num_rollout):
+        t = Timer()
+        with t("generate", display):
+            samples, gen_metrics = orchestrate.generate_rollout(s, rollout_id)
+        if offload_rollout:
+            with t("release", display):
+                s.timeline_mark("engines released", engines.call("release_memory", list(TAGS))[0].metrics)
+        train_metrics: dict = {}
+        if samples:
+            if offload_train:
+                with t("resume", display):
+                    s.timeline_mark("trainer resumed", trainer.call("resume"))
+            with t("train", display):
+                train_metrics = trainer.call("train", samples, rollout_id)
+            if offload_train:
+                with t("pause", display):
+                    s.timeline_mark("trainer paused", trainer.call("pause"))
+        with t("sync", display):
+            sync_metrics = sync_weights(s)
+        metrics = {**gen_metrics, **train_metrics, **sync_metrics, **t, **s.memory_metrics()}
+        metrics["engine_restarts"], s.step_restarts = s.step_restarts, 0
+        if cfg.rollout.eval_interval and (rollout_id + 1) % cfg.rollout.eval_interval == 0:
+            with t("eval", display):
+                metrics.update(orchestrate.evaluate(s))
+        if s.should_save(rollout_id):
+            with t("save", display):
+                s.save(rollout_id)
+        row = run.log_step(rollout_id, metrics)
+        display.step(row)
+        s.after_step(rollout_id)
         if on_step is not None:
-            on_step(s, start - 1, row)
-        for rollout_id in range(start, cfg.rollout.num_rollout):
-            t = Timer()
-            with t("generate", display):
-                samples, gen_metrics = orchestrate.generate_rollout(s, rollout_id)
-            if offload_rollout:
-                with t("release", display):
-                    s.timeline_mark("engines released", engines.call("release_memory", list(TAGS))[0].metrics)
-            train_metrics: dict = {}
-            if samples:
-                if offload_train:
-                    with t("resume", display):
-                        s.timeline_mark("trainer resumed", trainer.call("resume"))
-                with t("train", display):
-                    train_metrics = trainer.call("train", samples, rollout_id)
-                if offload_train:
-                    with t("pause", display):
-                        s.timeline_mark("trainer paused", trainer.call("pause"))
-            with t("sync", display):
-                sync_metrics = sync_weights(s)
-            metrics = {**gen_metrics, **train_metrics, **sync_metrics, **t, **s.memory_metrics()}
-            if cfg.rollout.eval_interval and (rollout_id + 1) % cfg.rollout.eval_interval == 0:
-                with t("eval", display):
-                    metrics.update(orchestrate.evaluate(s))
-            if s.should_save(rollout_id):
-                with t("save", display):
-                    s.save(rollout_id)
-            row = run.log_step(rollout_id, metrics)
-            display.step(row)
-            s.after_step(rollout_id)
-            if on_step is not None:
-                on_step(s, rollout_id, row)
-        return row
+            on_step(s, rollout_id, row)
+    return row
 
 
 def sync_weights(s, first: bool = False) -> dict:

@@ -46,3 +46,16 @@ def ray_get(refs: Any) -> Any:
         if isinstance(cause, UserError):
             raise cause from None
         raise
+
+
+class RunFailed(UserError):
+    """The run cannot go on (engines that keep dying, a trainer rank that died); one line, exit 1.
+
+    The message names what failed and how to continue (e.g. the checkpoint to ``--load`` from).
+    """
+
+    exit_code = 1
+
+
+class EngineDiedError(RuntimeError):
+    """A rollout engine that died, or stopped answering, mid-run: the driver restarts it and re-runs its work."""

@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import os
 
-from tidal.cluster.groups import EngineGroup, TrainerGroup
+from tidal.cluster.groups import EngineGroup, TrainerGroup, is_engine_death
 from tidal.cluster.placement import create_placement_group, plan_placement
 from tidal.cluster.ray_cluster import start_ray, stop_ray
 from tidal.config.schema import TidalConfig
-from tidal.errors import WeightSyncError
+from tidal.errors import RunFailed, WeightSyncError
 from tidal.observe.console import Display
 from tidal.observe.plots import plot_curves
 from tidal.observe.run_dir import RunDir
@@ -45,6 +45,8 @@ class Session:
         self.timeline = None
         self.display = None
         self.run = None
+        self.engine_restarts = 0  # over the run, against --max-engine-restarts
+        self.step_restarts = 0  # since the last step line (the step's engine_restarts metric)
 
     # ---- setup / teardown -------------------------------------------------------------------
     def __enter__(self) -> Session:
@@ -73,6 +75,8 @@ class Session:
     def _start_actors(self, trainer_env: dict) -> None:
         cfg = self.cfg
         num_engines = cfg.cluster.rollout_num_gpus // cfg.cluster.rollout_num_gpus_per_engine
+        if cfg.rollout.rollout_engine == "sglang" and cfg.rollout.rollout_external_engine_addrs:
+            num_engines = 0  # servers outside tidal: their client actors need no bundle
         placement = plan_placement(cfg.cluster, self.device, num_engines)
         self._ray_started = start_ray(cfg.cluster.ray_address, num_cpus=placement.num_cpus, num_gpus=placement.num_gpus)
         self._placement = create_placement_group(placement)
@@ -126,6 +130,11 @@ class Session:
                 self.run.close()
         finally:
             if ray.is_initialized():
+                if self.engines is not None:
+                    try:
+                        self.engines.shutdown()
+                    except Exception:  # noqa: BLE001 - the actors are killed below anyway
+                        log.debug("engine shutdown failed", exc_info=True)
                 for group in (self.trainer, self.engines):
                     for a in getattr(group, "actors", []):
                         ray.kill(a)
@@ -134,6 +143,78 @@ class Session:
 
                     remove_placement_group(self._placement.pg)
             stop_ray(self._ray_started)
+
+    # ---- engines that die ---------------------------------------------------------------------
+    def dead_engines(self) -> list[int]:
+        """Engines that do not answer ``health()`` within ``--engine-health-timeout``."""
+        import ray
+
+        refs = [a.health.remote() for a in self.engines.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.rollout.engine_health_timeout)
+        dead = []
+        for i, ref in enumerate(refs):
+            if ref not in ready:
+                dead.append(i)
+                continue
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - sorted below
+                if not is_engine_death(e):
+                    raise
+                dead.append(i)
+        return dead
+
+    def restart_engines(self, dead: list[int], why: str) -> None:
+        """Restart (or reconnect) the dead engines, then resync every engine to the trainer's weights.
+
+        The resync is a full sync under a new version number (same bytes as the last one); the
+        engines that kept running take it too. Past ``--max-engine-restarts`` the run stops with one line.
+        """
+        limit = self.cfg.rollout.max_engine_restarts
+        for i in dead:
+            self.engine_restarts += 1
+            if self.engine_restarts > limit:
+                raise RunFailed(
+                    f"engine {i} died ({why}) after {limit} engine restart(s), the most --max-engine-restarts allows; "
+                    f"fix what kills it or raise the limit{self.checkpoint_hint()}"
+                )
+            log.warning("engine %d died (%s); restarting it (%d/%d)", i, why, self.engine_restarts, limit)
+            self.display.info(f"engine {i} died ({why}); restarting it ({self.engine_restarts}/{limit})")
+            self.engines.restart(i)
+        self.step_restarts += len(dead)
+        # Every engine is awake here (engines die while generating): a plain full sync, no memory steps.
+        self.trainer.call("connect_engines", self.engines.actors, engine_dtype(self.device))
+        report = self.trainer.call("update_weights")
+        versions = self.engines.call("get_weight_version")
+        if any(v != report["sync/version"] for v in versions):
+            raise WeightSyncError(
+                f"engines report weight versions {versions} after the resync to version {report['sync/version']}"
+            )
+
+    def checkpoint_hint(self) -> str:
+        """'; resume with --load DIR (newest checkpoint rollout N)' when one was saved, else ''."""
+        ck = self.cfg.checkpoint
+        folder = ck.save or ck.load
+        if not folder or not os.path.isdir(folder):
+            return "; no checkpoint was saved (--save DIR keeps one to resume from)"
+        newest = newest_checkpoint(folder)
+        return (
+            f"; resume with --load {folder} (newest checkpoint: {newest})"
+            if newest
+            else f"; no checkpoint in {folder} yet"
+        )
+
+    def trainer_died(self, exc: BaseException) -> RunFailed:
+        """One line naming the trainer rank that died and the checkpoint to resume from."""
+        from ray.exceptions import RayActorError
+
+        rank = "?"
+        actor_id = getattr(exc, "actor_id", None)
+        for r, a in enumerate(getattr(self.trainer, "actors", [])):
+            if actor_id is not None and a._actor_id.hex() == actor_id:
+                rank = str(r)
+        kind = "died" if isinstance(exc, RayActorError) else "failed"
+        return RunFailed(f"trainer rank {rank} {kind}: {_last_line(exc)}{self.checkpoint_hint()}")
 
     # ---- pieces the driver calls -----------------------------------------------------------
     def timeline_mark(self, phase: str, report: dict | None) -> dict | None:
@@ -205,3 +286,16 @@ class Session:
     def after_step(self, rollout_id: int) -> None:
         if rollout_id < 5 or rollout_id % 10 == 0:
             plot_curves(self.run.history, os.path.join(self.run.path, "curves.png"))
+
+
+def newest_checkpoint(folder: str) -> str | None:
+    """The newest complete checkpoint under ``folder`` (its folder name), if any."""
+    from tidal.checkpoint.store import find_latest
+
+    path = find_latest(folder)
+    return os.path.basename(path.rstrip("/")) if path else None
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else type(exc).__name__

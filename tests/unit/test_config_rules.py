@@ -232,6 +232,44 @@ def test_rule_cluster(argv, env, expect):
     check(argv, env, expect)
 
 
+SG = ["--rollout-engine", "sglang"]
+
+
+@pytest.mark.parametrize(
+    "argv, env, expect",
+    [
+        ([], CPU, {"rollout_engine": "embedded", "rollout_external_engine_addrs": []}),
+        (SG, CPU, {"sglang_server": "tidal", "rollout_num_gpus": 1}),
+        (
+            SG + ["--rollout-external-engine-addrs", "127.0.0.1:30000,127.0.0.1:30001"],
+            CPU,
+            {"rollout_external_engine_addrs": ["127.0.0.1:30000", "127.0.0.1:30001"], "rollout_num_gpus": 2},
+        ),
+        (SG + ["--rollout-external-engine-addrs", "h1:1", "h2:2", "h3:3"], CPU, {"rollout_num_gpus": 3}),
+        # External servers take no local GPU: 8 trainer GPUs + 2 external engines fit 8 GPUs.
+        (
+            TINY_GPU
+            + SG
+            + ["--no-colocate", "--actor-num-gpus-per-node", "8", "--rollout-external-engine-addrs", "a:1,b:2"],
+            GPU8,
+            {"rollout_num_gpus": 2},
+        ),
+        (["--rollout-external-engine-addrs", "h:1"], CPU, "is for HTTP engines; add --rollout-engine sglang"),
+        (["--sglang-mem-fraction-static", "0.7"], CPU, "--sglang-server-args is for HTTP engines"),
+        (SG + ["--rollout-external-engine-addrs", "nohost"], CPU, "nohost: not host:port"),
+        (SG + ["--rollout-external-engine-addrs", "h:99999"], CPU, "h:99999: not host:port"),
+        (SG + ["--rollout-external-engine-addrs", "h:1,h:1"], CPU, "an address is listed twice"),
+        (SG + ["--rollout-external-engine-addrs", "h:1", "--rollout-num-gpus", "2"], CPU, "one engine per address"),
+        (SG + ["--update-weight-mode", "delta"], CPU, "use --update-weight-mode full with --rollout-engine sglang"),
+        (SG + ["--custom-generate-function-path", "m:f"], CPU, "runs inside the embedded engine"),
+        (SG + ["--sglang-tp-size", "2"], CPU, "add --sglang-server sglang without --rollout-external-engine-addrs"),
+        (SG + ["--sglang-server", "sglang", "--sglang-tp-size", "2"], CPU, {"sglang_server_args": ["--tp-size", "2"]}),
+    ],
+)
+def test_rule_engine(argv, env, expect):
+    check(argv, env, expect)
+
+
 @pytest.mark.parametrize(
     "argv, expect",
     [

@@ -63,18 +63,43 @@ class TrainerGroup:
 
 
 class EngineGroup:
-    """Independent rollout engines (each holds a full copy of the policy)."""
+    """Independent rollout engines (each holds a full copy of the policy), embedded or HTTP.
+
+    ``--rollout-engine embedded`` makes ``EngineActor``s; ``sglang`` makes ``HttpEngineActor``s,
+    each a client of one server: an external address (the actor needs no device and no bundle), or
+    a server the actor starts in its bundle. ``restart(i)`` replaces engine ``i`` (a new actor, or
+    the same actor restarting/reconnecting its server); its weights are undefined until a sync.
+    """
 
     def __init__(self, placement: Placement, **sections: Any):
+        self.placement = placement
+        self.sections = sections
+        rollout = sections["rollout"]
+        self.kind = rollout.rollout_engine
+        self.addresses = list(rollout.rollout_external_engine_addrs) if self.kind == "sglang" else []
+        count = len(self.addresses) or len(placement.engines)
+        self.actors = [self._start(i) for i in range(count)]
+
+    def _start(self, i: int):
         import ray
 
-        from tidal.rollout.actor import EngineActor
+        if self.kind == "sglang":
+            from tidal.rollout.http_engine import HttpEngineActor
 
-        cls = ray.remote(EngineActor)
-        self.actors = [
-            cls.options(**actor_options(placement, slot)).remote(i, device=placement.device, **sections)
-            for i, slot in enumerate(placement.engines)
-        ]
+            cls = ray.remote(HttpEngineActor)
+            if self.addresses:
+                opts = {"num_cpus": 0, "runtime_env": {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}}
+                return cls.options(**opts).remote(
+                    i, device=self.placement.device, address=self.addresses[i], **self.sections
+                )
+        else:
+            from tidal.rollout.actor import EngineActor
+
+            cls = ray.remote(EngineActor)
+        slot = self.placement.engines[i]
+        return cls.options(**actor_options(self.placement, slot)).remote(
+            i, device=self.placement.device, **self.sections
+        )
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -84,3 +109,43 @@ class EngineGroup:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list:
         return get(self.call_async(method, *args, **kwargs))
+
+    def restart(self, i: int) -> None:
+        """Engine ``i`` back up: the same actor restarts (or reconnects) its server when it still
+        answers, else a new actor replaces it in the same bundle."""
+        import ray
+
+        old = self.actors[i]
+        if self.kind == "sglang":
+            try:
+                get(old.restart.remote())
+                return
+            except Exception as e:  # noqa: BLE001 - the actor itself is gone: replace it below
+                if not is_engine_death(e):
+                    raise
+        ray.kill(old, no_restart=True)
+        self.actors[i] = self._start(i)
+        get(self.actors[i].init.remote())
+
+    def shutdown(self) -> None:
+        """Stop the servers HTTP engines started (they also die with their actor)."""
+        if self.kind != "sglang":
+            return
+        import ray
+
+        refs = [a.shutdown.remote() for a in self.actors]
+        ray.wait(refs, num_returns=len(refs), timeout=15)
+
+
+def is_engine_death(exc: BaseException) -> bool:
+    """An engine actor that died, or an HTTP engine whose server stopped answering."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    from tidal.errors import EngineDiedError
+
+    if isinstance(exc, (RayActorError, EngineDiedError)):
+        return True
+    if isinstance(exc, RayTaskError):
+        cause = getattr(exc, "cause", None)
+        return cause is not None and cause is not exc and is_engine_death(cause)
+    return False

@@ -285,6 +285,30 @@ def _parser_flags(parser: argparse.ArgumentParser) -> list[str]:
     return [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
 
 
+def split_sglang_flags(argv: list[str], known: list[str]) -> tuple[list[str], list[str]]:
+    """Take every ``--sglang-X [values]`` that is not a tidal flag out of ``argv``, as ``--X [values]``.
+
+    These go to the SGLang server tidal starts (``--sglang-server sglang``), as slime passes its
+    ``--sglang-*`` flags on to SGLang's ``ServerArgs``; values are the tokens up to the next flag.
+    """
+    rest: list[str] = []
+    passthrough: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name = token.split("=", 1)[0]
+        if not (name.startswith("--sglang-") and name not in known):
+            rest.append(token)
+            i += 1
+            continue
+        passthrough.append("--" + token[len("--sglang-") :])
+        i += 1
+        while "=" not in token and i < len(argv) and not argv[i].startswith("--"):
+            passthrough.append(argv[i])
+            i += 1
+    return rest, passthrough
+
+
 def parse(argv: list[str]) -> tuple[TidalConfig, Provenance]:
     """Flags (+ ``--config FILE.yaml``, ``--preset NAME``) -> unresolved config and provenance.
 
@@ -292,7 +316,8 @@ def parse(argv: list[str]) -> tuple[TidalConfig, Provenance]:
     the derived fields.
     """
     parser = build_parser()
-    ns, unknown = parser.parse_known_args(list(argv))
+    argv, passthrough = split_sglang_flags(list(argv), _parser_flags(parser))
+    ns, unknown = parser.parse_known_args(argv)
     if unknown:
         raise _unknown_flag(unknown[0], _parser_flags(parser))
     given = vars(ns)
@@ -323,6 +348,9 @@ def parse(argv: list[str]) -> tuple[TidalConfig, Provenance]:
         negative = "--no-" + info.flag[2:]
         prov.set(name, "flag", negative if info.kind == "bool" and value is False and negative in typed else info.flag)
 
+    if passthrough:
+        values["sglang_server_args"] = list(values.get("sglang_server_args", [])) + passthrough
+        prov.set("sglang_server_args", "flag", "--sglang-*")
     sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     for name, value in values.items():
         sections[infos[name].section][name] = value

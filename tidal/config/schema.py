@@ -114,7 +114,28 @@ class RolloutConfig:
     rollout_stop: list = opt([], "Stop strings; generation of a sample ends at the first one.")
     rollout_seed: int = opt(42, "Seed of the engines' sampling.")
     custom_generate_function_path: str | None = opt(None, "module:function replacing the engine's generate step.")
-    rollout_engine: str = opt("embedded", "Rollout engine implementation.", choices=("embedded",))
+    rollout_engine: str = opt(
+        "embedded",
+        "embedded: the policy inside each engine actor; sglang: engines are servers speaking SGLang's HTTP protocol.",
+        choices=("embedded", "sglang"),
+    )
+    rollout_external_engine_addrs: list = opt(
+        [], "host:port of servers started outside tidal (with --rollout-engine sglang), space or comma separated."
+    )
+    sglang_server: str = opt(
+        "tidal",
+        "Server tidal starts per engine when no external addresses are given: tidal serve, or sglang.launch_server.",
+        choices=("tidal", "sglang"),
+    )
+    sglang_server_args: list = opt(
+        [], "Extra flags for started servers; every unknown --sglang-X flag is passed on as --X (as slime does)."
+    )
+    rollout_engine_api_key: str | None = opt(None, "API key sent to the engine servers (Authorization: Bearer).")
+    engine_start_timeout: float = opt(600.0, "Seconds a started server may take to answer /health.", min=1)
+    engine_health_timeout: float = opt(
+        30.0, "Seconds an engine may take to answer /health before it counts as dead.", min=1
+    )
+    max_engine_restarts: int = opt(3, "Engine restarts (or reconnects) a run survives before it stops.", min=0)
     eval_interval: int = opt(0, "Evaluate greedy accuracy on held-out prompts every N rollouts (0 disables).", min=0)
     debug_rollout_only: bool = opt(False, "Only generate; never train (turns colocate and offload off).")
     rollout_fast_decode: bool = opt(

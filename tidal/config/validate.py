@@ -220,6 +220,51 @@ def _model(ctx: Context) -> None:
 
 
 @rule(
+    "engine",
+    "`--rollout-engine sglang` talks to servers over SGLang's HTTP protocol: `--rollout-external-engine-addrs` "
+    "(host:port, one engine each; sets `--rollout-num-gpus`) or servers tidal starts (`--sglang-server`); "
+    "full weight syncs only, no custom generate function; `--sglang-*` pass-through flags need `--sglang-server sglang`.",
+)
+def _engine(ctx: Context) -> None:
+    r, c = ctx.cfg.rollout, ctx.cfg.cluster
+    addrs = [a.strip() for item in r.rollout_external_engine_addrs for a in str(item).split(",") if a.strip()]
+    if addrs != list(r.rollout_external_engine_addrs):
+        r.rollout_external_engine_addrs = addrs
+    if r.rollout_engine != "sglang":
+        for name, value in (("rollout_external_engine_addrs", addrs), ("sglang_server_args", r.sglang_server_args)):
+            if value:
+                raise ConfigError(f"{_f(name)} is for HTTP engines; add --rollout-engine sglang or drop it")
+        return
+    for addr in addrs:
+        host, _, port = addr.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"--rollout-external-engine-addrs {addr}: not host:port; pass e.g. 127.0.0.1:30000 for each server"
+            )
+    if len(set(addrs)) != len(addrs):
+        raise ConfigError(f"--rollout-external-engine-addrs {','.join(addrs)}: an address is listed twice")
+    if r.custom_generate_function_path:
+        raise ConfigError(
+            "--custom-generate-function-path runs inside the embedded engine; use --rollout-engine embedded or drop it"
+        )
+    if ctx.cfg.weight_sync.update_weight_mode != "full":
+        raise ConfigError(
+            "--update-weight-mode delta: SGLang's weight-update endpoints carry full tensors; use --update-weight-mode full with --rollout-engine sglang"
+        )
+    if r.sglang_server_args and (addrs or r.sglang_server != "sglang"):
+        raise ConfigError(
+            f"--sglang-* flags ({' '.join(r.sglang_server_args)}) go to the SGLang server tidal starts; "
+            "add --sglang-server sglang without --rollout-external-engine-addrs, or drop them"
+        )
+    if addrs:
+        if ctx.explicit("rollout_num_gpus") and c.rollout_num_gpus != len(addrs):
+            raise ConfigError(
+                f"--rollout-num-gpus {c.rollout_num_gpus} but {len(addrs)} --rollout-external-engine-addrs; drop --rollout-num-gpus (one engine per address)"
+            )
+        ctx.derive("rollout_num_gpus", len(addrs), "engine", "one engine per external address")
+
+
+@rule(
     "cluster",
     "Trainer ranks = nodes x ranks per node; `--rollout-num-gpus` defaults to the trainer ranks when colocated, else 1; "
     "the embedded engine uses one device per engine; GPU counts must fit the devices.",
@@ -242,12 +287,13 @@ def _cluster(ctx: Context) -> None:
         raise ConfigError(
             f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}: the embedded engine runs on one device; set it to 1 and raise --rollout-num-gpus for more engines"
         )
-    if c.colocate and c.rollout_num_gpus > ranks:
+    if c.colocate and c.rollout_num_gpus > ranks and not ctx.cfg.rollout.rollout_external_engine_addrs:
         raise ConfigError(
             f"--rollout-num-gpus {c.rollout_num_gpus} exceeds the trainer's {ranks} device(s) under --colocate; lower it, or use --no-colocate for separate engine devices"
         )
     if c.device == "cuda" and c.ray_address is None:
-        need = c.actor_num_gpus_per_node if c.colocate else c.actor_num_gpus_per_node + c.rollout_num_gpus
+        external = bool(ctx.cfg.rollout.rollout_external_engine_addrs)  # servers outside tidal use no local GPU here
+        need = c.actor_num_gpus_per_node if c.colocate or external else c.actor_num_gpus_per_node + c.rollout_num_gpus
         if need > env.device_count:
             what = "trainer" if c.colocate else "trainer + rollout"
             raise ConfigError(

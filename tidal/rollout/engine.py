@@ -65,6 +65,7 @@ class EngineHealth:
     weight_version: int
     residency: str
     address: str = ""  # host:port of an HTTP engine's server; empty for an embedded engine
+    protocol: str = "tidal"  # how weight buckets must travel: "tidal" (as packed) or "sglang" (SGLang's layout)
 
 
 class RolloutEngine(abc.ABC):

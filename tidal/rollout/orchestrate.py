@@ -58,19 +58,51 @@ def sampling_params(rollout_cfg, tokenizer, *, greedy: bool = False) -> Sampling
     )
 
 
-def run_engines(engines, samples: list[Sample], sampling: SamplingParams, group_size: int) -> list[Sample]:
-    """Generate on every engine in parallel, whole groups per engine; returns samples in input order."""
+def run_engines(s, samples: list[Sample], sampling: SamplingParams, group_size: int) -> list[Sample]:
+    """Generate on every engine of session ``s`` in parallel, whole groups per engine; returns the
+    samples in input order.
+
+    An engine that dies (its actor, or its server) loses only its own share: the session restarts
+    it and resyncs the weights, and that share is generated again from the driver's copy of the
+    samples (engines get copies, so nothing half-filled comes back). Each sample is taken from
+    exactly one successful call, so none is lost or counted twice.
+    """
+    import ray
+
+    from tidal.cluster.groups import is_engine_death
+
+    engines = s.engines
     n = len(engines)
     groups = len(samples) // group_size
     per = -(-groups // n)
-    refs = []
-    for i, actor in enumerate(engines.actors):
-        chunk = samples[i * per * group_size : (i + 1) * per * group_size]
-        if chunk:
-            refs.append(actor.generate.remote(chunk, sampling))
-    out = [s for part in get(refs) for s in part]
-    out.sort(key=lambda s: s.index)
-    return out
+    todo = {
+        i: samples[i * per * group_size : (i + 1) * per * group_size]
+        for i in range(n)
+        if samples[i * per * group_size : (i + 1) * per * group_size]
+    }
+    done: list[Sample] = []
+    while todo:
+        refs = {i: engines.actors[i].generate.remote(chunk, sampling) for i, chunk in todo.items()}
+        ray.wait(list(refs.values()), num_returns=len(refs))
+        dead, why = [], ""
+        for i, ref in refs.items():
+            try:
+                done.extend(get(ref))
+            except Exception as e:  # noqa: BLE001 - only engine deaths are survived
+                if not is_engine_death(e):
+                    raise
+                dead.append(i)
+                why = why or _first_line(e)
+        todo = {i: todo[i] for i in dead}
+        if dead:
+            s.restart_engines(dead, why)
+    done.sort(key=lambda x: x.index)
+    return done
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    return (lines[-1] if lines else type(e).__name__)[:200]
 
 
 def generate_rollout(s, rollout_id: int) -> tuple[list[Sample], dict]:
@@ -81,7 +113,7 @@ def generate_rollout(s, rollout_id: int) -> tuple[list[Sample], dict]:
     sampling = sampling_params(r, s.tokenizer)
     sampling.seed = r.rollout_seed + rollout_id
     t0 = time.perf_counter()
-    samples = run_engines(s.engines, samples, sampling, r.n_samples_per_prompt)
+    samples = run_engines(s, samples, sampling, r.n_samples_per_prompt)
     gen_s = time.perf_counter() - t0
     score_samples(samples, s.reward_fn)
     rewards = torch.tensor([x.reward for x in samples], dtype=torch.float32)
@@ -94,6 +126,7 @@ def generate_rollout(s, rollout_id: int) -> tuple[list[Sample], dict]:
         x.advantage = a
     resp_lens = torch.tensor([len(x.response_ids) for x in samples], dtype=torch.float32)
     metrics = {
+        "gen_samples": len(samples),
         "reward_mean": rewards.mean().item(),
         "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
         "response_len_mean": resp_lens.mean().item(),
@@ -114,6 +147,6 @@ def evaluate(s) -> dict:
     if not batch:
         return {}
     samples = make_rollout_samples(batch, 1, start_index=0)
-    samples = run_engines(s.engines, samples, sampling_params(s.cfg.rollout, s.tokenizer, greedy=True), 1)
+    samples = run_engines(s, samples, sampling_params(s.cfg.rollout, s.tokenizer, greedy=True), 1)
     score_samples(samples, s.reward_fn)
     return {"eval_accuracy": sum(x.reward for x in samples) / len(samples)}

@@ -5,14 +5,18 @@ and forms the group (gloo on CPU, NCCL on GPU; ``tidal.weight_sync.group``). Per
 first tells the engines what is coming (``update_weights_from_distributed(meta, version)``: the
 bucket header), then broadcasts the flat buffer; each engine receives into a buffer of its own,
 verifies the checksum and applies. Delta buckets travel the same way (only the encoded bytes).
+Engines whose ``health()`` names the ``sglang`` protocol (HTTP engines) get SGLang's layout instead:
+the tensors' bytes back to back, with their checksum in the header (``compact_checksum``).
 """
 
 from __future__ import annotations
 
 import ray
+import torch
 
 from tidal.errors import ConfigError
-from tidal.weight_sync.group import broadcast, make_group, master_store
+from tidal.weight_sync.bucket import buffer_checksum
+from tidal.weight_sync.group import broadcast, make_group, master_store, sglang_group
 from tidal.weight_sync.stream import Bucket, StreamingStrategy
 
 
@@ -22,6 +26,7 @@ class BroadcastStrategy(StreamingStrategy):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.backend = "nccl" if self.device == "cuda" else "gloo"
+        self.sglang = False
         self.pg = None
         self.store = None
 
@@ -32,13 +37,18 @@ class BroadcastStrategy(StreamingStrategy):
             raise ConfigError(
                 "--update-weight-transport nccl with colocated engines: NCCL cannot put two ranks on one GPU; use tensor"
             )
+        # Servers speaking SGLang's protocol receive a bucket as its tensors' bytes back to back.
+        self.sglang = any(h.protocol == "sglang" for h in ray.get([e.health.remote() for e in self.engines]))
         store, addr, port = master_store()
         world = len(self.engines) + 1
         refs = [
             e.init_weights_update_group.remote(addr, port, i + 1, world, self.backend)
             for i, e in enumerate(self.engines)
         ]
-        self.pg, self.store = make_group(store, addr, port, 0, world, self.backend)
+        if self.sglang:
+            self.pg, self.store = sglang_group(store, addr, port, 0, world, self.backend)
+        else:
+            self.pg, self.store = make_group(store, addr, port, 0, world, self.backend)
         ray.get(refs)
 
     def _pack_device(self) -> str:
@@ -47,14 +57,27 @@ class BroadcastStrategy(StreamingStrategy):
     def _send(self, bucket: Bucket, header: dict, attempt: int) -> list:
         if self.pg is None:
             self.connect()
-        refs = [e.update_weights_from_distributed.remote(header, header["version"]) for e in self.engines]
         data = bucket.data
+        if self.sglang:
+            data = compact(data, header["entries"])
+            header = {**header, "compact_checksum": buffer_checksum(data)}
+        refs = [e.update_weights_from_distributed.remote(header, header["version"]) for e in self.engines]
         if self.backend == "nccl" and data.device.type != "cuda":
             data = data.cuda()
-        broadcast(self.pg, data)
+        if data.numel():
+            broadcast(self.pg, data)
         return refs
 
     def close(self) -> None:
         # Dropping the group and the store closes their sockets; engines drop theirs on their next join.
         self.pg = None
         self.store = None
+
+
+def compact(data: torch.Tensor, entries: list[dict]) -> torch.Tensor:
+    """The entries' bytes back to back, without the 64-byte alignment gaps of a packed bucket
+    (SGLang's ``flattened_bucket`` layout: each tensor's bytes in order)."""
+    if not entries:
+        return data[:0]
+    parts = [data[e["offset"] : e["offset"] + e["nbytes"]] for e in entries]
+    return torch.cat(parts)

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 PREFIX = "tidal-weight-sync"
+# The group name tidal gives servers speaking SGLang's protocol (SGLang's default group_name).
+SGLANG_GROUP = "weight_update_group"
 
 
 def master_store(timeout_s: float = 300.0) -> tuple[dist.TCPStore, str, int]:
@@ -47,15 +49,22 @@ def make_group(
     backend: str,
     timeout_s: float = 300.0,
     prefix: str = PREFIX,
+    *,
+    probe: bool = True,
+    torch_layout: bool = False,
 ):
     """Join the sync group as ``rank``; blocks until every rank joined. Returns (group, store).
 
-    ``prefix`` namespaces the group's keys in the store (an SGLang ``group_name``).
+    ``prefix`` namespaces the group's keys in the store. ``torch_layout`` lays the keys out as
+    torch's own group helper does (``<prefix>`` then ``<cpu|cuda>/``), which is how SGLang joins;
+    ``probe`` runs one broadcast right away so a broken group fails here (SGLang runs none).
     """
     timeout = timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timeout)
     prefixed = dist.PrefixStore(prefix, store)
+    if torch_layout:
+        prefixed = dist.PrefixStore("cuda/" if backend == "nccl" else "cpu/", prefixed)
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
@@ -69,16 +78,43 @@ def make_group(
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-        # NCCL creates its communicator at the first collective; do it now so connect() fails early.
-        probe = torch.zeros(1, device=f"cuda:{torch.cuda.current_device()}")
-        pg.broadcast(probe, 0).wait()
-        torch.cuda.synchronize()
+        if probe:
+            # NCCL creates its communicator at the first collective; do it now so connect() fails early.
+            first = torch.zeros(1, device=f"cuda:{torch.cuda.current_device()}")
+            pg.broadcast(first, 0).wait()
+            torch.cuda.synchronize()
     else:
         raise ValueError(f"unknown sync backend {backend!r}; use gloo or nccl")
-    if backend == "gloo":
-        probe = torch.zeros(1)
-        pg.broadcast(probe, 0).wait()
+    if backend == "gloo" and probe:
+        pg.broadcast(torch.zeros(1), 0).wait()
     return pg, store
+
+
+def sglang_group(
+    store: dist.Store | None,
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    group_name: str = SGLANG_GROUP,
+    timeout_s: float = 300.0,
+):
+    """Join a weight-update group as SGLang's ``/init_weights_update_group`` forms it: keys under
+    ``<group_name>/`` then ``<cpu|cuda>/`` (torch's custom-group layout), no probe broadcast.
+    The trainer (rank 0, hosting ``store``) and a server speaking the protocol both call this."""
+    return make_group(
+        store,
+        master_addr,
+        master_port,
+        rank,
+        world_size,
+        backend,
+        timeout_s,
+        f"{group_name}/",
+        probe=False,
+        torch_layout=True,
+    )
 
 
 def broadcast(pg, tensor: torch.Tensor) -> None:

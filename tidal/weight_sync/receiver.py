@@ -59,21 +59,7 @@ class WeightReceiver:
         self.pg, self.store = make_group(None, master_addr, master_port, rank, world_size, backend)
 
     def from_tensor(self, payload: dict) -> dict:
-        kind = payload["data"][0]
-        if kind == "cuda_ipc":
-            _, rebuild, args = payload["data"]
-            buf = rebuild(*args)
-        elif kind == "object":
-            import ray
-
-            arr = ray.get(payload["data"][1])
-            with warnings.catch_warnings():
-                # The object store maps the bucket read-only; it is only ever read here.
-                warnings.simplefilter("ignore", UserWarning)
-                buf = torch.from_numpy(arr)
-        else:
-            raise WeightSyncError(f"unknown tensor payload kind {kind!r}")
-        return self.apply_bucket(payload, buf)
+        return self.apply_bucket(payload, bucket_buffer(payload))
 
     def from_distributed(self, meta: dict) -> dict:
         if self.pg is None:
@@ -209,3 +195,20 @@ class WeightReceiver:
             )
         self._loaded = set()
         self._loading_version = None
+
+
+def bucket_buffer(payload: dict) -> torch.Tensor:
+    """The flat bytes of a tensor-transport bucket: a CUDA IPC handle mapped, or the object-store array."""
+    kind = payload["data"][0]
+    if kind == "cuda_ipc":
+        _, rebuild, args = payload["data"]
+        return rebuild(*args)
+    if kind == "object":
+        import ray
+
+        arr = ray.get(payload["data"][1])
+        with warnings.catch_warnings():
+            # The object store maps the bucket read-only; it is only ever read here.
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(arr)
+    raise WeightSyncError(f"unknown tensor payload kind {kind!r}")

@@ -1,0 +1,354 @@
+"""The HTTP engine against a server written in the test from SGLang's documented protocol.
+
+``sglang_like_server.py`` (no tidal import) runs as its own process on 127.0.0.1. The HTTP engine's
+calls are checked one by one (generate, memory, versions, errors), then the whole loop runs with
+``--rollout-engine sglang --rollout-external-engine-addrs`` over every weight-sync transport with
+the engine's weights compared bit for bit after every sync, and an engine that dies mid-run (the
+server exits on a /generate; the test brings it back on the same port) is survived with the same
+samples per step. An embedded engine actor that dies mid-run is survived the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+import pytest
+
+from tidal.config import parse, resolve
+from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, WeightSyncConfig
+from tidal.errors import EngineDiedError, UserError, WeightSyncError
+from tidal.rollout.http_engine import EngineReplyError, HttpEngineActor
+from tidal.rollout.server import server_command
+from tidal.rollout.types import Sample, SamplingParams
+from tidal.weight_sync.verify import compare_checksums
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SERVER = os.path.join(HERE, "sglang_like_server.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """The SGLang-shaped server as a child process; ``start`` again brings it back on the same port."""
+
+    def __init__(self, *flags: str):
+        self.port = _free_port()
+        self.flags = list(flags)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, *extra: str) -> Server:
+        cmd = [sys.executable, SERVER, "--port", str(self.port), *self.flags, *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(200):
+            try:
+                if httpx.get(f"http://{self.address}/health", timeout=1).status_code in (200, 401):
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        raise RuntimeError("test server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def server():
+    srv = Server("--tidal-extras").start()
+    yield srv
+    srv.stop()
+
+
+def _engine(address: str, **rollout) -> HttpEngineActor:
+    r = RolloutConfig(rollout_engine="sglang", rollout_external_engine_addrs=[address], **rollout)
+    eng = HttpEngineActor(
+        0,
+        model=ModelConfig(),
+        rollout=r,
+        memory=MemoryConfig(),
+        weight_sync=WeightSyncConfig(),
+        device="cpu",
+        address=address,
+    )
+    eng.init()
+    return eng
+
+
+def _samples(n: int) -> list[Sample]:
+    return [Sample(index=i, group=i, prompt="p", prompt_ids=[1 + i, 2, 3]) for i in range(n)]
+
+
+def test_generate_fills_samples_from_sglang_shapes(server):
+    eng = _engine(server.address)
+    assert eng.get_weight_version() == -1  # SGLang's "default" before any update
+    out = eng.generate(_samples(3), SamplingParams(max_new_tokens=5, stop_token_ids=[13]))
+    # The server's toy continuation: token k = (sum(prompt) + 7k) mod 64; 13 stops it.
+    assert out[0].response_ids == [6, 13] and out[0].status == "completed"
+    assert out[1].response_ids == [7, 14, 21, 28, 35] and out[1].status == "truncated"
+    assert out[1].response_logprobs == pytest.approx([-0.1 * (1 + t % 5) for t in out[1].response_ids])
+    assert out[2].response_text == " ".join(map(str, out[2].response_ids))
+    health = eng.health()
+    assert (health.address, health.protocol, health.residency) == (server.address, "sglang", "AWAKE")
+
+    assert eng.release_memory().residency == "ASLEEP"
+    with pytest.raises(Exception, match="resume its memory first"):
+        eng.generate(_samples(1), SamplingParams())
+    eng.resume_memory(["weights"])
+    assert eng.resume_memory(["kv_cache"]).residency == "AWAKE"
+    eng.flush_cache()
+    eng.pause_generation()
+    eng.continue_generation()
+    assert len(eng.generate(_samples(2), SamplingParams(max_new_tokens=2))) == 2
+
+
+def test_bad_addresses_and_replies_are_one_line(server, tmp_path):
+    dead = f"127.0.0.1:{_free_port()}"
+    with pytest.raises(UserError) as exc:
+        _engine(dead)
+    msg = str(exc.value)
+    assert dead in msg and "GET /health" in msg and "\n" not in msg
+    # A server that does not speak the protocol: plain HTTP answering 404 everywhere but /health.
+    port = _free_port()
+    plain = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", tempfile.mkdtemp()],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(100):
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        with pytest.raises(UserError) as exc:
+            _engine(f"127.0.0.1:{port}")
+        msg = str(exc.value)
+        assert f"127.0.0.1:{port}" in msg and "GET /health answered 404" in msg and "\n" not in msg
+    finally:
+        plain.kill()
+        plain.wait()
+    # An update the server refuses: one line, and the engine refuses to generate until a full version landed.
+    eng = _engine(server.address)
+    with pytest.raises(WeightSyncError) as exc:
+        eng.update_weights_from_disk(str(tmp_path), 1)
+    assert f"engine {server.address}: POST /update_weights_from_disk answered success=false" in str(exc.value)
+    with pytest.raises(WeightSyncError, match="did not complete"):
+        eng.generate(_samples(1), SamplingParams())
+
+
+def test_api_key_is_sent(tmp_path):
+    srv = Server("--api-key", "k1").start()
+    try:
+        with pytest.raises(EngineReplyError, match="answered 401"):
+            _engine(srv.address)
+        eng = _engine(srv.address, rollout_engine_api_key="k1")
+        assert eng.get_weight_version() == -1
+    finally:
+        srv.stop()
+
+
+def test_engine_death_mid_request_is_an_engine_error(server):
+    eng = _engine(server.address)
+    server.stop()
+    with pytest.raises(EngineDiedError, match=f"engine {server.address}: POST /generate failed"):
+        eng.generate(_samples(1), SamplingParams())
+
+
+def test_server_command_lines():
+    model = ModelConfig(model="/models/qwen", tokenizer="/models/tok", trust_remote_code=True)
+    cfg, _ = parse(
+        [
+            "--rollout-engine",
+            "sglang",
+            "--sglang-server",
+            "sglang",
+            "--sglang-mem-fraction-static",
+            "0.7",
+            "--sglang-enable-memory-saver",
+            "--sglang-tp-size=2",
+        ]
+    )
+    cmd = server_command(
+        "sglang",
+        model=model,
+        rollout=cfg.rollout,
+        memory=MemoryConfig(offload_rollout=True),
+        weight_sync=WeightSyncConfig(),
+        device="cuda",
+        seed=5,
+        port=31000,
+    )
+    assert cmd[1:] == [
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/models/qwen",
+        "--tokenizer-path",
+        "/models/tok",
+        "--trust-remote-code",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "31000",
+        "--random-seed",
+        "5",
+        "--enable-memory-saver",
+        "--dtype",
+        "bfloat16",
+        "--mem-fraction-static",
+        "0.7",
+        "--enable-memory-saver",
+        "--tp-size=2",
+    ]
+    rollout = RolloutConfig(
+        rollout_engine="sglang", rollout_fast_decode=False, rollout_max_batch=64, rollout_engine_api_key="key"
+    )
+    cmd = server_command(
+        "tidal",
+        model=ModelConfig(model="tiny-qwen2"),
+        rollout=rollout,
+        memory=MemoryConfig(memory_backend="portable"),
+        weight_sync=WeightSyncConfig(update_weight_checksum="adler32"),
+        device="cpu",
+        seed=3,
+        port=30001,
+    )
+    assert cmd[1:] == [
+        "-m",
+        "tidal",
+        "serve",
+        "--model",
+        "tiny-qwen2",
+        "--no-rollout-fast-decode",
+        "--rollout-max-batch",
+        "64",
+        "--memory-backend",
+        "portable",
+        "--update-weight-checksum",
+        "adler32",
+        "--device",
+        "cpu",
+        "--seed",
+        "3",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "30001",
+        "--api-key",
+        "key",
+    ]
+    # Every flag tidal serve gets is a tidal flag.
+    parse([a for a in cmd[4:] if a not in ("--host", "127.0.0.1", "--port", "30001", "--api-key", "key")])
+
+
+# ------------------------------------------------------------------------------------------- the loop
+
+
+def _train(tmp_path, *flags, on_step=None):
+    from tidal.driver import train
+
+    argv = [
+        "--num-rollout",
+        "2",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-max-response-len",
+        "3",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--no-progress",
+        "--rollout-engine",
+        "sglang",
+        *flags,
+    ]
+    cfg, prov = parse(argv)
+    cfg = resolve(cfg, prov)
+    train(cfg, on_step=on_step)
+    return [json.loads(x) for x in open(os.path.join(cfg.logging.output_dir, "metrics.jsonl"))]
+
+
+def _bitwise(seen):
+    def on_step(s, rollout_id, row):
+        want = s.trainer.call("weight_checksums")
+        for got in s.engines.call("weight_checksums"):
+            assert compare_checksums(want, got) == [], f"engine differs from the trainer after sync {rollout_id}"
+        assert s.engines.call("get_weight_version") == [row["sync/version"]] * len(s.engines)
+        seen.append(row["sync/version"])
+
+    return on_step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--update-weight-transport", "tensor"],
+        ["--no-colocate", "--update-weight-transport", "broadcast"],
+        ["--no-colocate", "--update-weight-transport", "disk", "--update-weight-disk-dir", "DISK"],
+    ],
+    ids=["tensor-colocated", "broadcast-disaggregated", "disk"],
+)
+def test_loop_over_external_sglang_server(ray_cluster, tmp_path, server, flags):
+    flags = [str(tmp_path / "disk") if f == "DISK" else f for f in flags]
+    seen: list[int] = []
+    rows = _train(
+        tmp_path,
+        "--rollout-external-engine-addrs",
+        server.address,
+        "--check-weight-update-equal",
+        *flags,
+        on_step=_bitwise(seen),
+    )
+    assert seen == [1, 2, 3] and [r["engine_restarts"] for r in rows] == [0, 0]
+
+
+@pytest.mark.slow
+def test_loop_survives_a_server_that_dies(ray_cluster, tmp_path):
+    srv = Server("--tidal-extras").start("--die-on-generate", "2")
+
+    def bring_back():
+        srv.proc.wait()
+        srv.start()
+
+    watcher = threading.Thread(target=bring_back, daemon=True)
+    watcher.start()
+    seen: list[int] = []
+    try:
+        rows = _train(
+            tmp_path,
+            "--rollout-external-engine-addrs",
+            srv.address,
+            "--check-weight-update-equal",
+            "--engine-start-timeout",
+            "60",
+            on_step=_bitwise(seen),
+        )
+    finally:
+        watcher.join(timeout=30)
+        srv.stop()
+    assert [r["engine_restarts"] for r in rows] == [0, 1]
+    # The second rollout was generated again after the resync (version 3); its step synced version 4.
+    assert seen == [1, 2, 4]
+    assert rows[0]["gen_samples"] == rows[1]["gen_samples"] == 4

@@ -1,0 +1,485 @@
+"""The HTTP engine: a rollout engine that is a client of a server speaking SGLang's HTTP protocol.
+
+``HttpEngineActor`` implements ``tidal.rollout.engine.RolloutEngine`` as a small Ray actor that
+talks to one server (``tidal serve``, or SGLang's own ``python -m sglang.launch_server``) through
+``SglangClient`` (httpx). The server is either given (``--rollout-external-engine-addrs``) or
+started by the actor itself in its placement-group bundle (``tidal.rollout.server.ServerProcess``),
+so a started server gets the bundle's device exactly as an embedded engine would.
+
+Calls map one to one onto SGLang's endpoints (``docs/engines.md`` has the table):
+
+    generate                      POST /generate (input_ids, sampling_params, return_logprob)
+    release/resume_memory         POST /release_memory_occupation, /resume_memory_occupation {tags}
+    update_weights_from_disk      POST /update_weights_from_disk {model_path, weight_version}
+    update_weights_from_tensor    POST /update_weights_from_tensor {serialized_named_tensors: [base64
+                                  of torch ForkingPickler bytes of [(name, tensor), ...]]}
+    init_weights_update_group     POST /init_weights_update_group {master_address, master_port, ...}
+    update_weights_from_distributed  POST /update_weights_from_distributed {names, dtypes, shapes,
+                                  load_format: flattened_bucket}, while the trainer broadcasts
+    get_weight_version / health   GET /model_info, GET /health
+    flush_cache, pause/continue   POST /flush_cache, /pause_generation, /continue_generation
+
+Verification: every bucket's checksum is checked when it reaches this actor (tensor transport) and
+sent along as ``tidal_checksum`` (xxh3 of the tensors' bytes in order), which ``tidal serve``
+checks and other servers ignore; after the last bucket ``/model_info`` must report the new
+``weight_version``. An update that fails part-way leaves the engine marked stale: it refuses to
+generate until a full version has been applied, so a half-updated engine never samples.
+
+Errors: a server that cannot be reached mid-run raises ``EngineDiedError`` (the driver restarts or
+reconnects it); an unreachable address at start, a server that does not speak the protocol or a
+non-200 reply is one ``UserError`` line naming the address, the endpoint and the reply.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, TrainerConfig, WeightSyncConfig
+from tidal.errors import EngineDiedError, UserError, WeightSyncError
+from tidal.rollout.engine import (
+    TAGS,
+    BucketHeader,
+    EngineHealth,
+    MemoryReport,
+    RolloutEngine,
+    WeightUpdateResult,
+)
+from tidal.rollout.types import Sample, SamplingParams
+from tidal.weight_sync.group import SGLANG_GROUP
+
+# SGLang's finish reasons -> Sample.status; "abort" means the request was dropped and is re-run.
+_STATUS = {"stop": "completed", "length": "truncated"}
+
+
+class EngineReplyError(UserError):
+    """A server answered, but not as a server speaking SGLang's protocol would (non-200, bad shape)."""
+
+
+class SglangClient:
+    """JSON over HTTP to one server; every failure is one line naming address, endpoint and reply."""
+
+    def __init__(self, address: str, *, api_key: str | None = None, timeout: float = 600.0):
+        import httpx
+
+        self.address = address
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(
+            base_url=f"http://{address}", headers=headers, timeout=httpx.Timeout(timeout, connect=10.0)
+        )
+
+    def call(self, method: str, endpoint: str, body: dict | None = None, *, timeout: float | None = None) -> Any:
+        import httpx
+
+        kw: dict[str, Any] = {}
+        if timeout is not None:
+            kw["timeout"] = timeout
+        try:
+            resp = self.http.request(method, endpoint, json=body, **kw)
+        except httpx.HTTPError as e:
+            raise EngineDiedError(
+                f"engine {self.address}: {method} {endpoint} failed: {type(e).__name__}: {e}".strip()
+            ) from None
+        if resp.status_code != 200:
+            raise EngineReplyError(
+                f"engine {self.address}: {method} {endpoint} answered {resp.status_code}: {_short(resp.text)}"
+            )
+        if not resp.content:
+            return None
+        try:
+            return resp.json()
+        except ValueError:
+            if endpoint in ("/health", "/flush_cache"):  # SGLang answers these with an empty or plain body
+                return None
+            raise EngineReplyError(
+                f"engine {self.address}: {method} {endpoint} answered 200 with non-JSON: {_short(resp.text)}"
+            ) from None
+
+    def get(self, endpoint: str, **kw: Any) -> Any:
+        return self.call("GET", endpoint, **kw)
+
+    def post(self, endpoint: str, body: dict | None = None, **kw: Any) -> Any:
+        return self.call("POST", endpoint, body or {}, **kw)
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def _short(text: str, limit: int = 200) -> str:
+    one = " ".join(str(text).split())
+    return one if len(one) <= limit else one[:limit] + "..."
+
+
+def parse_version(value: Any) -> int:
+    """SGLang's ``weight_version`` is a string ("default" before any update); tidal's are integers."""
+    try:
+        return int(str(value))
+    except ValueError:
+        return -1
+
+
+def sampling_body(sampling: SamplingParams) -> dict:
+    """SGLang's ``sampling_params`` for tidal's sampling settings (top_k 0 -> -1: disabled)."""
+    return {
+        "temperature": float(sampling.temperature),
+        "top_p": float(sampling.top_p),
+        "top_k": int(sampling.top_k) if sampling.top_k > 0 else -1,
+        "max_new_tokens": int(sampling.max_new_tokens),
+        "stop": list(sampling.stop),
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "no_stop_trim": True,  # the stop string stays in the response, as the embedded engine keeps it
+        "skip_special_tokens": True,
+    }
+
+
+def fill_sample(sample: Sample, out: dict, where: str, fallback_version: int) -> bool:
+    """Copy one ``/generate`` result into ``sample``; False when the server aborted the request."""
+    meta = out.get("meta_info") if isinstance(out, dict) else None
+    if not isinstance(meta, dict) or "output_token_logprobs" not in meta:
+        raise EngineReplyError(
+            f"{where}: a result without meta_info.output_token_logprobs ({_short(str(out))}); the server must answer return_logprob"
+        )
+    reason = meta.get("finish_reason") or {}
+    kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+    if kind == "abort":
+        return False
+    if kind not in _STATUS:
+        raise EngineReplyError(f"{where}: finish_reason {reason!r} is not stop, length or abort")
+    pairs = meta["output_token_logprobs"]
+    ids = out.get("output_ids")
+    ids = [int(p[1]) for p in pairs] if ids is None else [int(t) for t in ids]
+    if len(pairs) != len(ids) or any(int(p[1]) != t for p, t in zip(pairs, ids)):
+        raise EngineReplyError(
+            f"{where}: {len(ids)} output_ids but {len(pairs)} output_token_logprobs that do not name the same tokens"
+        )
+    sample.response_ids = ids
+    sample.response_logprobs = [float(p[0]) for p in pairs]
+    sample.response_text = str(out.get("text", ""))
+    sample.status = _STATUS[kind]
+    version = meta.get("weight_version")
+    sample.weight_version = parse_version(version) if version is not None else fallback_version
+    return True
+
+
+def serialize_named_tensors(named: list) -> str:
+    """SGLang's ``MultiprocessingSerializer`` wire form: torch ``ForkingPickler`` bytes, base64.
+
+    CPU tensors travel as shared-memory file names (the ``file_system`` sharing strategy: a
+    receiver in another, unrelated process can open them), CUDA tensors as IPC handles. The tensors
+    must stay alive until the server answered.
+    """
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as tmp
+
+    tmp.set_sharing_strategy("file_system")
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(named)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+class HttpEngineActor(RolloutEngine):
+    """One HTTP engine (a Ray actor): ``address`` of an external server, or None to start one here."""
+
+    def __init__(
+        self,
+        engine_rank: int,
+        *,
+        model: ModelConfig,
+        rollout: RolloutConfig,
+        memory: MemoryConfig,
+        weight_sync: WeightSyncConfig,
+        device: str,
+        seed: int = TrainerConfig.seed,
+        address: str | None = None,
+    ) -> None:
+        self.engine_rank = engine_rank
+        self.model_cfg, self.rollout_cfg, self.memory_cfg, self.weight_sync_cfg = model, rollout, memory, weight_sync
+        self.device, self.seed = device, seed
+        self.external = address
+        self.address = address or ""
+        self.server = None
+        self.client: SglangClient | None = None
+        self._version = -1
+        self._stale = False  # a weight update failed part-way: refuse to generate until a full version landed
+        self._residency = "AWAKE"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def init(self) -> dict:
+        """Start the server (unless external), wait for /health and check it speaks SGLang's protocol."""
+        if self.external is None:
+            from tidal.rollout.server import ServerProcess
+
+            self.server = ServerProcess(
+                self.engine_rank,
+                self.model_cfg,
+                self.rollout_cfg,
+                self.memory_cfg,
+                self.weight_sync_cfg,
+                device=self.device,
+                seed=self.seed,
+            )
+            self.address = self.server.start(self.rollout_cfg.engine_start_timeout)
+        self.client = SglangClient(self.address, api_key=self.rollout_cfg.rollout_engine_api_key)
+        info = self._connect(first=True)
+        return {
+            "engine_rank": self.engine_rank,
+            "address": self.address,
+            "server": "external" if self.external else self.server.kind,
+            "model_path": str(info.get("model_path", "")),
+        }
+
+    def _connect(self, first: bool) -> dict:
+        """GET /health then /model_info; an unreachable address at start is the user's to fix."""
+        try:
+            self.client.get("/health", timeout=self.rollout_cfg.engine_health_timeout)
+        except EngineDiedError as e:
+            if not first:
+                raise
+            where = "--rollout-external-engine-addrs" if self.external else "the started server"
+            raise UserError(f"{e}; start the server or fix {where}") from None
+        info = self.client.get("/model_info")
+        if not isinstance(info, dict) or not ({"model_path", "weight_version"} & set(info)):
+            raise EngineReplyError(
+                f"engine {self.address}: GET /model_info answered {_short(str(info))}; not a server speaking SGLang's protocol"
+            )
+        self._version = parse_version(info.get("weight_version", "default"))
+        return info
+
+    def restart(self) -> dict:
+        """Bring the server back: restart a started one, or wait for an external one to answer again.
+
+        What it held is gone either way: weights are undefined until the next sync, memory is awake.
+        """
+        if self.server is not None:
+            self.server.stop()
+            self.address = self.server.start(self.rollout_cfg.engine_start_timeout)
+            self.client = SglangClient(self.address, api_key=self.rollout_cfg.rollout_engine_api_key)
+        deadline = time.monotonic() + self.rollout_cfg.engine_start_timeout
+        while True:
+            try:
+                self._connect(first=False)
+                break
+            except EngineDiedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        self._stale, self._residency = True, "AWAKE"
+        return {"engine_rank": self.engine_rank, "address": self.address}
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+    def _c(self) -> SglangClient:
+        if self.client is None:
+            raise RuntimeError(f"engine {self.engine_rank}: init() was not called")
+        return self.client
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
+        if self._stale:
+            raise WeightSyncError(
+                f"engine {self.address}: its last weight update did not complete; it generates again after a full sync"
+            )
+        if self._residency != "AWAKE":
+            from tidal.errors import ResidencyError
+
+            raise ResidencyError(f"engine {self.address}: generate while {self._residency}; resume its memory first")
+        todo = list(samples)
+        for _ in range(3):  # requests the server aborted (a pause, an update) are sent again
+            if not todo:
+                return samples
+            body = {
+                "input_ids": [s.prompt_ids for s in todo],
+                "sampling_params": sampling_body(sampling),
+                "return_logprob": True,
+                "logprob_start_len": -1,
+            }
+            out = self._c().post("/generate", body)
+            out = out if isinstance(out, list) else [out]
+            if len(out) != len(todo):
+                raise EngineReplyError(
+                    f"engine {self.address}: POST /generate answered {len(out)} results for {len(todo)} prompts"
+                )
+            where = f"engine {self.address}: POST /generate"
+            todo = [s for s, o in zip(todo, out) if not fill_sample(s, o, where, self._version)]
+        if todo:
+            raise EngineDiedError(f"engine {self.address}: POST /generate aborted {len(todo)} requests three times")
+        return samples
+
+    # ------------------------------------------------------------------ memory
+
+    def release_memory(self, tags: Sequence[str] = TAGS) -> MemoryReport:
+        t0 = time.perf_counter()
+        self._c().post("/release_memory_occupation", {"tags": list(tags)})
+        self._residency = "ASLEEP"
+        return MemoryReport(self._residency, {"memory/engine_release/seconds": time.perf_counter() - t0})
+
+    def resume_memory(self, tags: Sequence[str] = TAGS) -> MemoryReport:
+        t0 = time.perf_counter()
+        self._c().post("/resume_memory_occupation", {"tags": list(tags)})
+        self._residency = "AWAKE" if "kv_cache" in tags else "WEIGHTS_ONLY"
+        return MemoryReport(self._residency, {"memory/engine_resume/seconds": time.perf_counter() - t0})
+
+    # ------------------------------------------------------------------ weights
+
+    def _update(self, endpoint: str, body: dict, version: int, last: bool, nbytes: int) -> WeightUpdateResult:
+        """POST one weight update; on the last bucket check /model_info reports the version."""
+        t0 = time.perf_counter()
+        self._stale = True
+        reply = self._c().post(endpoint, {**body, "weight_version": str(version) if last else None})
+        if isinstance(reply, dict) and reply.get("success") is False:
+            raise WeightSyncError(
+                f"engine {self.address}: POST {endpoint} answered success=false: {_short(str(reply.get('message', '')))}"
+            )
+        if last:
+            got = self._c().get("/model_info").get("weight_version")
+            if parse_version(got) != version:
+                raise WeightSyncError(
+                    f"engine {self.address}: GET /model_info reports weight_version {got!r} after updating to {version}"
+                )
+            self._version, self._stale = version, False
+        return WeightUpdateResult(version, last, self._version, time.perf_counter() - t0, nbytes)
+
+    def update_weights_from_disk(self, path: str, version: int) -> WeightUpdateResult:
+        return self._update("/update_weights_from_disk", {"model_path": path, "flush_cache": True}, version, True, 0)
+
+    def update_weights_from_tensor(self, bucket: BucketHeader, version: int) -> WeightUpdateResult:
+        import torch
+
+        from tidal.weight_sync.bucket import buffer_checksum, entry_view
+        from tidal.weight_sync.receiver import bucket_buffer
+
+        buf = bucket_buffer(bucket)
+        got = buffer_checksum(buf)
+        if got != bucket["checksum"]:
+            raise WeightSyncError(
+                f"weight sync v{version}: bucket {bucket['index']} checksum mismatch ({got} != {bucket['checksum']}) on its way to {self.address}; nothing applied"
+            )
+        if buf.device.type == "cpu":
+            # Into shared memory once, so the server maps the tensors instead of receiving their bytes.
+            shared = torch.empty(buf.numel(), dtype=torch.uint8).share_memory_()
+            shared.copy_(buf)
+            buf = shared
+        entries = list(bucket["entries"])
+        named = [(e["name"], entry_view(buf, e)) for e in entries]
+        if not named:
+            return self._version_only(version, bool(bucket["last"]))
+        body = {
+            "serialized_named_tensors": [serialize_named_tensors(named)],
+            "load_format": None,
+            "flush_cache": bool(bucket["last"]),
+            "tidal_checksum": tensors_checksum([t for _, t in named]),
+        }
+        return self._update("/update_weights_from_tensor", body, version, bool(bucket["last"]), buf.numel())
+
+    def init_weights_update_group(
+        self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str
+    ) -> None:
+        body = {
+            "master_address": master_addr,
+            "master_port": int(master_port),
+            "rank_offset": int(rank),
+            "world_size": int(world_size),
+            "group_name": SGLANG_GROUP,
+            "backend": backend,
+        }
+        reply = self._c().post("/init_weights_update_group", body)
+        if isinstance(reply, dict) and reply.get("success") is False:
+            raise WeightSyncError(
+                f"engine {self.address}: POST /init_weights_update_group answered success=false: {_short(str(reply.get('message', '')))}"
+            )
+
+    def update_weights_from_distributed(self, bucket: BucketHeader, version: int) -> WeightUpdateResult:
+        entries = list(bucket["entries"])
+        if not entries:
+            return self._version_only(version, bool(bucket["last"]))
+        body = {
+            "names": [e["name"] for e in entries],
+            "dtypes": [e["dtype"] for e in entries],
+            "shapes": [list(e["shape"]) for e in entries],
+            "group_name": SGLANG_GROUP,
+            "load_format": "flattened_bucket",
+            "flush_cache": bool(bucket["last"]),
+            "tidal_checksum": bucket.get("compact_checksum"),
+        }
+        nbytes = sum(int(e["nbytes"]) for e in entries)
+        return self._update("/update_weights_from_distributed", body, version, bool(bucket["last"]), nbytes)
+
+    def _version_only(self, version: int, last: bool) -> WeightUpdateResult:
+        """A bucket with no tensors (nothing left to send) still commits the version."""
+        if last:
+            self._c().post("/update_weight_version", {"new_version": str(version)})
+            return self._update("/flush_cache", {}, version, True, 0)
+        return WeightUpdateResult(version, False, self._version)
+
+    def get_weight_version(self) -> int:
+        self._version = parse_version(self._c().get("/model_info").get("weight_version", "default"))
+        return self._version
+
+    def flush_cache(self) -> None:
+        for attempt in range(10):  # SGLang refuses a flush while requests run
+            try:
+                self._c().post("/flush_cache")
+                return
+            except EngineReplyError:
+                if attempt == 9:
+                    raise
+                time.sleep(0.2)
+
+    def pause_generation(self) -> None:
+        self._c().post("/pause_generation", {"mode": "abort"})
+
+    def continue_generation(self) -> None:
+        self._c().post("/continue_generation")
+
+    def health(self) -> EngineHealth:
+        self._c().get("/health", timeout=self.rollout_cfg.engine_health_timeout)
+        return EngineHealth(self.engine_rank, self.get_weight_version(), self._residency, self.address, "sglang")
+
+    # ------------------------------------------------------------------ checks (tidal serve only)
+
+    def weight_checksums(self, algo: str = "xxh3-128") -> dict[str, str]:
+        try:
+            return dict(self._c().get("/weight_checksums", timeout=600.0))
+        except EngineReplyError as e:
+            raise UserError(
+                f"{e}; --check-weight-update-equal needs a tidal serve engine (other servers are checked by weight_version only)"
+            ) from None
+
+    def randomize_weights(self, seed: int) -> None:
+        try:
+            self._c().post("/randomize_weights", {"seed": int(seed)})
+        except EngineReplyError as e:
+            raise UserError(
+                f"{e}; --check-weight-update-equal needs a tidal serve engine (other servers are checked by weight_version only)"
+            ) from None
+
+    def memory_stats(self) -> dict[str, int]:
+        """This client's host memory (the server's own figures are its business)."""
+        from tidal.memory.telemetry import process_memory_stats
+
+        return process_memory_stats("cpu")
+
+    def residency(self) -> str:
+        return self._residency
+
+
+def tensors_checksum(tensors: list) -> str:
+    """xxh3-128 of the tensors' bytes concatenated in order (the ``tidal_checksum`` of an update)."""
+    import torch
+
+    from tidal.weight_sync.bucket import buffer_checksum
+
+    flat = (
+        torch.cat([t.detach().reshape(-1).view(torch.uint8).cpu() for t in tensors])
+        if tensors
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    return buffer_checksum(flat)
