@@ -24,7 +24,7 @@ import pytest
 
 from tidal.config import parse, resolve
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, WeightSyncConfig
-from tidal.errors import EngineDiedError, UserError, WeightSyncError
+from tidal.errors import EngineDiedError, RunFailed, UserError, WeightSyncError
 from tidal.rollout.http_engine import EngineReplyError, HttpEngineActor
 from tidal.rollout.server import server_command
 from tidal.rollout.types import Sample, SamplingParams
@@ -352,3 +352,67 @@ def test_loop_survives_a_server_that_dies(ray_cluster, tmp_path):
     # The second rollout was generated again after the resync (version 3); its step synced version 4.
     assert seen == [1, 2, 4]
     assert rows[0]["gen_samples"] == rows[1]["gen_samples"] == 4
+
+
+@pytest.mark.slow
+def test_embedded_engine_and_trainer_deaths(ray_cluster, tmp_path):
+    """An embedded engine actor killed mid-run is restarted; a killed trainer ends the run in one line."""
+    import ray
+
+    from tidal.driver import train
+
+    argv = [
+        "--num-rollout",
+        "3",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-max-response-len",
+        "3",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--no-progress",
+        "--save",
+        str(tmp_path / "ck"),
+        "--save-interval",
+        "1",
+    ]
+    cfg, prov = parse(argv)
+    cfg = resolve(cfg, prov)
+    seen: list[int] = []
+    check = _bitwise(seen)
+
+    def on_step(s, rollout_id, row):
+        check(s, rollout_id, row)
+        if rollout_id == 0:
+            ray.kill(s.engines.actors[0])
+        if rollout_id == 1:
+            ray.kill(s.trainer.actors[0])
+
+    with pytest.raises(RunFailed) as exc:
+        train(cfg, on_step=on_step)
+    msg = str(exc.value)
+    assert msg.startswith("trainer rank 0 died") and "\n" not in msg
+    assert f"resume with --load {tmp_path / 'ck'} (newest checkpoint: iter_0000001)" in msg, msg
+    rows = [json.loads(x) for x in open(os.path.join(cfg.logging.output_dir, "metrics.jsonl"))]
+    assert [r["engine_restarts"] for r in rows] == [0, 1]
+    assert rows[0]["gen_samples"] == rows[1]["gen_samples"] == 4
+    assert seen == [1, 2, 4]  # the resync after the restart was version 3
+
+
+def test_restarts_past_the_limit_are_one_line():
+    from types import SimpleNamespace
+
+    from tidal.session import Session
+
+    cfg, prov = parse(["--max-engine-restarts", "0", "--device", "cpu"])
+    fake = SimpleNamespace(cfg=resolve(cfg, prov), engine_restarts=0)
+    fake.checkpoint_hint = lambda: Session.checkpoint_hint(fake)
+    with pytest.raises(RunFailed) as exc:
+        Session.restart_engines(fake, [0], "ActorDiedError: the actor died")
+    msg = str(exc.value)
+    assert "engine 0 died (ActorDiedError: the actor died) after 0 engine restart(s)" in msg and "\n" not in msg
+    assert exc.value.exit_code == 1
