@@ -120,7 +120,8 @@ def build_app(args) -> FastAPI:
     def init_group(body: dict):
         timeout = timedelta(seconds=120)
         store = dist.TCPStore(body["master_address"], body["master_port"], is_master=False, timeout=timeout)
-        prefixed = dist.PrefixStore(f"{body['group_name']}/", store)
+        # torch's custom-group layout (as SGLang's init_custom_process_group gets it): group, then device.
+        prefixed = dist.PrefixStore("cpu/", dist.PrefixStore(f"{body['group_name']}/", store))
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=body["master_address"])]
@@ -159,10 +160,11 @@ def build_app(args) -> FastAPI:
 
         @app.get("/weight_checksums")
         def checksums():
-            return {
+            sums = {
                 n: xxhash.xxh3_128_hexdigest(t.contiguous().view(-1).view(torch.uint8).numpy())
                 for n, t in state["weights"].items()
             }
+            return {"weight_version": state["version"], "checksums": sums}
 
         @app.post("/randomize_weights")
         def randomize(body: dict):

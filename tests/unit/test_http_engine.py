@@ -416,3 +416,60 @@ def test_restarts_past_the_limit_are_one_line():
     msg = str(exc.value)
     assert "engine 0 died (ActorDiedError: the actor died) after 0 engine restart(s)" in msg and "\n" not in msg
     assert exc.value.exit_code == 1
+
+
+# ------------------------------------------------------------------------------------ against tidal serve
+
+
+class TidalServe:
+    """``tidal serve`` as its own process on 127.0.0.1 (same --model and --seed as the run)."""
+
+    def __init__(self, tmp_path, *flags: str):
+        self.log = tmp_path / "serve.log"
+        cmd = [sys.executable, "-m", "tidal", "serve", "--device", "cpu", "--port", "0", *flags]
+        env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(HERE))}
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        self.address = ""
+        for _ in range(1200):
+            text = self.log.read_text()
+            if "listening on http://" in text:
+                self.address = text.split("listening on http://", 1)[1].split()[0]
+                break
+            assert self.proc.poll() is None, text
+            time.sleep(0.05)
+        assert self.address, self.log.read_text()
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.mark.slow
+def test_loop_over_external_tidal_serve_disk(ray_cluster, tmp_path):
+    serve = TidalServe(tmp_path)
+    seen: list[int] = []
+    try:
+        rows = _train(
+            tmp_path,
+            "--rollout-external-engine-addrs",
+            serve.address,
+            "--no-colocate",
+            "--update-weight-transport",
+            "disk",
+            "--update-weight-disk-dir",
+            str(tmp_path / "disk"),
+            on_step=_bitwise(seen),
+        )
+    finally:
+        serve.stop()
+    assert seen == [1, 2, 3] and [r["gen_samples"] for r in rows] == [4, 4]
+
+
+@pytest.mark.slow
+def test_loop_with_tidal_serve_started_by_tidal(ray_cluster, tmp_path):
+    seen: list[int] = []
+    rows = _train(
+        tmp_path, "--update-weight-transport", "tensor", "--check-weight-update-equal", on_step=_bitwise(seen)
+    )
+    assert seen == [1, 2, 3] and [r["engine_restarts"] for r in rows] == [0, 0]

@@ -19,10 +19,10 @@ Calls map one to one onto SGLang's endpoints (``docs/engines.md`` has the table)
     get_weight_version / health   GET /model_info, GET /health
     flush_cache, pause/continue   POST /flush_cache, /pause_generation, /continue_generation
 
-Verification: every bucket's checksum is checked when it reaches this actor (tensor transport) and
-sent along as ``tidal_checksum`` (xxh3 of the tensors' bytes in order), which ``tidal serve``
-checks and other servers ignore; after the last bucket ``/model_info`` must report the new
-``weight_version``. An update that fails part-way leaves the engine marked stale: it refuses to
+Verification: every bucket's checksum is checked when it reaches this actor (tensor transport), and
+each tensor's xxh3-128 travels along as ``checksums`` (name -> hex), which ``tidal serve`` checks
+before applying anything and other servers ignore; after the last bucket ``/model_info`` must
+report the new ``weight_version``. An update that fails part-way leaves the engine marked stale: it refuses to
 generate until a full version has been applied, so a half-updated engine never samples.
 
 Errors: a server that cannot be reached mid-run raises ``EngineDiedError`` (the driver restarts or
@@ -33,6 +33,7 @@ non-200 reply is one ``UserError`` line naming the address, the endpoint and the
 from __future__ import annotations
 
 import base64
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -52,6 +53,7 @@ from tidal.weight_sync.group import SGLANG_GROUP
 
 # SGLang's finish reasons -> Sample.status; "abort" means the request was dropped and is re-run.
 _STATUS = {"stop": "completed", "length": "truncated"}
+log = logging.getLogger(__name__)
 
 
 class EngineReplyError(UserError):
@@ -354,6 +356,7 @@ class HttpEngineActor(RolloutEngine):
         import torch
 
         from tidal.weight_sync.bucket import buffer_checksum, entry_view
+        from tidal.weight_sync.checksum import tensor_checksum
         from tidal.weight_sync.receiver import bucket_buffer
 
         buf = bucket_buffer(bucket)
@@ -375,7 +378,7 @@ class HttpEngineActor(RolloutEngine):
             "serialized_named_tensors": [serialize_named_tensors(named)],
             "load_format": None,
             "flush_cache": bool(bucket["last"]),
-            "tidal_checksum": tensors_checksum([t for _, t in named]),
+            "checksums": {name: tensor_checksum(t) for name, t in named},
         }
         return self._update("/update_weights_from_tensor", body, version, bool(bucket["last"]), buf.numel())
 
@@ -407,7 +410,7 @@ class HttpEngineActor(RolloutEngine):
             "group_name": SGLANG_GROUP,
             "load_format": "flattened_bucket",
             "flush_cache": bool(bucket["last"]),
-            "tidal_checksum": bucket.get("compact_checksum"),
+            "checksums": bucket.get("tensor_checksums"),
         }
         nbytes = sum(int(e["nbytes"]) for e in entries)
         return self._update("/update_weights_from_distributed", body, version, bool(bucket["last"]), nbytes)
@@ -446,20 +449,21 @@ class HttpEngineActor(RolloutEngine):
     # ------------------------------------------------------------------ checks (tidal serve only)
 
     def weight_checksums(self, algo: str = "xxh3-128") -> dict[str, str]:
+        """``GET /weight_checksums`` (tidal serve): ``{weight_version, checksums: name -> xxh3-128}``."""
         try:
-            return dict(self._c().get("/weight_checksums", timeout=600.0))
+            reply = self._c().get("/weight_checksums", timeout=600.0)
         except EngineReplyError as e:
             raise UserError(
                 f"{e}; --check-weight-update-equal needs a tidal serve engine (other servers are checked by weight_version only)"
             ) from None
+        return dict(reply["checksums"])
 
     def randomize_weights(self, seed: int) -> None:
+        """``POST /randomize_weights`` (tidal serve); a server without it keeps its weights (logged once)."""
         try:
             self._c().post("/randomize_weights", {"seed": int(seed)})
         except EngineReplyError as e:
-            raise UserError(
-                f"{e}; --check-weight-update-equal needs a tidal serve engine (other servers are checked by weight_version only)"
-            ) from None
+            log.warning("%s: weights not randomised before the equality check", e)
 
     def memory_stats(self) -> dict[str, int]:
         """This client's host memory (the server's own figures are its business)."""
@@ -469,17 +473,3 @@ class HttpEngineActor(RolloutEngine):
 
     def residency(self) -> str:
         return self._residency
-
-
-def tensors_checksum(tensors: list) -> str:
-    """xxh3-128 of the tensors' bytes concatenated in order (the ``tidal_checksum`` of an update)."""
-    import torch
-
-    from tidal.weight_sync.bucket import buffer_checksum
-
-    flat = (
-        torch.cat([t.detach().reshape(-1).view(torch.uint8).cpu() for t in tensors])
-        if tensors
-        else torch.empty(0, dtype=torch.uint8)
-    )
-    return buffer_checksum(flat)

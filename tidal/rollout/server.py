@@ -7,7 +7,8 @@ device through ``CUDA_VISIBLE_DEVICES``), on 127.0.0.1 and a free port, and wait
 The command line:
 
     tidal serve     python -m tidal serve <the engine's model, rollout, memory and weight-sync flags
-                    that differ from their defaults> --device D --seed S --host 127.0.0.1 --port P
+                    that differ from their defaults> --device D --seed S --host 127.0.0.1 --port 0
+                    (it binds a free port and prints it: ``tidal serve: listening on http://H:P``)
     sglang          python -m sglang.launch_server --model-path M [--tokenizer-path T]
                     [--trust-remote-code] --host 127.0.0.1 --port P --random-seed S
                     [--enable-memory-saver] [--dtype bfloat16] <every --sglang-X flag as --X>
@@ -149,7 +150,8 @@ class ServerProcess:
         """Start the server and wait until ``/health`` answers 200; returns host:port."""
         import httpx
 
-        port = free_port()
+        # tidal serve binds a free port itself and prints it; SGLang gets one picked here.
+        port = 0 if self.kind == "tidal" else free_port()
         cmd = server_command(self.kind, **self.sections, device=self.device, seed=self.seed, port=port)
         fd, self.log_path = tempfile.mkstemp(prefix=f"tidal-engine-{self.engine_rank}-", suffix=".log")
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
@@ -157,7 +159,7 @@ class ServerProcess:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_die_with_parent
             )
-        address = f"127.0.0.1:{port}"
+        address = f"127.0.0.1:{port}" if port else None
         key = self.sections["rollout"].rollout_engine_api_key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         deadline = time.monotonic() + timeout_s
@@ -167,8 +169,9 @@ class ServerProcess:
                     f"engine {self.engine_rank}: `{' '.join(cmd[1:4])} ...` exited with code {self.proc.returncode} "
                     f"before answering /health: {self.last_line()} (log: {self.log_path})"
                 )
+            address = address or self.listening()
             try:
-                if httpx.get(f"http://{address}/health", headers=headers, timeout=2.0).status_code == 200:
+                if address and httpx.get(f"http://{address}/health", headers=headers, timeout=2.0).status_code == 200:
                     return address
             except httpx.HTTPError:
                 pass
@@ -178,6 +181,17 @@ class ServerProcess:
             f"engine {self.engine_rank}: the server on {address} did not answer /health within {timeout_s:.0f} s "
             f"(log: {self.log_path}); raise --engine-start-timeout or read the log"
         )
+
+    def listening(self) -> str | None:
+        """host:port from tidal serve's ``tidal serve: listening on http://HOST:PORT`` line, once printed."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                for line in f:
+                    if line.startswith("tidal serve: listening on http://"):
+                        return line.split("http://", 1)[1].strip().rstrip("/")
+        except OSError:
+            pass
+        return None
 
     def last_line(self) -> str:
         try:

@@ -6,7 +6,7 @@ first tells the engines what is coming (``update_weights_from_distributed(meta, 
 bucket header), then broadcasts the flat buffer; each engine receives into a buffer of its own,
 verifies the checksum and applies. Delta buckets travel the same way (only the encoded bytes).
 Engines whose ``health()`` names the ``sglang`` protocol (HTTP engines) get SGLang's layout instead:
-the tensors' bytes back to back, with their checksum in the header (``compact_checksum``).
+the tensors' bytes back to back, with each tensor's checksum in the header (``tensor_checksums``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import ray
 import torch
 
 from tidal.errors import ConfigError
-from tidal.weight_sync.bucket import buffer_checksum
+from tidal.weight_sync.checksum import checksum_bytes
 from tidal.weight_sync.group import broadcast, make_group, master_store, sglang_group
 from tidal.weight_sync.stream import Bucket, StreamingStrategy
 
@@ -59,8 +59,8 @@ class BroadcastStrategy(StreamingStrategy):
             self.connect()
         data = bucket.data
         if self.sglang:
+            header = {**header, "tensor_checksums": entry_checksums(data, header["entries"])}
             data = compact(data, header["entries"])
-            header = {**header, "compact_checksum": buffer_checksum(data)}
         refs = [e.update_weights_from_distributed.remote(header, header["version"]) for e in self.engines]
         if self.backend == "nccl" and data.device.type != "cuda":
             data = data.cuda()
@@ -81,3 +81,12 @@ def compact(data: torch.Tensor, entries: list[dict]) -> torch.Tensor:
         return data[:0]
     parts = [data[e["offset"] : e["offset"] + e["nbytes"]] for e in entries]
     return torch.cat(parts)
+
+
+def entry_checksums(data: torch.Tensor, entries: list[dict]) -> dict[str, str] | None:
+    """xxh3-128 of each tensor's bytes (a server speaking the protocol may check them); host buckets only
+    (NCCL buckets live on the device, where xxh3 does not run: they are checked by version and equality)."""
+    if data.device.type != "cpu":
+        return None
+    raw = data.numpy()
+    return {e["name"]: checksum_bytes(raw[e["offset"] : e["offset"] + e["nbytes"]]) for e in entries}
