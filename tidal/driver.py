@@ -61,8 +61,7 @@ def _one_line(s, e: BaseException) -> BaseException:
     """A trainer rank or an engine that died outside generation: one line with the checkpoint to resume from."""
     from ray.exceptions import RayActorError
 
-    from tidal.cluster.groups import is_engine_death
-    from tidal.errors import RunFailed
+    from tidal.errors import RunFailed, is_engine_death
 
     if isinstance(e, RunFailed):
         return e

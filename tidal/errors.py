@@ -59,3 +59,15 @@ class RunFailed(UserError):
 
 class EngineDiedError(RuntimeError):
     """A rollout engine that died, or stopped answering, mid-run: the driver restarts it and re-runs its work."""
+
+
+def is_engine_death(exc: BaseException) -> bool:
+    """An engine actor that died, or an HTTP engine whose server stopped answering."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if isinstance(exc, (RayActorError, EngineDiedError)):
+        return True
+    if isinstance(exc, RayTaskError):
+        cause = getattr(exc, "cause", None)
+        return cause is not None and cause is not exc and is_engine_death(cause)
+    return False

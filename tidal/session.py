@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import os
 
-from tidal.cluster.groups import EngineGroup, TrainerGroup, is_engine_death
+from tidal.cluster.groups import EngineGroup, TrainerGroup
 from tidal.cluster.placement import create_placement_group, plan_placement
 from tidal.cluster.ray_cluster import start_ray, stop_ray
 from tidal.config.schema import TidalConfig
-from tidal.errors import RunFailed, WeightSyncError
+from tidal.errors import RunFailed, WeightSyncError, is_engine_death
 from tidal.observe.console import Display
 from tidal.observe.plots import plot_curves
 from tidal.observe.run_dir import RunDir

@@ -13,7 +13,7 @@ import socket
 from typing import Any
 
 from tidal.cluster.placement import Placement, actor_options
-from tidal.errors import ray_get
+from tidal.errors import is_engine_death, ray_get
 
 get = ray_get  # the cluster's name for it
 
@@ -135,17 +135,3 @@ class EngineGroup:
 
         refs = [a.shutdown.remote() for a in self.actors]
         ray.wait(refs, num_returns=len(refs), timeout=15)
-
-
-def is_engine_death(exc: BaseException) -> bool:
-    """An engine actor that died, or an HTTP engine whose server stopped answering."""
-    from ray.exceptions import RayActorError, RayTaskError
-
-    from tidal.errors import EngineDiedError
-
-    if isinstance(exc, (RayActorError, EngineDiedError)):
-        return True
-    if isinstance(exc, RayTaskError):
-        cause = getattr(exc, "cause", None)
-        return cause is not None and cause is not exc and is_engine_death(cause)
-    return False

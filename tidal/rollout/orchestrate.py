@@ -69,7 +69,7 @@ def run_engines(s, samples: list[Sample], sampling: SamplingParams, group_size: 
     """
     import ray
 
-    from tidal.cluster.groups import is_engine_death
+    from tidal.errors import is_engine_death
 
     engines = s.engines
     n = len(engines)
