@@ -306,10 +306,14 @@ def _bitwise(seen):
 @pytest.mark.parametrize(
     "flags",
     # tensor (colocated) runs in the dying-server test below, disk against tidal serve.
-    [["--no-colocate", "--update-weight-transport", "broadcast"]],
-    ids=["broadcast-disaggregated"],
+    [
+        ["--no-colocate", "--update-weight-transport", "broadcast"],
+        ["--no-colocate", "--update-weight-transport", "disk", "--update-weight-disk-dir", "DISK"],
+    ],
+    ids=["broadcast-disaggregated", "disk"],
 )
 def test_loop_over_external_sglang_server(ray_cluster, tmp_path, server, flags):
+    flags = [str(tmp_path / "disk") if f == "DISK" else f for f in flags]
     seen: list[int] = []
     rows = _train(
         tmp_path,
@@ -444,7 +448,8 @@ class TidalServe:
 
 
 @pytest.mark.slow
-def test_loop_over_external_tidal_serve_disk(ray_cluster, tmp_path):
+def test_loop_over_external_tidal_serve_delta_disk(ray_cluster, tmp_path):
+    """Delta over disk: the server pulls each version into its local checkpoint (/pull_weights), then loads it."""
     serve = TidalServe(tmp_path)
     seen: list[int] = []
     try:
@@ -457,11 +462,17 @@ def test_loop_over_external_tidal_serve_disk(ray_cluster, tmp_path):
             "disk",
             "--update-weight-disk-dir",
             str(tmp_path / "disk"),
+            "--update-weight-mode",
+            "delta",
+            "--update-weight-local-checkpoint-dir",
+            str(tmp_path / "local"),
+            "--check-weight-update-equal",
             on_step=_bitwise(seen),
         )
     finally:
         serve.stop()
     assert seen == [1, 2, 3] and [r["gen_samples"] for r in rows] == [4, 4]
+    assert [r["sync/mode"] for r in rows] == ["delta", "delta"]
 
 
 @pytest.mark.slow

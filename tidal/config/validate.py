@@ -223,7 +223,7 @@ def _model(ctx: Context) -> None:
     "engine",
     "`--rollout-engine sglang` talks to servers over SGLang's HTTP protocol: `--rollout-external-engine-addrs` "
     "(host:port, one engine each; sets `--rollout-num-gpus`) or servers tidal starts (`--sglang-server`); "
-    "full weight syncs only, no custom generate function; `--sglang-*` pass-through flags need `--sglang-server sglang`.",
+    "delta syncs only over disk (`/pull_weights`), no custom generate function; `--sglang-*` pass-through flags need `--sglang-server sglang`.",
 )
 def _engine(ctx: Context) -> None:
     r, c = ctx.cfg.rollout, ctx.cfg.cluster
@@ -247,9 +247,11 @@ def _engine(ctx: Context) -> None:
         raise ConfigError(
             "--custom-generate-function-path runs inside the embedded engine; use --rollout-engine embedded or drop it"
         )
-    if ctx.cfg.weight_sync.update_weight_mode != "full":
+    w = ctx.cfg.weight_sync
+    if w.update_weight_mode != "full" and w.update_weight_transport not in (None, "disk"):
         raise ConfigError(
-            "--update-weight-mode delta: SGLang's weight-update endpoints carry full tensors; use --update-weight-mode full with --rollout-engine sglang"
+            f"--update-weight-mode delta over {w.update_weight_transport}: SGLang's tensor and distributed updates carry full tensors; "
+            "use --update-weight-mode full, or delta over disk (servers /pull_weights it)"
         )
     if r.sglang_server_args and (addrs or r.sglang_server != "sglang"):
         raise ConfigError(

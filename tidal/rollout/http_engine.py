@@ -18,6 +18,7 @@ Calls map one to one onto SGLang's endpoints (``docs/engines.md`` has the table)
                                   load_format: flattened_bucket}, while the trainer broadcasts
     get_weight_version / health   GET /model_info, GET /health
     flush_cache, pause/continue   POST /flush_cache, /pause_generation, /continue_generation
+    pull_weights                  POST /pull_weights (slime's; delta over disk)
 
 Verification: every bucket's checksum is checked when it reaches this actor (tensor transport), and
 each tensor's xxh3-128 travels along as ``checksums`` (name -> hex), which ``tidal serve`` checks
@@ -414,6 +415,25 @@ class HttpEngineActor(RolloutEngine):
         }
         nbytes = sum(int(e["nbytes"]) for e in entries)
         return self._update("/update_weights_from_distributed", body, version, bool(bucket["last"]), nbytes)
+
+    def pull_weights(self, source_dir: str, local_checkpoint_dir: str | None = None, target_version=None):
+        """slime's ``POST /pull_weights`` (delta over disk): the server brings its local checkpoint to
+        ``target_version``; its weights change with the next ``update_weights_from_disk``."""
+        from tidal.weight_sync.local_checkpoint import PullResult
+
+        t0 = time.perf_counter()
+        body = {
+            "source_dir": source_dir,
+            "local_checkpoint_dir": local_checkpoint_dir,
+            "target_version": None if target_version is None else str(target_version),
+        }
+        reply = self._c().post("/pull_weights", body)
+        if isinstance(reply, dict) and reply.get("success") is False:
+            raise WeightSyncError(
+                f"engine {self.address}: POST /pull_weights answered success=false: {_short(str(reply.get('message', '')))}"
+            )
+        got = reply.get("version", target_version) if isinstance(reply, dict) else target_version
+        return PullResult(version=int(got) if got is not None else -1, seconds=time.perf_counter() - t0)
 
     def _version_only(self, version: int, last: bool) -> WeightUpdateResult:
         """A bucket with no tensors (nothing left to send) still commits the version."""
