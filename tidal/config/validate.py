@@ -248,9 +248,10 @@ def _engine(ctx: Context) -> None:
             "--custom-generate-function-path runs inside the embedded engine; use --rollout-engine embedded or drop it"
         )
     w = ctx.cfg.weight_sync
-    if w.update_weight_mode != "full" and w.update_weight_transport not in (None, "disk"):
+    transport = w.update_weight_transport or ("tensor" if c.colocate else "broadcast")  # as the transport rule picks
+    if w.update_weight_mode != "full" and transport != "disk":
         raise ConfigError(
-            f"--update-weight-mode delta over {w.update_weight_transport}: SGLang's tensor and distributed updates carry full tensors; "
+            f"--update-weight-mode delta over {transport}: SGLang's tensor and distributed updates carry full tensors; "
             "use --update-weight-mode full, or delta over disk (servers /pull_weights it)"
         )
     if r.sglang_server_args and (addrs or r.sglang_server != "sglang"):
