@@ -68,7 +68,8 @@ log = logging.getLogger(__name__)
 INDEX = fmt.INDEX
 version_dir = fmt.version_dir
 _ST_CODE = {v: k for k, v in fmt.ST_DTYPES.items()}
-_ZSTD_THREADS_FROM = 32 << 20
+_ZSTD_THREADS_FROM = 32 << 20  # diffs this large compress on several zstd threads (still one frame)
+_SPLIT_FROM, _SPLIT = 64 << 20, 16 << 20  # tensors this large are diffed in spans of _SPLIT bytes on the pool
 
 
 class VersionWriter:
@@ -140,6 +141,41 @@ def _encode_one(name: str, new: np.ndarray, old: np.ndarray, encoding: str, algo
     np.copyto(old, new)
     threads = -1 if d.size >= _ZSTD_THREADS_FROM else 0
     return name, changed, fmt.compress(d, threads), fmt.checksum(algo, new)
+
+
+def _diff_part(new: np.ndarray, old: np.ndarray, encoding: str, a: int, b: int, out: np.ndarray | None):
+    """One span of a large tensor's diff: (changed bytes, None (xor: written into ``out``) | (positions, values))."""
+    if encoding == "xor":
+        np.bitwise_xor(new[a:b], old[a:b], out=out[a:b])
+        return int(np.count_nonzero(out[a:b])), None
+    pos, vals = fmt.changed_bytes(new[a:b], old[a:b])
+    return int(pos.size), (pos + np.uint32(a), vals)
+
+
+def _join_parts(name: str, new: np.ndarray, old: np.ndarray, encoding: str, algo: str, parts: list, out):
+    """``_encode_one``'s result for a tensor whose diff was computed span by span on the pool."""
+    done = [f.result() for f in parts]  # queued before this job, so they are never behind it
+    changed = sum(c for c, _ in done)
+    if not changed:
+        return name, 0, None, None
+    if encoding == "xor":
+        d = out
+    else:
+        d = fmt.overwrite_bytes(np.concatenate([p for _, (p, _) in done]), np.concatenate([v for _, (_, v) in done]))
+    np.copyto(old, new)
+    return name, changed, fmt.compress(d, -1), fmt.checksum(algo, new)
+
+
+def _submit_encode(workers, name: str, new: np.ndarray, old: np.ndarray, encoding: str, algo: str):
+    """Encode one tensor on the pool: one job, or (``_SPLIT_FROM`` bytes and up) one job per span plus a join."""
+    if new.size < _SPLIT_FROM or new.size != old.size:
+        return workers.submit(_encode_one, name, new, old, encoding, algo)
+    if encoding == "overwrite":
+        fmt.check_overwrite_size(name, new.size)
+    out = np.empty(new.size, np.uint8) if encoding == "xor" else None
+    spans = [(a, min(a + _SPLIT, new.size)) for a in range(0, new.size, _SPLIT)]
+    parts = [workers.submit(_diff_part, new, old, encoding, a, b, out) for a, b in spans]
+    return workers.submit(_join_parts, name, new, old, encoding, algo, parts, out)
 
 
 class DiskStrategy(WeightSyncStrategy):
@@ -310,7 +346,7 @@ class DiskStrategy(WeightSyncStrategy):
             if name not in self.snapshot:
                 raise WeightSyncError(f"delta over disk: {name} was not in the first sync; restart the stream")
             inflight.append(
-                workers.submit(_encode_one, name, as_numpy_u8(t), self.snapshot[name], self.encoding, self.algo)
+                _submit_encode(workers, name, as_numpy_u8(t), self.snapshot[name], self.encoding, self.algo)
             )
             while len(inflight) >= 2 * workers._max_workers:
                 collect(inflight.popleft())

@@ -202,15 +202,20 @@ def diff(new: np.ndarray, old: np.ndarray, encoding: str, name: str = "tensor") 
         return changed, (d if changed else None)
     if encoding == "overwrite":
         check_overwrite_size(name, new.size)
-        pos, vals = _changed_bytes(new, old)
+        pos, vals = changed_bytes(new, old)
         if not pos.size:
             return 0, None
-        head = np.array([pos.size], dtype="<u4")
-        return int(pos.size), np.concatenate([head.view(np.uint8), pos.view(np.uint8), vals])
+        return int(pos.size), overwrite_bytes(pos, vals)
     raise WeightSyncError(f"delta_encoding {encoding!r} is not one of {', '.join(ENCODINGS)}")
 
 
-def _changed_bytes(new: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def overwrite_bytes(pos: np.ndarray, vals: np.ndarray) -> np.ndarray:
+    """The ``overwrite`` layout: u32le count, the u32le positions, the new byte values."""
+    head = np.array([pos.size], dtype="<u4")
+    return np.concatenate([head.view(np.uint8), pos.astype("<u4", copy=False).view(np.uint8), vals])
+
+
+def changed_bytes(new: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(u32le positions in increasing order, new values) of the bytes that differ.
 
     Compared as 8-byte words first: an RL update changes ~23 % of the words of bf16 weights, so the
