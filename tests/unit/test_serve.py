@@ -374,3 +374,22 @@ def test_refused_weight_updates_change_nothing(server):
     r = server.post("/update_weights_from_tensor", json={"serialized_named_tensors": [evil]})
     assert r.status_code == 400 and "refused" in r.json()["message"]
     assert server.get("/weight_checksums").json()["checksums"] == before
+
+
+def test_serve_refuses_a_busy_port_with_one_line():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": REPO}
+        r = subprocess.run(
+            [sys.executable, "-m", "tidal", "serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and f"--port {port}: cannot listen" in r.stderr

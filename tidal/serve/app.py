@@ -110,8 +110,18 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.tidal = state
     if state.api_key:
         app.add_middleware(_ApiKey, key=state.api_key)
-    gen = GenerateHandler(state)
+    _error_handlers(app)
+    _generate_routes(app, state)
+    _memory_routes(app, state)
+    _weight_routes(app, state)
+    _group_routes(app, state)
+    from tidal.serve.openai_api import add_openai_routes
 
+    add_openai_routes(app, state)
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         parts = [f"{'.'.join(str(x) for x in e['loc'] if x != 'body') or 'body'}: {e['msg']}" for e in exc.errors()]
@@ -129,6 +139,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def _internal(request: Request, exc: Exception):
         log.exception("%s failed", request.url.path)
         return _error(RuntimeError(f"{request.url.path}: internal error: {type(exc).__name__}: {exc}"), 500)
+
+
+def _generate_routes(app: FastAPI, state: ServerState) -> None:
+    gen = GenerateHandler(state)
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(req: GenerateReqInput):
@@ -186,13 +200,6 @@ def build_app(state: ServerState) -> FastAPI:
             ],
         }
 
-    _memory_routes(app, state)
-    _weight_routes(app, state)
-    from tidal.serve.openai_api import add_openai_routes
-
-    add_openai_routes(app, state)
-    return app
-
 
 def _tags(req: MemoryTagsReqInput | None) -> list[str]:
     tags = list(TAGS) if req is None or req.tags is None else list(req.tags)
@@ -247,19 +254,19 @@ def _memory_routes(app: FastAPI, state: ServerState) -> None:
         return {"message": "Generation continued successfully.", "status": "ok"}
 
 
+async def _apply(state: ServerState, fn, version, what: str):
+    """Run a weight update on the engine thread; adopt ``version`` only when it succeeded."""
+    try:
+        nbytes = await state.worker.call(fn)
+    except (UserError, WeightSyncError, ResidencyError) as e:
+        return _fail(e)
+    state.set_version(version)
+    msg = f"{what}: {nbytes} bytes applied." + (f" Weight version updated to {version}." if version is not None else "")
+    return _ok(msg, num_paused_requests=0)
+
+
 def _weight_routes(app: FastAPI, state: ServerState) -> None:
     from tidal.serve import weights as w
-
-    async def apply(fn, version, what: str):
-        try:
-            nbytes = await state.worker.call(fn)
-        except (UserError, WeightSyncError, ResidencyError) as e:
-            return _fail(e)
-        state.set_version(version)
-        msg = f"{what}: {nbytes} bytes applied." + (
-            f" Weight version updated to {version}." if version is not None else ""
-        )
-        return _ok(msg, num_paused_requests=0)
 
     @app.post("/update_weights_from_disk")
     async def from_disk(req: UpdateWeightFromDiskReqInput):
@@ -270,9 +277,9 @@ def _weight_routes(app: FastAPI, state: ServerState) -> None:
                 v = int(version) if version is not None else _folder_version(req.model_path)
                 return state.engine.update_weights_from_disk(req.model_path, v)["bytes"]
 
-            return await apply(run, req.weight_version, "update_weights_from_disk")
-        return await apply(
-            lambda: state.applier.load_folder(req.model_path), req.weight_version, "update_weights_from_disk"
+            return await _apply(state, run, req.weight_version, "update_weights_from_disk")
+        return await _apply(
+            state, lambda: state.applier.load_folder(req.model_path), req.weight_version, "update_weights_from_disk"
         )
 
     @app.post("/update_weights_from_tensor")
@@ -281,69 +288,7 @@ def _weight_routes(app: FastAPI, state: ServerState) -> None:
             pairs = w.named_tensors_from_payload(req.serialized_named_tensors, req.load_format)
             return state.applier.apply(pairs, req.checksums, req.tidal_checksum)
 
-        return await apply(run, req.weight_version, "update_weights_from_tensor")
-
-    @app.post("/init_weights_update_group")
-    async def init_group(req: InitWeightsUpdateGroupReqInput):
-        if req.backend not in ("gloo", "nccl"):
-            raise UserError(f"backend {req.backend!r}: use gloo (CPU) or nccl (GPU)")
-        if req.backend == "nccl" and state.engine.device.type != "cuda":
-            raise UserError("backend nccl needs a CUDA engine; this server runs on CPU: use gloo")
-
-        def run():
-            from tidal.weight_sync.group import make_group
-
-            pg, _ = make_group(
-                None,
-                req.master_address,
-                req.master_port,
-                req.rank_offset,
-                req.world_size,
-                req.backend,
-                prefix=req.group_name,
-            )
-            state.applier.groups[req.group_name] = pg
-
-        try:
-            # Not through the engine queue: forming the group waits for the trainer, generation may go on.
-            import asyncio
-
-            await asyncio.to_thread(run)
-        except Exception as e:  # noqa: BLE001 - a failed rendezvous is the caller's to see
-            return _fail(
-                RuntimeError(f"could not join group {req.group_name!r} at {req.master_address}:{req.master_port}: {e}")
-            )
-        return _ok(f"joined group {req.group_name} as rank {req.rank_offset} of {req.world_size}")
-
-    @app.post("/update_weights_from_distributed")
-    async def from_distributed(req: UpdateWeightsFromDistributedReqInput):
-        pg = state.applier.groups.get(req.group_name)
-        if pg is None:
-            raise UserError(f"no weight update group {req.group_name!r}; call /init_weights_update_group first")
-        if not len(req.names) == len(req.dtypes) == len(req.shapes):
-            raise UserError(
-                f"names, dtypes and shapes differ in length ({len(req.names)}, {len(req.dtypes)}, {len(req.shapes)})"
-            )
-        if req.load_format not in (None, "direct", "flattened_bucket"):
-            raise UserError(f"load_format {req.load_format!r}: use null, direct or flattened_bucket")
-        dtypes = [w.dtype_of(d) for d in req.dtypes]
-
-        def run():
-            dev = state.engine.device if type(pg).__name__ == "ProcessGroupNCCL" else None
-            pairs, buf = w.receive_broadcast(
-                pg, req.names, dtypes, req.shapes, dev, flat=req.load_format == "flattened_bucket"
-            )
-            return state.applier.apply(pairs, req.checksums, req.tidal_checksum, buf)
-
-        return await apply(run, req.weight_version, "update_weights_from_distributed")
-
-    @app.post("/destroy_weights_update_group")
-    async def destroy_group(req: DestroyWeightsUpdateGroupReqInput):
-        pg = state.applier.groups.pop(req.group_name, None)
-        if pg is None:
-            return _fail(UserError(f"no weight update group {req.group_name!r}"))
-        del pg
-        return _ok(f"destroyed group {req.group_name}")
+        return await _apply(state, run, req.weight_version, "update_weights_from_tensor")
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(req: GetWeightsByNameReqInput):
@@ -401,6 +346,72 @@ def _weight_routes(app: FastAPI, state: ServerState) -> None:
         except (UserError, WeightSyncError, ResidencyError) as e:
             return _fail(e)
         return _ok(getattr(result, "message", f"pulled version {target}"), version=getattr(result, "version", target))
+
+
+def _group_routes(app: FastAPI, state: ServerState) -> None:
+    from tidal.serve import weights as w
+
+    @app.post("/init_weights_update_group")
+    async def init_group(req: InitWeightsUpdateGroupReqInput):
+        if req.backend not in ("gloo", "nccl"):
+            raise UserError(f"backend {req.backend!r}: use gloo (CPU) or nccl (GPU)")
+        if req.backend == "nccl" and state.engine.device.type != "cuda":
+            raise UserError("backend nccl needs a CUDA engine; this server runs on CPU: use gloo")
+
+        def run():
+            from tidal.weight_sync.group import make_group
+
+            pg, _ = make_group(
+                None,
+                req.master_address,
+                req.master_port,
+                req.rank_offset,
+                req.world_size,
+                req.backend,
+                prefix=req.group_name,
+            )
+            state.applier.groups[req.group_name] = pg
+
+        try:
+            # Not through the engine queue: forming the group waits for the trainer, generation may go on.
+            import asyncio
+
+            await asyncio.to_thread(run)
+        except Exception as e:  # noqa: BLE001 - a failed rendezvous is the caller's to see
+            return _fail(
+                RuntimeError(f"could not join group {req.group_name!r} at {req.master_address}:{req.master_port}: {e}")
+            )
+        return _ok(f"joined group {req.group_name} as rank {req.rank_offset} of {req.world_size}")
+
+    @app.post("/update_weights_from_distributed")
+    async def from_distributed(req: UpdateWeightsFromDistributedReqInput):
+        pg = state.applier.groups.get(req.group_name)
+        if pg is None:
+            raise UserError(f"no weight update group {req.group_name!r}; call /init_weights_update_group first")
+        if not len(req.names) == len(req.dtypes) == len(req.shapes):
+            raise UserError(
+                f"names, dtypes and shapes differ in length ({len(req.names)}, {len(req.dtypes)}, {len(req.shapes)})"
+            )
+        if req.load_format not in (None, "direct", "flattened_bucket"):
+            raise UserError(f"load_format {req.load_format!r}: use null, direct or flattened_bucket")
+        dtypes = [w.dtype_of(d) for d in req.dtypes]
+
+        def run():
+            dev = state.engine.device if type(pg).__name__ == "ProcessGroupNCCL" else None
+            pairs, buf = w.receive_broadcast(
+                pg, req.names, dtypes, req.shapes, dev, flat=req.load_format == "flattened_bucket"
+            )
+            return state.applier.apply(pairs, req.checksums, req.tidal_checksum, buf)
+
+        return await _apply(state, run, req.weight_version, "update_weights_from_distributed")
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_group(req: DestroyWeightsUpdateGroupReqInput):
+        pg = state.applier.groups.pop(req.group_name, None)
+        if pg is None:
+            return _fail(UserError(f"no weight update group {req.group_name!r}"))
+        del pg
+        return _ok(f"destroyed group {req.group_name}")
 
 
 def _folder_version(path: str) -> int:

@@ -76,141 +76,159 @@ def _finish(reason: dict) -> str:
     return "length" if reason["type"] == "length" else "stop"
 
 
-def add_openai_routes(app: FastAPI, state) -> None:
+def model_card(state) -> dict:
+    return {
+        "id": state.served_model_name,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "tidal",
+        "root": state.served_model_name,
+        "max_model_len": getattr(state.engine.model.config.get_text_config(), "max_position_embeddings", None),
+    }
+
+
+def _check_model(state, model: str) -> None:
+    if model != state.served_model_name:
+        raise UserError(f"model {model!r}: this server serves {state.served_model_name!r}")
+
+
+def _sampling(temperature, top_p, max_tokens, stop, seed) -> SamplingParams:
+    return SamplingParams(
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        max_new_tokens=16 if max_tokens is None else max_tokens,
+        stop=[stop] if isinstance(stop, str) else list(stop or []),
+        seed=seed,
+    )
+
+
+async def _run(state, prompts: list[list[int]], n: int, sp: SamplingParams) -> list:
+    """Every sample of every prompt (``n`` per prompt, prompt by prompt), through the engine worker."""
+    import asyncio
+
+    vocab = state.engine.model.config.get_text_config().vocab_size
+    if any(not 0 <= t < vocab for p in prompts for t in p):
+        raise UserError(f"prompt holds token ids outside the vocabulary of {vocab}")
+    res = await asyncio.gather(*(state.worker.generate([p] * n, sp) for p in prompts))
+    return [s for r in res for s in r.samples]
+
+
+def _usage(prompts, outs) -> dict:
+    p = sum(len(x) for x in prompts)
+    c = sum(len(s.response_ids) for s in outs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _reply(state, kind: str, prefix: str, choices: list, prompts, outs) -> dict:
+    return {
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": state.served_model_name,
+        "choices": choices,
+        "usage": _usage(prompts, outs),
+    }
+
+
+def _completion_prompts(prompt, tok) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompts = [tok(prompt)["input_ids"]]
+    elif prompt and isinstance(prompt[0], str):
+        prompts = [tok(x)["input_ids"] for x in prompt]
+    elif prompt and isinstance(prompt[0], list):
+        prompts = [list(x) for x in prompt]
+    else:
+        prompts = [list(prompt)]
+    if not prompts or any(not x for x in prompts):
+        raise UserError("prompt is empty; send at least one token")
+    return prompts
+
+
+def _completion_logprobs(s, tok) -> dict:
+    toks = [tok.decode([t]) for t in s.response_ids]
+    offsets, at = [], 0
+    for t in toks:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": toks, "token_logprobs": list(s.response_logprobs), "top_logprobs": None, "text_offset": offsets}
+
+
+def _chat_logprobs(s, tok) -> dict:
+    content = []
+    for t, x in zip(s.response_ids, s.response_logprobs):
+        piece = tok.decode([t])
+        content.append({"token": piece, "logprob": x, "bytes": list(piece.encode()), "top_logprobs": []})
+    return {"content": content}
+
+
+async def completions(state, req: CompletionRequest) -> dict:
     from tidal.serve.generate import finish_reason, trim_stop
 
-    def model_card() -> dict:
-        eng = state.engine
-        return {
-            "id": state.served_model_name,
-            "object": "model",
-            "created": int(state.started),
-            "owned_by": "tidal",
-            "root": state.served_model_name,
-            "max_model_len": getattr(eng.model.config.get_text_config(), "max_position_embeddings", None),
+    _check_model(state, req.model)
+    if req.stream:
+        raise UserError("stream=true is not supported by tidal serve")
+    if req.logprobs is not None and req.logprobs > 0:
+        raise UserError("logprobs > 0 (top alternatives) is not supported; use logprobs=0 for the sampled tokens'")
+    tok = state.engine.tokenizer
+    prompts = _completion_prompts(req.prompt, tok)
+    sp = _sampling(req.temperature, req.top_p, req.max_tokens, req.stop, req.seed)
+    outs = await _run(state, prompts, req.n, sp)
+    choices = [
+        {
+            "index": k,
+            "text": trim_stop(s.response_text, sp.stop),
+            "logprobs": _completion_logprobs(s, tok) if req.logprobs is not None else None,
+            "finish_reason": _finish(finish_reason(s, sp, state.end_ids)),
         }
+        for k, s in enumerate(outs)
+    ]
+    return _reply(state, "text_completion", "cmpl", choices, prompts, outs)
 
-    def check_model(model: str) -> None:
-        if model != state.served_model_name:
-            raise UserError(f"model {model!r}: this server serves {state.served_model_name!r}")
 
-    def sampling(temperature, top_p, max_tokens, stop, seed) -> SamplingParams:
-        return SamplingParams(
-            temperature=1.0 if temperature is None else temperature,
-            top_p=1.0 if top_p is None else top_p,
-            max_new_tokens=16 if max_tokens is None else max_tokens,
-            stop=[stop] if isinstance(stop, str) else list(stop or []),
-            seed=seed,
-        )
+async def chat_completions(state, req: ChatCompletionRequest) -> dict:
+    from tidal.serve.generate import finish_reason, trim_stop
 
-    async def run(prompts: list[list[int]], n: int, sp: SamplingParams):
-        import asyncio
+    _check_model(state, req.model)
+    if req.stream:
+        raise UserError("stream=true is not supported by tidal serve")
+    if req.top_logprobs:
+        raise UserError("top_logprobs > 0 is not supported; use logprobs=true for the sampled tokens'")
+    if not req.messages:
+        raise UserError("messages is empty; send at least one message")
+    tok = state.engine.tokenizer
+    prompts = [render_chat(req.messages, tok)]
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:  # OpenAI: up to the context; here at most 128 new tokens unless asked
+        limit = model_card(state)["max_model_len"] or 2048
+        max_tokens = max(1, min(128, limit - len(prompts[0])))
+    sp = _sampling(req.temperature, req.top_p, max_tokens, req.stop, req.seed)
+    outs = await _run(state, prompts, req.n, sp)
+    choices = [
+        {
+            "index": k,
+            "message": {"role": "assistant", "content": trim_stop(s.response_text, sp.stop)},
+            "logprobs": _chat_logprobs(s, tok) if req.logprobs else None,
+            "finish_reason": _finish(finish_reason(s, sp, state.end_ids)),
+        }
+        for k, s in enumerate(outs)
+    ]
+    return _reply(state, "chat.completion", "chatcmpl", choices, prompts, outs)
 
-        res = await asyncio.gather(*(state.worker.generate([p] * n, sp) for p in prompts))
-        return [(i, s) for i, r in enumerate(res) for s in r.samples]
 
-    def usage(prompts, outs) -> dict:
-        p = sum(len(x) for x in prompts)
-        c = sum(len(s.response_ids) for _, s in outs)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
+def add_openai_routes(app: FastAPI, state) -> None:
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(state)]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
-        check_model(model)
-        return model_card()
+        _check_model(state, model)
+        return model_card(state)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        check_model(req.model)
-        if req.stream:
-            raise UserError("stream=true is not supported by tidal serve")
-        if req.logprobs is not None and req.logprobs > 0:
-            raise UserError("logprobs > 0 (top alternatives) is not supported; use logprobs=0 for the sampled tokens'")
-        tok = state.engine.tokenizer
-        p = req.prompt
-        if isinstance(p, str):
-            prompts = [tok(p)["input_ids"]]
-        elif p and isinstance(p[0], str):
-            prompts = [tok(x)["input_ids"] for x in p]
-        elif p and isinstance(p[0], list):
-            prompts = [list(x) for x in p]
-        else:
-            prompts = [list(p)]
-        if not prompts or any(not x for x in prompts):
-            raise UserError("prompt is empty; send at least one token")
-        sp = sampling(req.temperature, req.top_p, req.max_tokens, req.stop, req.seed)
-        outs = await run(prompts, req.n, sp)
-        choices = []
-        for k, (_, s) in enumerate(outs):
-            lp = None
-            if req.logprobs is not None:
-                toks = [tok.decode([t]) for t in s.response_ids]
-                offsets, at = [], 0
-                for t in toks:
-                    offsets.append(at)
-                    at += len(t)
-                lp = {
-                    "tokens": toks,
-                    "token_logprobs": list(s.response_logprobs),
-                    "top_logprobs": None,
-                    "text_offset": offsets,
-                }
-            reason = finish_reason(s, sp, state.end_ids)
-            choices.append(
-                {
-                    "index": k,
-                    "text": trim_stop(s.response_text, sp.stop),
-                    "logprobs": lp,
-                    "finish_reason": _finish(reason),
-                }
-            )
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": state.served_model_name,
-            "choices": choices,
-            "usage": usage(prompts, outs),
-        }
+    async def v1_completions(req: CompletionRequest):
+        return await completions(state, req)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest):
-        check_model(req.model)
-        if req.stream:
-            raise UserError("stream=true is not supported by tidal serve")
-        if req.top_logprobs:
-            raise UserError("top_logprobs > 0 is not supported; use logprobs=true for the sampled tokens'")
-        if not req.messages:
-            raise UserError("messages is empty; send at least one message")
-        tok = state.engine.tokenizer
-        prompts = [render_chat(req.messages, tok)]
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:  # OpenAI: up to the context; here at most 128 new tokens unless asked
-            limit = model_card()["max_model_len"] or 2048
-            max_tokens = max(1, min(128, limit - len(prompts[0])))
-        sp = sampling(req.temperature, req.top_p, max_tokens, req.stop, req.seed)
-        outs = await run(prompts, req.n, sp)
-        choices = []
-        for k, (_, s) in enumerate(outs):
-            lp = None
-            if req.logprobs:
-                content = []
-                for t, x in zip(s.response_ids, s.response_logprobs):
-                    piece = tok.decode([t])
-                    content.append({"token": piece, "logprob": x, "bytes": list(piece.encode()), "top_logprobs": []})
-                lp = {"content": content}
-            reason = finish_reason(s, sp, state.end_ids)
-            message = {"role": "assistant", "content": trim_stop(s.response_text, sp.stop)}
-            choices.append({"index": k, "message": message, "logprobs": lp, "finish_reason": _finish(reason)})
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": state.served_model_name,
-            "choices": choices,
-            "usage": usage(prompts, outs),
-        }
+    async def v1_chat_completions(req: ChatCompletionRequest):
+        return await chat_completions(state, req)
