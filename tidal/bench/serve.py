@@ -13,7 +13,8 @@ on a GPU ``tidal bench serve --shape qwen2.5-0.5b-shape --requests 512 --prompt-
 Each is timed ``--repeats`` times after one warm-up (compilation, CUDA graphs); the fastest counts.
 Prints one JSON line: ``inproc_tokens_per_s``, ``http_tokens_per_s``, ``http_overhead`` (the
 relative loss of throughput, ``1 - http/inproc``) next to ``goal_overhead`` (0.10), and the engine
-steps the server used (``http_engine_steps``: 1 per burst when every request shared a step).
+steps the server used for the fastest burst (``http_engine_steps``: 1 when every request shared a
+step; ``http_step_rows``: rows of each).
 Response tokens are counted after cutting at EOS, as the engine returns them.
 """
 
@@ -97,7 +98,7 @@ async def _burst(url: str, prompts, args) -> tuple[int, float, set[int]]:
     return sum(o["meta_info"]["completion_tokens"] for o in outs), dt, {o["meta_info"]["engine_step"] for o in outs}
 
 
-def _http(args, device: str, prompts) -> tuple[float, int]:
+def _http(args, device: str, prompts) -> tuple[float, list[int]]:
     import httpx
 
     proc, url = _start_server(args, device)
@@ -109,12 +110,13 @@ def _http(args, device: str, prompts) -> tuple[float, int]:
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        best, steps = 0.0, 0
+        best, rows = 0.0, []
         for rep in range(args.repeats + 1):
             tokens, dt, used = asyncio.run(_burst(url, prompts, args))
-            if rep:
-                best, steps = max(best, tokens / dt), len(used)
-        return best, steps
+            recent = httpx.get(url + "/server_info").json()["internal_states"][0]["recent_steps"]
+            if rep and tokens / dt > best:
+                best, rows = tokens / dt, [s["rows"] for s in recent if s["step"] in used]
+        return best, rows
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     inproc, prompts = _inproc(args, "cuda:0" if device == "cuda" else "cpu")
-    http, steps = _http(args, device, prompts)
+    http, step_rows = _http(args, device, prompts)
     row = {
         "shape": args.shape,
         "device": device,
@@ -146,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         "http_tokens_per_s": round(http, 1),
         "http_overhead": round(1 - http / inproc, 4),
         "goal_overhead": GOAL_OVERHEAD,
-        "http_engine_steps": steps,
+        "http_engine_steps": len(step_rows),
+        "http_step_rows": step_rows,
     }
     print(json.dumps(row), flush=True)
     return 0
