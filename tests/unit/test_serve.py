@@ -393,3 +393,60 @@ def test_serve_refuses_a_busy_port_with_one_line():
         )
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and f"--port {port}: cannot listen" in r.stderr
+
+
+def _publish(disk, version: int, weights: dict, old: dict | None) -> None:
+    """One version of slime's disk stream: full (old None) or an overwrite delta of the changed bytes, zstd."""
+    import json
+
+    import numpy as np
+    import zstandard
+    from safetensors.torch import save_file
+
+    folder = disk / f"weight_v{version:06d}"
+    folder.mkdir()
+    tensors, sums = {}, {}
+    for name, t in weights.items():
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+        sums[name] = xxhash.xxh3_128_hexdigest(raw.tobytes())
+        if old is None:
+            tensors[name] = t
+            continue
+        mask = raw != old[name].contiguous().reshape(-1).view(torch.uint8).numpy()
+        if mask.any():
+            pos = np.flatnonzero(mask).astype("<u4")
+            d = np.concatenate([np.array([pos.size], "<u4").view(np.uint8), pos.view(np.uint8), raw[mask]])
+            tensors[name] = torch.frombuffer(
+                bytearray(zstandard.ZstdCompressor(level=1).compress(d.tobytes())), dtype=torch.uint8
+            )
+    shard = "model-00000-of-00001.safetensors"
+    save_file(tensors, str(folder / shard), metadata={n: sums[n] for n in tensors})
+    meta = {"version": f"{version:06d}", "checksum_format": "xxh3-128"}
+    if old is not None:
+        meta.update(base_version=f"{version - 1:06d}", delta_encoding="overwrite", compression_format="zstd")
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": meta, "weight_map": dict.fromkeys(tensors, shard)})
+    )
+
+
+def test_pull_weights_then_load_the_local_checkpoint(server, tmp_path):
+    disk, local = tmp_path / "stream", tmp_path / "local"
+    disk.mkdir()
+    w1 = dict(_random_weights(21))
+    w2 = {n: t.clone() for n, t in w1.items()}
+    first = next(iter(w2))
+    w2[first].view(-1)[:3] += 1.0  # a few changed bytes
+    _publish(disk, 1, w1, None)
+    _publish(disk, 2, w2, w1)
+    r = server.post(
+        "/pull_weights", json={"source_dir": str(disk), "local_checkpoint_dir": str(local), "target_version": 2}
+    )
+    assert r.status_code == 200 and r.json()["success"], r.text
+    r = server.post("/update_weights_from_disk", json={"model_path": str(local), "weight_version": "2"})
+    assert r.json()["success"], r.text
+    _assert_holds(server, list(w2.items()))
+    r = server.post(
+        "/pull_weights",
+        json={"source_dir": str(tmp_path / "none"), "local_checkpoint_dir": str(local), "target_version": 3},
+    )
+    assert r.status_code == 400 and not r.json()["success"]

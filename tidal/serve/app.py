@@ -270,11 +270,14 @@ def _weight_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/update_weights_from_disk")
     async def from_disk(req: UpdateWeightFromDiskReqInput):
-        if w.is_version_folder(req.model_path):
+        if w.is_tidal_folder(req.model_path):
             version = req.weight_version
 
             def run():
-                v = int(version) if version is not None else _folder_version(req.model_path)
+                try:
+                    v = int(version) if version is not None else state.engine.get_weight_version()
+                except ValueError:
+                    v = state.engine.get_weight_version()  # a label: the engine keeps counting its own
                 return state.engine.update_weights_from_disk(req.model_path, v)["bytes"]
 
             return await _apply(state, run, req.weight_version, "update_weights_from_disk")
@@ -412,11 +415,3 @@ def _group_routes(app: FastAPI, state: ServerState) -> None:
             return _fail(UserError(f"no weight update group {req.group_name!r}"))
         del pg
         return _ok(f"destroyed group {req.group_name}")
-
-
-def _folder_version(path: str) -> int:
-    import json
-    import os
-
-    with open(os.path.join(path, "model.safetensors.index.json")) as f:
-        return int(json.load(f)["metadata"]["version"])

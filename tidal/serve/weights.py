@@ -269,12 +269,16 @@ class WeightApplier:
         return total
 
 
-def is_version_folder(path: str) -> bool:
-    """A folder published by tidal's disk transport (``weight_vNNNNNN`` with tidal's index metadata)."""
-    import json
+def is_tidal_folder(path: str) -> bool:
+    """A folder tidal's disk transport wrote: a host-local checkpoint brought up to date by ``pull_weights``,
+    or a published version whose index metadata names its checksums (or a delta). The engine's own
+    loader takes these: it verifies every tensor against its checksum."""
+    from tidal.weight_sync import disk_format as fmt
+    from tidal.weight_sync.local_checkpoint import is_local_checkpoint
 
-    index = os.path.join(path, "model.safetensors.index.json")
-    if not os.path.basename(os.path.normpath(path)).startswith("weight_v") or not os.path.isfile(index):
+    if not os.path.isdir(path):
         return False
-    with open(index) as f:
-        return "format" in (json.load(f).get("metadata") or {})
+    if is_local_checkpoint(path):
+        return True
+    meta = fmt.index_metadata(path) or {}
+    return "checksum_format" in meta or "delta_encoding" in meta
