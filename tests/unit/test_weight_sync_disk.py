@@ -376,3 +376,18 @@ def test_large_tensors_diffed_span_by_span_give_the_same_stream(tmp_path, monkey
         w = _step(w, v)
         slime_apply(str(local), s.write(w.items(), v + 1))
         assert _equal_files(str(local), w)
+
+
+def test_a_corrupt_full_version_is_refused_and_leaves_a_fresh_host(tmp_path):
+    s = DiskStrategy(_cfg(tmp_path), [], base_dir=None)
+    p1 = s.write(_weights().items(), 1)  # a preset: full version 1
+    shard = sorted(glob.glob(os.path.join(p1, "*.safetensors")))[0]
+    with open(shard, "r+b") as f:
+        f.seek(-5, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-5, os.SEEK_END)
+        f.write(bytes([b[0] ^ 1]))
+    local = str(tmp_path / "local")
+    with pytest.raises(WeightSyncError, match="checksum mismatch for 1 tensors"):
+        pull(local, s.disk_dir, 1)
+    assert read_applied(local) is None  # the next pull copies it again

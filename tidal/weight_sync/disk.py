@@ -21,8 +21,8 @@ The trainer's weight version (what engines report) and the stream's version are 
 stream starts at 0 with the strategy's first sync, whatever the trainer's version then.
 
 Encoding runs on a thread pool over tensors, pipelined with the trainer's stream (numpy, zstd and
-the checksums release the GIL); tensors of 32 MiB or more also compress on several zstd threads,
-which still writes one frame.
+the checksums release the GIL); tensors of 64 MiB or more are diffed in 16 MiB spans across the
+pool, and diffs of 32 MiB or more compress on several zstd threads, which still writes one frame.
 
 Atomic publication: a version is written into ``.tmp-weight_v...-<pid>`` (every file fsynced), then
 renamed to its final name, so a killed writer leaves only a ``.tmp-`` folder that no reader ever

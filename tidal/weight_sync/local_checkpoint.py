@@ -151,14 +151,18 @@ def _reset(src: str, local: str, version: int) -> None:
 
 
 def _verify_full(folder: str, algo: str) -> None:
-    """Check the tensors of a full version against the checksums its shards carry (where they carry them)."""
+    """Check the tensors of a full version against the checksums its shards carry (where they carry them),
+    tensors hashed in parallel on the pool."""
+    from tidal.weight_sync.delta import pool
+
+    want: dict[str, str] = {}
     for shard in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
-        _, header = fmt.safetensors_header(os.path.join(folder, shard))
-        want = header.get("__metadata__") or {}
-        locs = {n: loc for n, loc in fmt.tensor_locations(folder).items() if loc.path.endswith(shard) and n in want}
-        bad = [n for n, loc in locs.items() if fmt.checksum(algo, fmt.read_bytes(loc)) != want[n]]
-        if bad:
-            raise WeightSyncError(f"{folder}/{shard}: checksum mismatch for {len(bad)} tensors: {sorted(bad)[:5]}")
+        want.update(fmt.safetensors_header(os.path.join(folder, shard))[1].get("__metadata__") or {})
+    locs = [(n, loc) for n, loc in fmt.tensor_locations(folder).items() if n in want]
+    sums = pool().map(lambda item: fmt.checksum(algo, fmt.read_bytes(item[1])), locs)
+    bad = sorted(n for (n, _), got in zip(locs, sums) if got != want[n])
+    if bad:
+        raise WeightSyncError(f"{folder}: checksum mismatch for {len(bad)} tensors: {bad[:5]}")
 
 
 def _delta_entries(version_dir: str, locations: dict[str, fmt.TensorLocation]) -> list[tuple]:
