@@ -240,8 +240,8 @@ def test_update_weights_from_distributed_over_gloo(server):
     join.start()
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(interface="lo")]
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(group, store), 0, 2, opts)
-    pg.broadcast(torch.zeros(1), 0).wait()  # the probe every member sends once the group formed
+    # torch's custom-group key layout, as SGLang's init_custom_process_group forms it; no probe broadcast.
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", dist.PrefixStore(f"{group}/", store)), 0, 2, opts)
     join.join()
     assert replies["/init_weights_update_group"].json()["success"]
 

@@ -13,8 +13,9 @@ an HTTP body never gets to name an arbitrary callable. SGLang's patched CUDA reb
 given by UUID, ``_rebuild_cuda_tensor_modified``) is mapped to a local equivalent.
 
 ``/init_weights_update_group`` joins a process group of ``world_size`` ranks as rank
-``rank_offset`` (the trainer is rank 0 and hosts the TCPStore at ``master_address:master_port``;
-keys live under ``group_name``); after forming it, rank 0 broadcasts one float32 probe.
+``rank_offset`` the way SGLang does (the trainer is rank 0 and hosts the TCPStore at
+``master_address:master_port``; keys in torch's custom-group layout, ``<group_name>/`` then
+``cpu/`` or ``cuda/``; no probe broadcast).
 ``/update_weights_from_distributed`` then receives one broadcast from rank 0 per name, in the
 order given, each a contiguous tensor of its dtype and shape (gloo: CPU tensors; NCCL: CUDA), or
 with ``load_format: flattened_bucket`` one uint8 broadcast of all their bytes back to back.
