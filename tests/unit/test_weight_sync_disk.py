@@ -391,3 +391,21 @@ def test_a_corrupt_full_version_is_refused_and_leaves_a_fresh_host(tmp_path):
     with pytest.raises(WeightSyncError, match="checksum mismatch for 1 tensors"):
         pull(local, s.disk_dir, 1)
     assert read_applied(local) is None  # the next pull copies it again
+
+
+def test_a_chain_as_heavy_as_full_versions_is_closed_by_a_full_version(tmp_path, monkeypatch):
+    from tidal.weight_sync import disk
+
+    monkeypatch.setattr(disk, "CHAIN_FULLS", 0.01)  # one small delta is enough to close the chain
+    w = [_weights()]
+    base = _base(tmp_path, w[0])
+    s = DiskStrategy(_cfg(tmp_path), [], base_dir=base)
+    s.write(w[0].items(), 1)
+    for v in (1, 2):
+        w.append(_step(w[-1], v))
+        path = s.write(w[-1].items(), v + 1)
+    assert fmt.is_delta(fmt.version_dir(s.disk_dir, 1)) and not fmt.is_delta(path)  # v2 closes the chain
+    s._cleanup(path)
+    assert sorted(os.listdir(s.disk_dir)) == ["weight_v000002"]  # a fresh host starts at v2
+    local = str(tmp_path / "local")
+    assert pull(local, s.disk_dir, 2, base_dir=base).seeded_from == 2 and _equal_files(local, w[2])

@@ -34,8 +34,10 @@ A delta that would be larger than the weights (a dense change: ``overwrite`` spe
 changed byte) is written as a full version of the same number instead.
 
 Retention: a fresh host replays the chain from the newest full version, so delta versions are kept.
-Once the deltas since the last full version add up to a full version's bytes, the next version is
-written full and older versions are removed (unless ``--update-weight-disk-keep-files``).
+Once the deltas since the last full version add up to ``CHAIN_FULLS`` (4) full versions' bytes, the
+next version is written full and older versions are removed (unless ``--update-weight-disk-keep-files``):
+the folder holds at most ~5 models' bytes, and the full version (written once, copied by every engine
+host) is spread over the chain's syncs (at 10 % deltas: one full per 40 syncs).
 
 Retry: a version an engine rejects is written again as a full version from the trainer's snapshot
 (same number; receivers reset from it) and pulled once more; a second failure fails the sync loudly.
@@ -69,6 +71,7 @@ INDEX = fmt.INDEX
 version_dir = fmt.version_dir
 _ST_CODE = {v: k for k, v in fmt.ST_DTYPES.items()}
 _ZSTD_THREADS_FROM = 32 << 20  # diffs this large compress on several zstd threads (still one frame)
+CHAIN_FULLS = 4  # a chain of deltas weighing this many full versions is closed by a full version
 _SPLIT_FROM, _SPLIT = 64 << 20, 16 << 20  # tensors this large are diffed in spans of _SPLIT bytes on the pool
 
 
@@ -311,8 +314,8 @@ class DiskStrategy(WeightSyncStrategy):
 
     def _next_version(self, stream: Iterator[tuple[str, torch.Tensor]], report: SyncReport) -> str:
         version = self.stream_version + 1
-        if self.chain_bytes >= max(report.bytes_total, sum(a.size for a in self.snapshot.values())):
-            # The chain since the last full version weighs a full version: start a new chain.
+        if self.chain_bytes >= CHAIN_FULLS * sum(a.size for a in self.snapshot.values()):
+            # The chain since the last full version weighs CHAIN_FULLS full versions: start a new chain.
             for name, t in stream:
                 new, old = as_numpy_u8(t), self.snapshot[name]
                 report.changed_bytes += int(np.count_nonzero(new != old))
