@@ -100,6 +100,8 @@ def _equal_files(folder: str, w: dict[str, torch.Tensor]) -> bool:
     ("encoding", "algo"), [("xor", "xxh3-128"), ("overwrite", "adler32"), ("overwrite", "blake3"), ("xor", "blake3")]
 )
 def test_tidal_stream_applies_with_slimes_rules(tmp_path, encoding, algo):
+    if algo == "blake3":
+        pytest.importorskip("blake3")
     w0 = _weights()
     base = _base(tmp_path, w0)
     s = DiskStrategy(
@@ -161,6 +163,8 @@ def test_preset_writes_the_base_once_as_a_full_version(tmp_path):
 
 @pytest.mark.parametrize(("encoding", "algo"), [("xor", "adler32"), ("overwrite", "xxh3-128"), ("xor", "blake3")])
 def test_slime_stream_applies_with_tidals_receiver(tmp_path, encoding, algo):
+    if algo == "blake3":
+        pytest.importorskip("blake3")
     disk = str(tmp_path / "disk")
     os.makedirs(disk)
     w = [_weights()]
@@ -409,3 +413,9 @@ def test_a_chain_as_heavy_as_full_versions_is_closed_by_a_full_version(tmp_path,
     assert sorted(os.listdir(s.disk_dir)) == ["weight_v000002"]  # a fresh host starts at v2
     local = str(tmp_path / "local")
     assert pull(local, s.disk_dir, 2, base_dir=base).seeded_from == 2 and _equal_files(local, w[2])
+
+
+def test_blake3_without_its_package_is_one_clear_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "blake3", None)  # import blake3 -> ImportError
+    with pytest.raises(UserError, match=r"blake3 needs the blake3 package: pip install 'tidal\[blake3\]'"):
+        fmt.checksum("blake3", b"abc")
