@@ -55,6 +55,7 @@ _ALLOWED = {
     "torch.multiprocessing.reductions": _REBUILDS,
     "torch.storage": {"UntypedStorage", "TypedStorage"},
     "torch._utils": {"_rebuild_tensor_v2", "_rebuild_tensor"},
+    "torch.nn.parameter": {"Parameter"},
     "collections": {"OrderedDict"},
     "multiprocessing.resource_sharer": {"DupFd"},
 }
