@@ -196,8 +196,71 @@ def test_rule_critic_offload(offload_train, expect):
         assert prov.overridden["offload_train"][0] is False
 
 
-def test_rule_critic_available():
-    check(["--use-critic"], CPU, "--use-critic: PPO with a critic is not implemented")
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        ([], {"use_critic": False, "critic_lr": None}),
+        (["--advantage-estimator", "ppo"], {"use_critic": True, "critic_lr": 3e-3, "offload_train": True}),
+        (["--advantage-estimator", "ppo", "--use-critic", "--critic-lr", "1e-4"], {"critic_lr": 1e-4}),
+        (["--advantage-estimator", "ppo", "--no-colocate"], {"use_critic": True, "offload_train": False}),
+        (["--advantage-estimator", "ppo", "--gamma", "0.9", "--lambd", "0.95", "--value-clip", "0.5"], {"lambd": 0.95}),
+        (["--advantage-estimator", "reinforce_plus_plus", "--gamma", "0.99"], {"gamma": 0.99}),
+        (["--use-critic"], "--use-critic: --advantage-estimator grpo has no value baseline"),
+        (["--advantage-estimator", "rloo", "--use-critic"], "--advantage-estimator rloo has no value baseline"),
+        (["--advantage-estimator", "ppo", "--no-use-critic"], "ppo needs its critic"),
+        (["--value-clip", "0.1"], "--value-clip has no effect without a critic"),
+        (["--critic-lr", "0.1"], "--critic-lr has no effect without a critic"),
+        (["--lambd", "0.9"], "--lambd has no effect without a critic"),
+        (["--gamma", "0.9"], "--gamma has no effect with --advantage-estimator grpo"),
+        (["--advantage-estimator", "ppo", "--gamma", "1.5"], "--gamma 1.5: must be within [0, 1]"),
+        (["--advantage-estimator", "ppo", "--lambd", "2"], "--lambd 2.0: must be within [0, 1]"),
+    ],
+)
+def test_rule_critic(argv, expect):
+    check(argv, CPU, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["--use-tis"], {"tis_clip": 2.0, "tis_clip_low": 0.0, "tis_mode": "truncate", "tis_level": "token"}),
+        (["--use-tis", "--tis-mode", "mask", "--tis-clip-low", "0.5", "--tis-clip", "5"], {"tis_clip": 5.0}),
+        (["--use-tis", "--tis-level", "sequence", "--custom-tis-function-path", "my_pkg.mis:weights"], {}),
+        (["--use-rollout-logprobs"], {"use_rollout_logprobs": True}),
+        (["--tis-clip", "3"], "--tis-clip has no effect without --use-tis"),
+        (["--tis-mode", "mask"], "--tis-mode has no effect without --use-tis"),
+        (["--custom-tis-function-path", "a:b"], "--custom-tis-function-path has no effect without --use-tis"),
+        (
+            ["--use-tis", "--tis-clip-low", "3"],
+            "--tis-clip-low 3.0 is above --tis-clip 2.0: the ratio bounds are inverted",
+        ),
+        (["--use-tis", "--tis-clip", "0"], "--tis-clip 0 weights every token by 0"),
+        (
+            ["--use-tis", "--tis-mode", "mask", "--tis-clip", "0.8"],
+            "drops even tokens on which engine and trainer agree",
+        ),
+        (["--use-tis", "--use-rollout-logprobs"], "--use-tis with --use-rollout-logprobs"),
+        (["--use-tis", "--custom-tis-function-path", "nocolon"], "expected module:function"),
+    ],
+)
+def test_rule_tis(argv, expect):
+    check(argv, CPU, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["--rollout-max-response-len", "8", "--overlong-buffer-len", "4"], {"overlong_buffer_len": 4}),
+        (
+            ["--rollout-max-response-len", "8", "--overlong-buffer-len", "4", "--overlong-penalty-factor", "0.5"],
+            {"overlong_penalty_factor": 0.5},
+        ),
+        (["--overlong-buffer-len", "1"], "--overlong-buffer-len 1 must be below --rollout-max-response-len 1"),
+        (["--overlong-penalty-factor", "0.5"], "--overlong-penalty-factor has no effect without --overlong-buffer-len"),
+    ],
+)
+def test_rule_overlong(argv, expect):
+    check(argv, CPU, expect)
 
 
 @pytest.mark.parametrize(

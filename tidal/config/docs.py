@@ -41,7 +41,7 @@ def _default(info) -> str:
 
 _DERIVED = {
     "rollout_num_gpus", "offload_train", "offload_rollout", "train_grads_backup", "update_weight_transport",
-    "global_batch_size", "eps_clip_high", "output_dir", "memory_snapshot_dir",
+    "global_batch_size", "eps_clip_high", "output_dir", "memory_snapshot_dir", "use_critic", "critic_lr",
 }  # fmt: skip
 
 

@@ -82,12 +82,30 @@ class TrainerConfig:
     seed: int = opt(1234, "Random seed for model init, data order and sampling.")
 
 
+ESTIMATORS = (
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "gspo",
+    "cispo",
+    "ppo",
+)
+
+
 @dataclass
 class AlgorithmConfig:
-    advantage_estimator: str = opt("grpo", "How advantages are computed from rewards.", choices=("grpo", "dr_grpo"))
+    advantage_estimator: str = opt(
+        "grpo",
+        "How advantages are computed and which policy loss trains on them (docs/algorithms.md); ppo trains a critic.",
+        choices=ESTIMATORS,
+    )
     grpo_std_normalization: bool = opt(True, "Divide group-centred rewards by the group std (off = Dr.GRPO mean-only).")
     eps_clip: float = opt(0.2, "PPO clip range below 1.", min=0)
-    eps_clip_high: float | None = opt(None, "PPO clip range above 1 (default: eps-clip).", min=0)
+    eps_clip_high: float | None = opt(
+        None, "PPO clip range above 1 (default: eps-clip); a larger one is DAPO's clip-higher.", min=0
+    )
     use_kl_loss: bool = opt(False, "Add a KL penalty to a frozen reference model.")
     kl_loss_coef: float = opt(0.0, "Weight of the KL penalty.", min=0)
     kl_loss_type: str = opt("k3", "KL estimator.", choices=("k1", "k2", "k3"))
@@ -96,9 +114,44 @@ class AlgorithmConfig:
         "token-mean", "How token losses are averaged.", choices=("token-mean", "seq-mean-token-mean")
     )
     dynamic_sampling: bool = opt(False, "Drop groups whose rewards all equal (zero advantage) before training.")
-    use_critic: bool = opt(
-        False, "Train a value model next to the policy (PPO); forces --offload-train. Not implemented in this version."
+    gamma: float = opt(1.0, "Discount of token rewards (ppo's GAE and reinforce_plus_plus returns).", min=0)
+    lambd: float = opt(1.0, "GAE lambda of ppo (1: Monte-Carlo returns minus the value).", min=0)
+    overlong_buffer_len: int = opt(
+        0,
+        "DAPO soft overlong penalty: the last N tokens before --rollout-max-response-len cost reward linearly (0: off).",
+        min=0,
     )
+    overlong_penalty_factor: float = opt(1.0, "Reward lost by a response of the full length under the penalty.", min=0)
+    use_rollout_logprobs: bool = opt(
+        False, "The engine's log-probs are the old policy of the PPO ratio (no trainer recompute of old log-probs)."
+    )
+    use_tis: bool = opt(
+        False, "Correct for the engine's sampling policy: weight (or mask) each token by pi_old / pi_engine."
+    )
+    tis_clip: float = opt(
+        2.0, "Upper bound C of the importance ratio (truncate: clip to C; mask: drop above C).", min=0
+    )
+    tis_clip_low: float = opt(
+        0.0, "Lower bound of the importance ratio (truncate: clip up to it; mask: drop below it).", min=0
+    )
+    tis_mode: str = opt(
+        "truncate",
+        "truncate the ratio to its bounds (TIS) or mask tokens outside them (IcePop).",
+        choices=("truncate", "mask"),
+    )
+    tis_level: str = opt(
+        "token",
+        "Ratio per token, or per response (its geometric mean, applied to every token).",
+        choices=("token", "sequence"),
+    )
+    custom_tis_function_path: str | None = opt(
+        None, "module:function replacing the built-in correction (see tidal.algos.correction.apply_correction)."
+    )
+    use_critic: bool | None = opt(
+        None, "Train a value model next to the policy; follows from --advantage-estimator ppo (default)."
+    )
+    value_clip: float = opt(0.2, "Clip range of the value loss around the values the advantages used.", min=0)
+    critic_lr: float | None = opt(None, "Learning rate of the critic's AdamW (default: --lr).", min=0)
 
 
 @dataclass

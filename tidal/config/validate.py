@@ -7,7 +7,7 @@ config, so each is tested on its own with a table of inputs (tests/unit/test_con
 ``docs/configuration.md`` lists them from ``RULES``.
 
 The slime rules are kept where tidal has the same concept (``--offload`` expands, colocate turns
-offload on, ``--offload-train`` never backs up grads, a critic forces ``--offload-train``,
+offload on, ``--offload-train`` never backs up grads, a critic forces ``--offload-train`` (here: when colocated),
 ``--debug-rollout-only`` turns colocation and offload off, disk transport needs a folder). Where
 tidal differs it says so: colocation turns offload on only when the memory plan says it is needed,
 delta sync also works over tensor and broadcast transports, and ``nccl`` is read as ``broadcast``.
@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tidal.config import algorithm_rules
 from tidal.config.args import coerce, fields, flag_of
 from tidal.config.environment import Environment, format_bytes
 from tidal.config.plan import MemoryPlan, ModelShape, build_plan, choose_offload, describe_combo, model_shape
@@ -198,20 +199,22 @@ def _offload_shorthand(ctx: Context) -> None:
             )
 
 
+rule(
+    "critic",
+    "`--use-critic` follows from `--advantage-estimator ppo` (a critic with another estimator, or ppo without one, is "
+    "an error); `--critic-lr` defaults to `--lr`; `--value-clip`, `--critic-lr`, `--lambd` need the critic, `--gamma` "
+    "ppo or reinforce_plus_plus; gamma and lambd lie in [0, 1].",
+)(algorithm_rules.critic)
+
+
 @rule(
-    "critic-offload", "A critic (`--use-critic`) forces offload-train on: policy and critic take turns on the devices."
+    "critic-offload",
+    "Colocated, a critic forces offload-train on: policy and critic take turns on the devices with the engines.",
 )
 def _critic_offload(ctx: Context) -> None:
-    if ctx.cfg.algorithm.use_critic and ctx.cfg.memory.offload_train is not True:
+    a, c = ctx.cfg.algorithm, ctx.cfg.cluster
+    if a.use_critic and c.colocate and ctx.cfg.memory.offload_train is not True:
         ctx.derive("offload_train", True, "critic-offload", "--use-critic: actor and critic time-share the devices")
-
-
-@rule("critic-available", "`--use-critic` is refused: this version trains GRPO-family losses without a value model.")
-def _critic_available(ctx: Context) -> None:
-    if ctx.cfg.algorithm.use_critic:
-        raise ConfigError(
-            "--use-critic: PPO with a critic is not implemented in this version; drop it and use --advantage-estimator grpo or dr_grpo"
-        )
 
 
 @rule("model", "`--model` names a preset or a local Hugging Face folder with a config.json.")
@@ -517,6 +520,18 @@ def _eps_clip_high(ctx: Context) -> None:
         ctx.derive("eps_clip_high", a.eps_clip, "eps-clip-high", "symmetric clipping")
 
 
+rule(
+    "tis",
+    "`--tis-clip`, `--tis-clip-low`, `--tis-mode`, `--tis-level`, `--custom-tis-function-path` need `--use-tis`; the "
+    "bounds must not be inverted and, for masking, must contain 1; `--use-tis` excludes `--use-rollout-logprobs`.",
+)(algorithm_rules.tis)
+
+rule(
+    "overlong",
+    "`--overlong-buffer-len` must be below `--rollout-max-response-len`; `--overlong-penalty-factor` needs a buffer.",
+)(algorithm_rules.overlong)
+
+
 @rule("kl", "A KL weight (`--kl-loss-coef` > 0) needs `--use-kl-loss` (it would be ignored).")
 def _kl(ctx: Context) -> None:
     a = ctx.cfg.algorithm
@@ -617,7 +632,7 @@ def unresolved_fields(cfg: TidalConfig) -> list[str]:
     derived = {
         "device", "param_dtype", "memory_backend", "rollout_num_gpus", "offload_train", "offload_rollout",
         "train_grads_backup", "update_weight_transport", "global_batch_size", "eps_clip_high", "output_dir",
-        "rollout_compile",
+        "rollout_compile", "use_critic",
     }  # fmt: skip
     out = []
     for info in fields():

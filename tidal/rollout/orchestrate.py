@@ -2,8 +2,10 @@
 
 Prompts of a rollout are expanded into ``n_samples_per_prompt`` samples each (one GRPO group per
 prompt), spread over the engines whole groups at a time, generated, scored by the reward function
-and given group-normalised advantages. With ``--dynamic-sampling`` groups whose rewards are all
-equal (zero advantage, no gradient) are dropped before training.
+and given advantages by ``--advantage-estimator`` (``tidal.algos.estimators.sample_advantages``;
+``ppo``'s come from the critic, in the trainer), after DAPO's overlong penalty when it is on. With
+``--dynamic-sampling`` groups whose rewards are all equal (zero advantage, no gradient) are dropped
+before training.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from typing import Any
 
 import torch
 
-from tidal.algos.advantages import dynamic_sampling_keep, grpo_advantages
+from tidal.algos.advantages import dynamic_sampling_keep
+from tidal.algos.estimators import sample_advantages
+from tidal.algos.objectives import overlong_penalty
 from tidal.errors import ray_get as get
 from tidal.rollout.rewards import score_samples
 from tidal.rollout.types import Sample, SamplingParams
@@ -117,20 +121,27 @@ def generate_rollout(s, rollout_id: int) -> tuple[list[Sample], dict]:
     gen_s = time.perf_counter() - t0
     score_samples(samples, s.reward_fn)
     rewards = torch.tensor([x.reward for x in samples], dtype=torch.float32)
-    adv = grpo_advantages(
-        rewards,
-        r.n_samples_per_prompt,
-        std_normalize=algo.grpo_std_normalization and algo.advantage_estimator == "grpo",
-    )
-    for x, a in zip(samples, adv.tolist()):
-        x.advantage = a
     resp_lens = torch.tensor([len(x.response_ids) for x in samples], dtype=torch.float32)
+    shaped = rewards
+    if algo.overlong_buffer_len:
+        # DAPO's overlong penalty is part of the reward trained on (reward_mean stays the task's own).
+        shaped = rewards + overlong_penalty(
+            resp_lens, r.rollout_max_response_len, algo.overlong_buffer_len, algo.overlong_penalty_factor
+        )
+        for x, v in zip(samples, shaped.tolist()):
+            x.reward = v
+    adv, token_adv = sample_advantages(shaped, resp_lens, r.n_samples_per_prompt, algo)
+    for i, (x, a) in enumerate(zip(samples, adv.tolist())):
+        x.advantage = a
+        if token_adv is not None:
+            x.token_advantages = token_adv[i, : len(x.response_ids)].tolist()
     metrics = {
         "gen_samples": len(samples),
         "reward_mean": rewards.mean().item(),
         "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
         "response_len_mean": resp_lens.mean().item(),
         "truncated_frac": sum(x.status == "truncated" for x in samples) / max(1, len(samples)),
+        "reward_shaped_mean": shaped.mean().item(),
         "gen_tokens": int(resp_lens.sum().item()),
         "gen_tokens_per_s": resp_lens.sum().item() / gen_s if gen_s > 0 else 0.0,
     }

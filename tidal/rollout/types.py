@@ -3,7 +3,8 @@
 A ``Sample`` is one response to one prompt. Samples of the same prompt share a ``group`` id (the
 GRPO group). The engine fills the response fields; the reward step fills ``reward``; the trainer
 reads ``prompt_ids + response_ids``, ``response_logprobs`` (the engine's, used as old log-probs
-when the trainer does not recompute them) and ``advantage``.
+when the trainer does not recompute them), ``advantage`` (or ``token_advantages``) and, for PPO's
+critic, ``reward``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class Sample:
     status: str = "pending"  # pending | completed | truncated
     reward: float = 0.0
     advantage: float = 0.0
+    # One advantage per response token when the estimator gives them (REINFORCE++); empty: ``advantage``
+    # for every token.
+    token_advantages: list[float] = field(default_factory=list)
     weight_version: int = -1  # engine weight version that generated it
     metadata: dict = field(default_factory=dict)
 
