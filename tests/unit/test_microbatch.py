@@ -18,7 +18,10 @@ def _samples() -> list[Sample]:
         Sample(index=0, group=0, prompt="", prompt_ids=[5, 6], response_ids=[7, 8, 9], advantage=1.5,
                response_logprobs=[-0.1, -0.2, -0.3]),
         # prompt [10], response [11]: target at position 0; no engine log-probs
-        Sample(index=1, group=0, prompt="", prompt_ids=[10], response_ids=[11], advantage=-0.5),
+        Sample(index=1, group=0, prompt="", prompt_ids=[10], response_ids=[11], advantage=-0.5, reward=2.0),
+        # per-token advantages (REINFORCE++) win over the sequence's one
+        Sample(index=2, group=1, prompt="", prompt_ids=[12], response_ids=[13, 14], advantage=9.0,
+               token_advantages=[0.25, 0.75]),
     ]  # fmt: skip
 
 
@@ -31,7 +34,11 @@ def test_layout_and_host_counts():
     assert mb.mask.tolist() == [[False, True, True, True], [True, False, False, False]]
     assert mb.has_engine_logprobs.tolist() == [[False, True, True, True], [False] * 4]
     assert torch.allclose(mb.engine_logprobs, torch.tensor([[0.0, -0.1, -0.2, -0.3], [0.0] * 4]))
-    assert mb.advantages.tolist() == [1.5, -0.5]
+    # one advantage per target position, 0 off the response; rewards per row (for the critic's returns)
+    assert mb.advantages.tolist() == [[0.0, 1.5, 1.5, 1.5], [-0.5, 0, 0, 0]]
+    assert mb.rewards.tolist() == [0.0, 2.0]
+    tok = MicroBatch(_samples(), [2], pad_id=0, device=torch.device("cpu"))
+    assert tok.advantages.tolist() == [[0.25, 0.75]]
     assert (mb.tokens, mb.num_response_tokens, mb.num_engine_logprobs) == (7, 4, 3)
     assert torch.equal(mb.host_mask, mb.mask.cpu())
     assert float(loss_normalizer(mb.host_mask, "seq-mean-token-mean")) == 2.0

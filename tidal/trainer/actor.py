@@ -17,7 +17,7 @@ Per rollout, ``train(samples, rollout_id)``:
    log-probs, detached, are the old ones and only the reference pass remains (``--recompute-logprobs``
    forces the separate pass);
 3. per optimizer step: token count all-reduced first, so every micro-batch's loss is its share of
-   the token-mean over the whole global batch (``tidal.algos.losses.grpo_loss`` with an external
+   the token-mean over the whole global batch (``tidal.algos.objectives.rl_loss`` with an external
    normaliser); backward per micro-batch; global-norm clipping; AdamW with the scheduled rate.
 
 Log-probs and the entropy come from one fused pass over each micro-batch's logits
@@ -53,6 +53,7 @@ from tidal.trainer.base import Trainer
 from tidal.trainer.fsdp_state import FSDPState, fsdp_modules, reshard
 from tidal.trainer.groups import TrainerGroups
 from tidal.trainer.microbatch import MicroBatch
+from tidal.trainer.objective import RolloutObjective
 from tidal.trainer.packing import plan_rollout
 from tidal.trainer.schedule import LRSchedule
 from tidal.trainer.step import RolloutSums, check_samples, token_stats
@@ -99,6 +100,8 @@ class TrainerActor(Trainer):
         self.connected = False
         self.engine_dtype: torch.dtype | None = None
         self.ref_model = None
+        self.critic = None  # PPO's value model (tidal.trainer.critic), with --advantage-estimator ppo
+        self.custom_correction = None
         self.last_rollout_id = -1
         self._warned_oversized = False
 
@@ -149,6 +152,14 @@ class TrainerActor(Trainer):
             self.model = self._build_sharded(build_model, trainable=True)
             if self.algo.use_kl_loss:
                 self.ref_model = self._build_sharded(build_model, trainable=False)
+            if self.algo.use_critic:
+                from tidal.trainer.critic import Critic
+
+                self.critic = Critic(self.spec, self.cfg, self.algo, shard=self._shard, total_steps=self.total_steps)
+        if self.algo.custom_tis_function_path:
+            from tidal.trainer.objective import load_custom_correction
+
+            self.custom_correction = load_custom_correction(self.algo.custom_tis_function_path)
 
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -182,13 +193,12 @@ class TrainerActor(Trainer):
             "local_param_bytes": local_bytes,
             "param_dtype": str(self.compute_dtype).removeprefix("torch."),
             "use_kl_loss": self.ref_model is not None,
+            "critic_params": sum(p.numel() for p in self.critic.model.parameters()) if self.critic else 0,
             "init_s": time.perf_counter() - t0,
         }
 
     def _build_sharded(self, build_model, *, trainable: bool) -> torch.nn.Module:
         """Build on the host from the shared seed, then shard: every decoder layer, then the root."""
-        from torch.distributed.fsdp import fully_shard
-
         model = build_model(self.spec, dtype=torch.float32, seed=self.cfg.seed, device="cpu")
         model.config.use_cache = False
         if trainable and self.cfg.gradient_checkpointing:
@@ -196,6 +206,12 @@ class TrainerActor(Trainer):
         if not trainable:
             model.requires_grad_(False)
             model.eval()
+        return self._shard(model)
+
+    def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """FSDP2 on a host model: every decoder layer, then the root (policy, reference and critic alike)."""
+        from torch.distributed.fsdp import fully_shard
+
         kw = {"mesh": self.groups.mesh}
         if self.mp is not None:
             kw["mp_policy"] = self.mp
@@ -214,7 +230,8 @@ class TrainerActor(Trainer):
     # ---- tensors per state class (called by the memory backend at every pause) -----------------
     def _weight_tensors(self):
         models = [m for m in (self.model, self.ref_model) if m is not None]
-        return [local_shard(p) for m in models for p in m.parameters()]
+        critic = self.critic.weight_tensors() if self.critic else []
+        return [local_shard(p) for m in models for p in m.parameters()] + critic
 
     def _optimizer_tensors(self):
         # AdamW's "step" counters are host scalars; only the moments live on the device.
@@ -223,10 +240,16 @@ class TrainerActor(Trainer):
             for state in self.optimizer.state.values()
             for k, v in state.items()
             if k != "step" and torch.is_tensor(v)
-        ]
+        ] + (self.critic.optimizer_tensors() if self.critic else [])
 
     def _grad_tensors(self):
-        return [local_shard(p.grad) for p in self.params if p.grad is not None]
+        critic = self.critic.grad_tensors() if self.critic else []
+        return [local_shard(p.grad) for p in self.params if p.grad is not None] + critic
+
+    @property
+    def _models(self) -> list:
+        """Every FSDP2 model of this rank (policy, reference, critic; None where absent)."""
+        return [self.model, self.ref_model, self.critic.model if self.critic else None]
 
     # ---- training -----------------------------------------------------------------------------
     def _sync(self) -> None:
@@ -269,14 +292,16 @@ class TrainerActor(Trainer):
         # the old log-probs are that pass's own, detached (ratio 1): no separate pass unless asked for.
         old_from_train_pass = len(steps) == 1 and not self.cfg.recompute_logprobs
         sums = RolloutSums(self.device)
-        self._old_logprobs(steps, sums, recompute=not old_from_train_pass)
+        objective = RolloutObjective(self.algo, self.device, self.custom_correction)
+        self._old_logprobs(steps, sums, objective, recompute=not old_from_train_pass)
         recompute_s = time.perf_counter() - t0
         optimizer_s, lr = 0.0, 0.0
         for mbs in steps:
-            step_s, lr = self._optimizer_step(mbs, sums, old_from_train_pass)
+            step_s, lr = self._optimizer_step(mbs, sums, objective, old_from_train_pass)
             optimizer_s += step_s
-        reshard([self.model, self.ref_model])  # the root keeps its all-gathered parameters after forward; free them
+        reshard(self._models)  # the root keeps its all-gathered parameters after forward; free them
         red, grad_norms = sums.reduce(self.groups)
+        extra = objective.metrics(self.groups)  # collective: every rank
         train_s = time.perf_counter() - t0
         self.last_rollout_id = rollout_id
         if self.rank != 0:
@@ -302,28 +327,36 @@ class TrainerActor(Trainer):
         }
         # Without a reference model there is no KL term; 0 keeps the metric schema the same.
         out["kl"] = red["kl"] / denom if self.ref_model is not None else 0.0
+        out.update(extra)
         return out
 
-    def _old_logprobs(self, steps: list[list[MicroBatch]], sums: RolloutSums, *, recompute: bool) -> None:
-        """Old log-probs (when ``recompute``) and reference log-probs (with a reference model) of every
-        micro-batch, with the weights as they are before any update of this rollout, in ``no_grad``."""
+    def _old_logprobs(
+        self, steps: list[list[MicroBatch]], sums: RolloutSums, objective: RolloutObjective, *, recompute: bool
+    ) -> None:
+        """Old log-probs (when ``recompute``; with the correction they imply), reference log-probs (with a
+        reference model) and the critic's old values and GAE advantages (PPO) of every micro-batch, with
+        the weights as they are before any update of this rollout, in ``no_grad``."""
         with torch.no_grad():
             for mbs in steps:
                 for mb in mbs:
                     if recompute:
-                        mb.old_logprobs = token_stats(self.model, mb)[0].float()
-                        sums.engine_diff(mb, mb.old_logprobs)
+                        old = token_stats(self.model, mb)[0].float()
+                        sums.engine_diff(mb, old)
+                        objective.prepare(mb, old)
                     if self.ref_model is not None:
                         mb.ref_logprobs = token_stats(self.ref_model, mb)[0].float()
+                    if self.critic is not None:
+                        objective.prepare_values(mb, self.critic)
         self._sync()
 
     def _optimizer_step(
-        self, mbs: list[MicroBatch], sums: RolloutSums, old_from_train_pass: bool
+        self, mbs: list[MicroBatch], sums: RolloutSums, objective: RolloutObjective, old_from_train_pass: bool
     ) -> tuple[float, float]:
         """One optimizer step over this rank's micro-batches: token-mean loss over the whole global batch,
         backward per micro-batch, global-norm clipping, AdamW at the scheduled rate. Returns
-        ``(seconds in optimizer.step, learning rate)``."""
-        from tidal.algos.losses import LossInputs, grpo_loss, loss_normalizer
+        ``(seconds in optimizer.step, learning rate)``. The loss is ``objective``'s (``rl_loss``); a critic
+        runs its value loss's backward per micro-batch and steps with the policy."""
+        from tidal.algos.losses import loss_normalizer
 
         agg = self.algo.loss_agg_mode
         entropy_grad = self.algo.entropy_coef != 0.0
@@ -337,20 +370,15 @@ class TrainerActor(Trainer):
             # only for an entropy bonus, otherwise a detached metric.
             logprobs, ent = token_stats(self.model, mb, entropy=True, entropy_grad=entropy_grad)
             if old_from_train_pass:
-                mb.old_logprobs = logprobs.detach().float()
-                sums.engine_diff(mb, mb.old_logprobs)
-            inputs = LossInputs(
-                logprobs=logprobs,
-                old_logprobs=mb.old_logprobs,
-                advantages=mb.advantages,
-                mask=mb.mask,
-                ref_logprobs=mb.ref_logprobs,
-                entropy=ent,
-            )
-            loss, m = grpo_loss(inputs, self.algo, normalizer=normalizer)
+                old = logprobs.detach().float()
+                sums.engine_diff(mb, old)
+                objective.prepare(mb, old)
+            loss, m = objective.loss(mb, logprobs, ent, normalizer)
             with self.memory.region(StateClass.GRADS):
                 loss.backward()
             del logprobs, ent, loss
+            if self.critic is not None:
+                objective.critic_backward(mb, self.critic, normalizer, self.memory.region(StateClass.GRADS))
             sums.add_loss(mb, m, global_norm)
         max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else float("inf")
         sums.add_grad_norm(torch.nn.utils.clip_grad_norm_(self.params, max_norm=max_norm))
@@ -358,6 +386,8 @@ class TrainerActor(Trainer):
         t_opt = time.perf_counter()
         with self.memory.region(StateClass.OPTIMIZER):
             self.optimizer.step()
+            if self.critic is not None:
+                objective.critic_step(self.critic)
         step_s = time.perf_counter() - t_opt
         self.schedule.advance()
         self.optimizer.zero_grad(set_to_none=True)
@@ -365,7 +395,7 @@ class TrainerActor(Trainer):
 
     # ---- memory ---------------------------------------------------------------------------------
     def _free_transients(self) -> None:
-        reshard([self.model, self.ref_model])
+        reshard(self._models)
         self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
         if self.device_type == "cuda":
@@ -395,7 +425,7 @@ class TrainerActor(Trainer):
             return {"memory/trainer_resume/effective": 0}
         t0 = time.perf_counter()
         report = self.memory.resume(list(_CLASSES))
-        rebuilt = self.groups.rebuild(fsdp_modules([self.model, self.ref_model]))
+        rebuilt = self.groups.rebuild(fsdp_modules(self._models))
         out = report.metrics("memory/trainer_resume")
         out["memory/trainer_resume/effective"] = 1
         out["memory/trainer_resume/groups_rebuilt"] = int(rebuilt)
@@ -443,7 +473,16 @@ class TrainerActor(Trainer):
             memory=self.memory,
             tokenizer=self.tokenizer,
             gather=self._gather,
+            critic=self.critic,
         )
+
+    def export(self, dir: str) -> dict:
+        """The policy as a Hugging Face folder; a critic stays in checkpoints only."""
+        from tidal.checkpoint.export import export_hf
+
+        state = self.checkpoint_state()
+        state.critic = None
+        return export_hf(state, dir)
 
     def memory_stats(self) -> dict[str, int]:
         """Host RSS, device peak since the last call, and device memory in use (for the step line)."""

@@ -7,6 +7,9 @@ ACTIVE, host backups when PAUSED), so a paused trainer saves without touching re
 memory. Loading slices each full tensor to this rank's rows (``scatter_rows``) and copies them into
 the local shards; AdamW state that does not exist yet (no step taken) is created as AdamW's first
 step would create it.
+
+With PPO's critic (``tidal.trainer.critic``) the state also holds the critic's weights and AdamW
+moments, under ``critic.``-prefixed names in the same files; export leaves it out (``critic=None``).
 """
 
 from __future__ import annotations
@@ -55,10 +58,24 @@ class FSDPState:
         memory,
         tokenizer,
         gather: Gather,
+        critic=None,
     ):
         self.rank, self.world_size, self.model_name = rank, world_size, model_name
         self.model, self.params, self.optimizer, self.schedule = model, params, optimizer, schedule
         self.groups, self.memory, self.tokenizer, self.gather = groups, memory, tokenizer, gather
+        self.critic = critic
+
+    def _parts(self) -> list[tuple[str, Any, list, Any]]:
+        """(name prefix, model, trained params, optimizer) of the policy and, with PPO, the critic."""
+        parts = [("", self.model, self.params, self.optimizer)]
+        if self.critic is not None:
+            from tidal.trainer.critic import PREFIX
+
+            parts.append((PREFIX, self.critic.model, self.critic.params, self.critic.optimizer))
+        return parts
+
+    def _named(self) -> list[tuple[str, torch.Tensor]]:
+        return [(prefix + n, p) for prefix, model, _, _ in self._parts() for n, p in model.named_parameters()]
 
     # ---- collectives ---------------------------------------------------------------------------------
     def barrier(self) -> None:
@@ -73,40 +90,41 @@ class FSDPState:
     # ---- reading -------------------------------------------------------------------------------------
     def _names(self) -> dict[int, str]:
         # named_parameters() lists tied weights once (HF names).
-        return {id(p): n for n, p in self.model.named_parameters()}
+        return {id(p): n for n, p in self._named()}
+
+    def _trained(self) -> list[tuple[torch.Tensor, Any]]:
+        return [(p, opt) for _, _, params, opt in self._parts() for p in params]
 
     def model_state(self) -> Iterator[tuple[str, torch.Tensor | None]]:
-        return self.gather(list(self.model.named_parameters()), None)
+        return self.gather(self._named(), None)
 
     def optimizer_state(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         names, named = self._names(), []
-        for p in self.params:
-            state = self.optimizer.state.get(p, {})
+        for p, opt in self._trained():
+            state = opt.state.get(p, {})
             named += [(f"{names[id(p)]}/{k}", state[k]) for k in MOMENTS if k in state]
         return self.gather(named, None)
 
     def optimizer_steps(self) -> dict[str, float]:
         names = self._names()
         return {
-            names[id(p)]: float(self.optimizer.state[p]["step"])
-            for p in self.params
-            if "step" in self.optimizer.state.get(p, {})
+            names[id(p)]: float(opt.state[p]["step"]) for p, opt in self._trained() if "step" in opt.state.get(p, {})
         }
 
     def schedule_state(self) -> dict:
         return self.schedule.state_dict()
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        return {n: tuple(p.shape) for n, p in self._named()}
 
     def hf_parts(self) -> tuple[Any, Any, Any]:
         return self.model.config, getattr(self.model, "generation_config", None), self.tokenizer
 
     # ---- loading -------------------------------------------------------------------------------------
     def load_model_state(self, get: Callable[[str], torch.Tensor]) -> None:
-        reshard([self.model])  # an unsharded compute copy left by a forward would otherwise go stale
+        reshard([m for _, m, _, _ in self._parts()])  # an unsharded compute copy would otherwise go stale
         with torch.no_grad():
-            for name, p in self.model.named_parameters():
+            for name, p in self._named():
                 local = local_shard(p)
                 local.copy_(scatter_rows(get(name), self.rank, self.world_size).to(local.dtype))
 
@@ -115,11 +133,11 @@ class FSDPState:
     ) -> None:
         param_names = self._names()
         with torch.no_grad(), self.memory.region(StateClass.OPTIMIZER):
-            for p in self.params:
+            for p, opt in self._trained():
                 name = param_names[id(p)]
                 if f"{name}/exp_avg" not in names:
                     continue
-                state = self.optimizer.state[p]
+                state = opt.state[p]
                 if not state:
                     # The same state AdamW creates on its first step: a host scalar step and zero moments.
                     state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
@@ -132,3 +150,5 @@ class FSDPState:
 
     def load_schedule_state(self, state: dict) -> None:
         self.schedule.load_state_dict(state)
+        if self.critic is not None:
+            self.critic.schedule.load_state_dict(state)  # the critic steps with the policy

@@ -41,14 +41,19 @@ class MicroBatch:
         # [0] response mask, [1] positions with an engine log-prob
         flags = torch.zeros((2, b, width - 1), dtype=torch.bool)
         engine_lp = torch.zeros((b, width - 1), dtype=torch.float32)
-        adv = torch.zeros(b, dtype=torch.float32)
+        adv = torch.zeros((b, width - 1), dtype=torch.float32)  # per target position (per-token estimators)
+        rewards = torch.zeros(b, dtype=torch.float32)
         for r, s in enumerate(rows):
             p, n = len(s.prompt_ids), len(s.response_ids)
             if n == 0:
                 continue
             # Target position t predicts token t + 1: response tokens p .. p+n-1 are targets p-1 .. p+n-2.
             flags[0, r, p - 1 : p - 1 + n] = True
-            adv[r] = float(s.advantage)
+            if len(s.token_advantages) == n:
+                adv[r, p - 1 : p - 1 + n] = torch.tensor(s.token_advantages, dtype=torch.float32)
+            else:
+                adv[r, p - 1 : p - 1 + n] = float(s.advantage)
+            rewards[r] = float(s.reward)
             if len(s.response_logprobs) == n:
                 engine_lp[r, p - 1 : p - 1 + n] = torch.tensor(s.response_logprobs, dtype=torch.float32)
                 flags[1, r, p - 1 : p - 1 + n] = True
@@ -59,12 +64,16 @@ class MicroBatch:
 
         pin = device.type == "cuda"
         longs, flags, floats = (
-            t.pin_memory() if pin else t for t in (longs, flags, torch.cat([engine_lp, adv.unsqueeze(1)], 1))
+            t.pin_memory() if pin else t for t in (longs, flags, torch.cat([engine_lp, adv, rewards.unsqueeze(1)], 1))
         )
         longs, flags, floats = (t.to(device, non_blocking=pin) for t in (longs, flags, floats))
         self.input_ids, self.next_ids, self.attention_mask = longs[0], longs[1], longs[2]
         self.targets = self.input_ids[:, 1:]
         self.mask, self.has_engine_logprobs = flags[0], flags[1]
-        self.engine_logprobs, self.advantages = floats[:, :-1], floats[:, -1]
+        t = width - 1
+        self.engine_logprobs, self.advantages, self.rewards = floats[:, :t], floats[:, t : 2 * t], floats[:, -1]
         self.old_logprobs: torch.Tensor | None = None
         self.ref_logprobs: torch.Tensor | None = None
+        self.correction = None  # tidal.algos.correction.Correction when --use-tis
+        self.old_values: torch.Tensor | None = None  # PPO: the critic's values before the update, and GAE returns
+        self.returns: torch.Tensor | None = None
