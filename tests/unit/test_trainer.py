@@ -77,7 +77,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_group(ray, world_size=2, *, offload=True, release_groups=True, **trainer_kw):
+def start_group(ray, world_size=2, *, offload=True, release_groups=True, algorithm=None, **trainer_kw):
     from tidal.trainer.actor import TrainerActor
 
     cls = ray.remote(num_cpus=1)(TrainerActor)
@@ -91,7 +91,7 @@ def start_group(ray, world_size=2, *, offload=True, release_groups=True, **train
             port,
             model=ModelConfig(model="tiny"),
             trainer=tcfg,
-            algorithm=AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01, entropy_coef=0.001),
+            algorithm=algorithm or AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01, entropy_coef=0.001),
             memory=MemoryConfig(offload_train=offload, memory_backend="portable"),
             weight_sync=WeightSyncConfig(),
             device="cpu",

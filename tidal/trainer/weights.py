@@ -97,7 +97,9 @@ def iter_full_tensors(
             del full
             continue
         piece = local_shard(t).detach()
-        if host_view is not None:
+        # An empty shard (a tensor with fewer rows than ranks, e.g. a 1-output head's bias) has nothing
+        # to back up, so the memory backend never paused it: read it as it is.
+        if host_view is not None and piece.numel():
             piece = host_view(piece)
             if on_device and world_size == 1:
                 yield name, piece
