@@ -146,7 +146,7 @@ def generate_rollout(s, rollout_id: int) -> tuple[list[Sample], dict]:
         "gen_tokens_per_s": resp_lens.sum().item() / gen_s if gen_s > 0 else 0.0,
     }
     if algo.dynamic_sampling:
-        keep = dynamic_sampling_keep(rewards, r.n_samples_per_prompt)
+        keep = dynamic_sampling_keep(shaped, r.n_samples_per_prompt)  # the rewards the advantages saw
         samples = [x for x, k in zip(samples, keep.tolist()) if k]
         metrics["dynamic_sampling_kept_frac"] = keep.float().mean().item()
     return samples, metrics
