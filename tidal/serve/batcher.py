@@ -11,7 +11,8 @@ and form the next step together: continuous batching across HTTP requests, at th
 whole engine steps (the engine does not admit rows into a running decode). So that a burst of
 requests (a rollout sent as one request per sample) is not cut into a one-row step and the rest, a
 step starts only once the engine's batch of rows (``--rollout-max-batch``) is queued or no request
-arrived for ``--serve-batch-wait-ms``.
+arrived for ``--serve-batch-wait-ms``; a batch the client sent as one request (a list of prompts)
+starts at once.
 
 Pause (SGLang's ``/pause_generation``): while paused, generate jobs stay queued and other jobs
 (weight updates, memory) still run; ``abort`` mode finishes the queued generates at once with an
@@ -58,6 +59,7 @@ class _Job:
     prompts: list[list[int]] | None = None  # generate job
     sampling: SamplingParams | None = None
     fn: Callable[[], Any] | None = None  # any other engine call
+    eager: bool = False  # part of a batch the client sent as one request: no burst to wait for
 
     @property
     def is_generate(self) -> bool:
@@ -90,8 +92,12 @@ class EngineWorker:
 
     # ------------------------------------------------------------------ client side (event loop)
 
-    async def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerateResult:
-        return await self._submit(_Job(concurrent.futures.Future(), prompts=prompts, sampling=sampling))
+    async def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, *, eager: bool = False
+    ) -> GenerateResult:
+        """``eager``: the rows came as one batched request; the step need not wait for more to arrive."""
+        job = _Job(concurrent.futures.Future(), prompts=prompts, sampling=sampling, eager=eager)
+        return await self._submit(job)
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` on the engine thread, after every job queued before it."""
@@ -145,6 +151,9 @@ class EngineWorker:
 
     # ------------------------------------------------------------------ engine thread
 
+    def _all_eager(self) -> bool:
+        return all(job.eager for job in self._jobs if job.is_generate)
+
     def _queued_rows(self) -> int:
         rows = 0
         for job in self._jobs:
@@ -163,7 +172,7 @@ class EngineWorker:
                     return [self._jobs.popleft()]
                 if self._jobs and not self._paused:
                     quiet = time.monotonic() - self._last_arrival
-                    if quiet < self.wait_s and self._queued_rows() < self.fill_rows:
+                    if quiet < self.wait_s and self._queued_rows() < self.fill_rows and not self._all_eager():
                         self._cv.wait(self.wait_s - quiet)  # more of the burst may be on its way
                         continue
                     batch, rows = [], 0

@@ -129,7 +129,7 @@ class GenerateHandler:
                 raise UserError(f"prompt {i} holds token ids outside the vocabulary of {vocab}")
         sampling = [to_sampling(sp, vocab) for sp in params]
         results: list[GenerateResult] = await asyncio.gather(
-            *(self.server.worker.generate([p] * sp.n, s) for p, sp, s in zip(prompts, params, sampling))
+            *(self.server.worker.generate([p] * sp.n, s, eager=batch) for p, sp, s in zip(prompts, params, sampling))
         )
         latency = time.perf_counter() - t0
         out = []
