@@ -477,8 +477,20 @@ def test_loop_over_external_tidal_serve_delta_disk(ray_cluster, tmp_path):
 
 @pytest.mark.slow
 def test_loop_with_tidal_serve_started_by_tidal(ray_cluster, tmp_path):
+    """tidal starts tidal serve in the engine's bundle; the server killed mid-run is started again."""
+    import signal
+
+    import ray
+
     seen: list[int] = []
-    rows = _train(
-        tmp_path, "--update-weight-transport", "tensor", "--check-weight-update-equal", on_step=_bitwise(seen)
-    )
-    assert seen == [1, 2, 3] and [r["engine_restarts"] for r in rows] == [0, 0]
+    check = _bitwise(seen)
+
+    def on_step(s, rollout_id, row):
+        check(s, rollout_id, row)
+        if rollout_id == 0:
+            os.kill(ray.get(s.engines.actors[0].server_pid.remote()), signal.SIGKILL)
+
+    rows = _train(tmp_path, "--update-weight-transport", "tensor", "--check-weight-update-equal", on_step=on_step)
+    assert [r["engine_restarts"] for r in rows] == [0, 1]
+    assert [r["gen_samples"] for r in rows] == [4, 4]
+    assert seen == [1, 2, 4]  # version 3 was the resync into the restarted server

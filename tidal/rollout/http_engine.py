@@ -274,6 +274,10 @@ class HttpEngineActor(RolloutEngine):
         self._stale, self._residency = True, "AWAKE"
         return {"engine_rank": self.engine_rank, "address": self.address}
 
+    def server_pid(self) -> int | None:
+        """The started server's process id (None for an external server)."""
+        return self.server.proc.pid if self.server is not None and self.server.proc is not None else None
+
     def shutdown(self) -> None:
         if self.server is not None:
             self.server.stop()
@@ -371,6 +375,10 @@ class HttpEngineActor(RolloutEngine):
             shared = torch.empty(buf.numel(), dtype=torch.uint8).share_memory_()
             shared.copy_(buf)
             buf = shared
+        else:
+            # torch refuses to pass on CUDA memory it received over IPC: one device copy of the bucket,
+            # which this actor owns and shares with the server (kept alive until the server answered).
+            buf = buf.clone()
         entries = list(bucket["entries"])
         named = [(e["name"], entry_view(buf, e)) for e in entries]
         if not named:
