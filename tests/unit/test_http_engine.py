@@ -327,8 +327,10 @@ def test_loop_over_external_sglang_server(ray_cluster, tmp_path, server, flags):
 
 
 @pytest.mark.slow
-def test_loop_survives_a_server_that_dies(ray_cluster, tmp_path):
-    srv = Server("--tidal-extras").start("--die-on-generate", "2")
+def test_loop_survives_a_server_that_stops_answering(ray_cluster, tmp_path, caplog):
+    """The server hangs on the second rollout's /generate (and /health): after --engine-health-timeout
+    the engine counts as dead; the server comes back on the same port and tidal reconnects."""
+    srv = Server("--tidal-extras").start("--hang-on-generate", "2", "--hang-seconds", "6")
 
     def bring_back():
         srv.proc.wait()
@@ -344,13 +346,17 @@ def test_loop_survives_a_server_that_dies(ray_cluster, tmp_path):
             srv.address,
             "--check-weight-update-equal",
             "--engine-start-timeout",
-            "60",
+            "120",
+            "--engine-health-timeout",
+            "3",
             on_step=_bitwise(seen),
         )
     finally:
         watcher.join(timeout=30)
         srv.stop()
     assert [r["engine_restarts"] for r in rows] == [0, 1]
+    # Found by the probe while the server still ran (hung), not by its exit later.
+    assert "engine 0 died (no /health answer within 3 s (--engine-health-timeout)); restarting it (1/3)" in caplog.text
     # The second rollout was generated again after the resync (version 3); its step synced version 4.
     assert seen == [1, 2, 4]
     assert rows[0]["gen_samples"] == rows[1]["gen_samples"] == 4

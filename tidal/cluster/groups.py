@@ -86,7 +86,9 @@ class EngineGroup:
         if self.kind == "sglang":
             from tidal.rollout.http_engine import HttpEngineActor
 
-            cls = ray.remote(HttpEngineActor)
+            # The /health probe and a restart run beside a hung generate call (their own concurrency
+            # group); every other call stays serial, in the order it was sent.
+            cls = ray.remote(concurrency_groups={"probe": 2})(HttpEngineActor)
             if self.addresses:
                 opts = {"num_cpus": 0, "runtime_env": {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}}
                 return cls.options(**opts).remote(

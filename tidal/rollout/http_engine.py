@@ -39,6 +39,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import ray
+
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, TrainerConfig, WeightSyncConfig
 from tidal.errors import EngineDiedError, UserError, WeightSyncError
 from tidal.rollout.engine import (
@@ -253,6 +255,7 @@ class HttpEngineActor(RolloutEngine):
         self._version = parse_version(info.get("weight_version", "default"))
         return info
 
+    @ray.method(concurrency_group="probe")
     def restart(self) -> dict:
         """Bring the server back: restart a started one, or wait for an external one to answer again.
 
@@ -470,6 +473,7 @@ class HttpEngineActor(RolloutEngine):
     def continue_generation(self) -> None:
         self._c().post("/continue_generation")
 
+    @ray.method(concurrency_group="probe")
     def health(self) -> EngineHealth:
         self._c().get("/health", timeout=self.rollout_cfg.engine_health_timeout)
         return EngineHealth(self.engine_rank, self.get_weight_version(), self._residency, self.address, "sglang")

@@ -71,7 +71,6 @@ def run_engines(s, samples: list[Sample], sampling: SamplingParams, group_size: 
     samples (engines get copies, so nothing half-filled comes back). Each sample is taken from
     exactly one successful call, so none is lost or counted twice.
     """
-    import ray
 
     from tidal.errors import is_engine_death
 
@@ -87,9 +86,10 @@ def run_engines(s, samples: list[Sample], sampling: SamplingParams, group_size: 
     done: list[Sample] = []
     while todo:
         refs = {i: engines.actors[i].generate.remote(chunk, sampling) for i, chunk in todo.items()}
-        ray.wait(list(refs.values()), num_returns=len(refs))
-        dead, why = [], ""
+        dead, why = _wait_or_probe(s, refs)
         for i, ref in refs.items():
+            if i in dead:
+                continue
             try:
                 done.extend(get(ref))
             except Exception as e:  # noqa: BLE001 - only engine deaths are survived
@@ -102,6 +102,36 @@ def run_engines(s, samples: list[Sample], sampling: SamplingParams, group_size: 
             s.restart_engines(dead, why)
     done.sort(key=lambda x: x.index)
     return done
+
+
+def _wait_or_probe(s, refs: dict) -> tuple[list[int], str]:
+    """Wait for every generate call; while HTTP engines are still busy after each
+    ``--engine-health-timeout``, probe their ``/health``: one that does not answer in time counts as
+    dead (its call is abandoned). Embedded engines are waited for (Ray reports a dead actor itself)."""
+    import ray
+
+    timeout = s.cfg.rollout.engine_health_timeout
+    http = s.engines.kind == "sglang"
+    pending = dict(refs)
+    while pending:
+        ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=timeout if http else None)
+        pending = {i: r for i, r in pending.items() if r not in ready}
+        if not pending:
+            break
+        probes = {i: s.engines.actors[i].health.remote() for i in pending}
+        answered, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=timeout)
+        hung = [i for i, p in probes.items() if p not in answered or _failed(p)]
+        if hung:
+            return hung, f"no /health answer within {timeout:g} s (--engine-health-timeout)"
+    return [], ""
+
+
+def _failed(ref) -> bool:
+    try:
+        get(ref)
+        return False
+    except Exception:  # noqa: BLE001 - any failure of the probe means the engine cannot serve
+        return True
 
 
 def _first_line(e: BaseException) -> str:
