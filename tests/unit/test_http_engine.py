@@ -155,6 +155,24 @@ def test_bad_addresses_and_replies_are_one_line(server, tmp_path):
         eng.generate(_samples(1), SamplingParams())
 
 
+def test_disk_version_loads_in_the_sglang_shaped_server(server, tmp_path):
+    """A version folder of tidal's disk transport is a plain safetensors folder to SGLang's reader."""
+    import torch
+
+    from tidal.config.schema import WeightSyncConfig as W
+    from tidal.weight_sync.checksum import tensor_checksum
+    from tidal.weight_sync.disk import DiskStrategy
+
+    weights = {"model.embed.weight": torch.randn(8, 4), "model.norm.weight": torch.ones(4, dtype=torch.bfloat16)}
+    cfg = W(update_weight_transport="disk", update_weight_disk_dir=str(tmp_path))
+    path = DiskStrategy(cfg, []).write(weights.items(), 7)
+    eng = _engine(server.address)
+    result = eng.update_weights_from_disk(path, 7)
+    assert (result.complete, result.engine_version) == (True, 7)
+    got = eng.weight_checksums()
+    assert {n: got[n] for n in weights} == {n: tensor_checksum(t) for n, t in weights.items()}
+
+
 def test_api_key_is_sent(tmp_path):
     srv = Server("--api-key", "k1").start()
     try:
@@ -305,15 +323,12 @@ def _bitwise(seen):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "flags",
-    # tensor (colocated) runs in the dying-server test below, disk against tidal serve.
-    [
-        ["--no-colocate", "--update-weight-transport", "broadcast"],
-        ["--no-colocate", "--update-weight-transport", "disk", "--update-weight-disk-dir", "DISK"],
-    ],
-    ids=["broadcast-disaggregated", "disk"],
+    # tensor (colocated) runs in the hanging-server test below; a disk folder is loaded by the
+    # server in test_disk_version_loads_in_the_sglang_shaped_server.
+    [["--no-colocate", "--update-weight-transport", "broadcast"]],
+    ids=["broadcast-disaggregated"],
 )
 def test_loop_over_external_sglang_server(ray_cluster, tmp_path, server, flags):
-    flags = [str(tmp_path / "disk") if f == "DISK" else f for f in flags]
     seen: list[int] = []
     rows = _train(
         tmp_path,
@@ -451,6 +466,21 @@ class TidalServe:
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+@pytest.mark.slow
+def test_loop_over_external_tidal_serve_broadcast(ray_cluster, tmp_path):
+    """Disaggregated broadcast: tidal serve joins the trainer's group as SGLang does."""
+    serve = TidalServe(tmp_path)
+    seen: list[int] = []
+    try:
+        rows = _train(
+            tmp_path, "--rollout-external-engine-addrs", serve.address, "--no-colocate",
+            "--update-weight-transport", "broadcast", "--check-weight-update-equal", on_step=_bitwise(seen),
+        )  # fmt: skip
+    finally:
+        serve.stop()
+    assert seen == [1, 2, 3] and [r["gen_samples"] for r in rows] == [4, 4]
 
 
 @pytest.mark.slow
