@@ -220,6 +220,17 @@ def test_rule_critic(argv, expect):
     check(argv, CPU, expect)
 
 
+def test_memory_plan_counts_the_critic():
+    from tidal.config.plan import build_plan, model_shape
+
+    grpo, _ = run(["--model", "qwen2.5-0.5b-shape", "--device", "cuda"], GPU1)
+    ppo, _ = run(["--model", "qwen2.5-0.5b-shape", "--device", "cuda", "--advantage-estimator", "ppo"], GPU1)
+    a, b = build_plan(grpo, model_shape(grpo), GPU1), build_plan(ppo, model_shape(ppo), GPU1)
+    for key in ("weights", "grads", "optimizer"):
+        assert b.trainer[key] == 2 * a.trainer[key], key
+    assert b.trainer["activations"] == a.trainer["activations"]
+
+
 @pytest.mark.parametrize(
     "argv, expect",
     [

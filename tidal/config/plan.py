@@ -8,7 +8,10 @@ no weights allocated) and the batch settings; their assumptions are printed by `
     trainer, per rank    fp32 master weights, fp32 grads, fp32 AdamW m and v, sharded over the
                          trainer ranks (FSDP2); activations of one micro-batch of
                          ``--max-tokens-per-gpu`` tokens in the compute dtype (calibrated on Qwen2)
-                         plus the fp32 log-softmax over the vocabulary and its gradients
+                         plus the fp32 log-softmax over the vocabulary and its gradients; with
+                         PPO's critic (``--advantage-estimator ppo``) the weights, grads and AdamW
+                         state twice (the critic is the policy's backbone with a one-output head;
+                         its activations come after the policy's are freed and are smaller)
     engine, per engine   a full copy of the weights in the engine dtype (fp32 on CPU, bf16 on
                          GPU); a KV cache holding every sample of its share of the rollout at full
                          length; one sync bucket while weights arrive
@@ -178,10 +181,11 @@ def build_plan(cfg, shape: ModelShape, env: Environment) -> MemoryPlan:
     # Logits: the fp32 log-softmax saved for backward, its gradient, the fp32 input's gradient and
     # the compute-dtype logits' gradient, all alive together at the start of backward.
     activations = tokens * per_token + tokens * shape.vocab * 14
+    models = 2 if cfg.algorithm.use_critic else 1  # the policy, and PPO's critic of the same size
     trainer = {
-        "weights": math.ceil(P * 4 / ranks),
-        "grads": math.ceil(P * 4 / ranks),
-        "optimizer": math.ceil(P * 8 / ranks),
+        "weights": math.ceil(models * P * 4 / ranks),
+        "grads": math.ceil(models * P * 4 / ranks),
+        "optimizer": math.ceil(models * P * 8 / ranks),
         "activations": activations,
     }
     samples_per_engine = math.ceil(r.rollout_batch_size * r.n_samples_per_prompt / engines)
