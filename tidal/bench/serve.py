@@ -5,12 +5,14 @@ on a GPU ``tidal bench serve --shape qwen2.5-0.5b-shape --requests 512 --prompt-
 --new-tokens 256``. In one run, on the same prompts and sampling parameters:
 
 1. ``inproc``: an ``EmbeddedEngine`` in this process generates the N prompts as one batch (the
-   limit: no HTTP, no JSON, no queue); then it is freed.
+   limit: no HTTP, no JSON, no queue).
 2. ``http``: ``tidal serve`` with the same model flags in a subprocess on 127.0.0.1; N concurrent
    ``/generate`` requests (one prompt each, ``input_ids``, ``return_logprob``) sent at once from
    an httpx ``AsyncClient``, timed from the first send to the last reply.
 
-Each is timed ``--repeats`` times after one warm-up (compilation, CUDA graphs); the fastest counts.
+Both engines stay alive (each at ``--rollout-mem-fraction`` 0.3) and are timed in turns, one
+warm-up each (compilation, CUDA graphs) and then ``--repeats`` rounds of in-process then HTTP, so
+a change of load on a shared machine hits both alike; the fastest of each counts.
 Prints one JSON line: ``inproc_tokens_per_s``, ``http_tokens_per_s``, ``http_overhead`` (the
 relative loss of throughput, ``1 - http/inproc``) next to ``goal_overhead`` (0.10), and the engine
 steps the server used for the fastest burst (``http_engine_steps``: 1 when every request shared a
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import subprocess
@@ -32,6 +33,8 @@ import time
 import torch
 
 GOAL_OVERHEAD = 0.10
+# Both engines live on the device at once (see ``measure``): each may use this much of it at its peak.
+MEM_FRACTION = 0.3
 
 
 def _prompts(tokenizer, vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -41,36 +44,35 @@ def _prompts(tokenizer, vocab: int, n: int, length: int, seed: int) -> list[list
     return [pool[torch.randint(len(pool), (length,), generator=gen)].tolist() for _ in range(n)]
 
 
-def _inproc(args, device: str) -> tuple[float, list[list[int]]]:
+def _engine(args, device: str):
     from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig
     from tidal.rollout.embedded import EmbeddedEngine
+
+    rollout = RolloutConfig(
+        rollout_max_batch=args.requests,
+        rollout_compile=None if device.startswith("cuda") else False,
+        rollout_mem_fraction=MEM_FRACTION,
+    )
+    return EmbeddedEngine(ModelConfig(model=args.shape), rollout, MemoryConfig(), device=device)
+
+
+def _inproc_once(engine, prompts, args) -> float:
+    """Tokens/s of one in-process generate of every prompt as one batch."""
     from tidal.rollout.types import Sample, SamplingParams
 
-    rollout = RolloutConfig(rollout_max_batch=args.requests, rollout_compile=None if device == "cuda" else False)
-    engine = EmbeddedEngine(ModelConfig(model=args.shape), rollout, MemoryConfig(), device=device)
-    vocab = min(len(engine.tokenizer), engine.model.config.get_text_config().vocab_size)
-    prompts = _prompts(engine.tokenizer, vocab, args.requests, args.prompt_len, args.seed)
     sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens, seed=args.seed)
-    best = 0.0
-    for rep in range(args.repeats + 1):
-        batch = [Sample(index=i, group=i, prompt=None, prompt_ids=list(p)) for i, p in enumerate(prompts)]
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = engine.generate(batch, sp)
-        tokens = sum(len(s.response_ids) for s in out)
-        if rep:  # the first run warms up
-            best = max(best, tokens / (time.perf_counter() - t0))
-    del engine, out, batch
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return best, prompts
+    batch = [Sample(index=i, group=i, prompt=None, prompt_ids=list(p)) for i, p in enumerate(prompts)]
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = engine.generate(batch, sp)
+    return sum(len(s.response_ids) for s in out) / (time.perf_counter() - t0)
 
 
 def _start_server(args, device: str) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "tidal", "serve", "--model", args.shape, "--device", device.split(":")[0]]
     cmd += ["--port", "0", "--rollout-max-batch", str(args.requests), "--no-check-memory-plan"]
+    cmd += ["--rollout-mem-fraction", str(MEM_FRACTION)]
     if device == "cpu":
         cmd += ["--no-rollout-compile"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ})
@@ -98,25 +100,46 @@ async def _burst(url: str, prompts, args) -> tuple[int, float, set[int]]:
     return sum(o["meta_info"]["completion_tokens"] for o in outs), dt, {o["meta_info"]["engine_step"] for o in outs}
 
 
-def _http(args, device: str, prompts) -> tuple[float, list[int]]:
+def _http_once(url: str, prompts, args) -> tuple[float, list[int]]:
+    """Tokens/s of one burst, and the rows of each engine step that served it."""
     import httpx
 
+    tokens, dt, used = asyncio.run(_burst(url, prompts, args))
+    recent = httpx.get(url + "/server_info").json()["internal_states"][0]["recent_steps"]
+    return tokens / dt, [s["rows"] for s in recent if s["step"] in used]
+
+
+def _wait_healthy(url: str) -> None:
+    import httpx
+
+    for _ in range(1500):
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"tidal serve at {url} never answered /health")
+
+
+def measure(args, device: str) -> dict:
+    """Both sides alive at once, timed in turns (in-process, then HTTP, per repeat), so that a change
+    of machine load hits both alike; one warm-up each first."""
     proc, url = _start_server(args, device)
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        best, rows = 0.0, []
-        for rep in range(args.repeats + 1):
-            tokens, dt, used = asyncio.run(_burst(url, prompts, args))
-            recent = httpx.get(url + "/server_info").json()["internal_states"][0]["recent_steps"]
-            if rep and tokens / dt > best:
-                best, rows = tokens / dt, [s["rows"] for s in recent if s["step"] in used]
-        return best, rows
+        engine = _engine(args, "cuda:0" if device == "cuda" else "cpu")
+        vocab = min(len(engine.tokenizer), engine.model.config.get_text_config().vocab_size)
+        prompts = _prompts(engine.tokenizer, vocab, args.requests, args.prompt_len, args.seed)
+        _wait_healthy(url)
+        _inproc_once(engine, prompts, args)
+        _http_once(url, prompts, args)
+        inproc, http, rows = 0.0, 0.0, []
+        for _ in range(args.repeats):
+            inproc = max(inproc, _inproc_once(engine, prompts, args))
+            rate, used = _http_once(url, prompts, args)
+            if rate > http:
+                http, rows = rate, used
+        return {"inproc": inproc, "http": http, "rows": rows}
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -136,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     args = p.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    inproc, prompts = _inproc(args, "cuda:0" if device == "cuda" else "cpu")
-    http, step_rows = _http(args, device, prompts)
+    m = measure(args, device)
+    inproc, http, step_rows = m["inproc"], m["http"], m["rows"]
     row = {
         "shape": args.shape,
         "device": device,

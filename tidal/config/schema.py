@@ -300,7 +300,7 @@ class ServeConfig:
     )
     served_model_name: str | None = opt(None, "Model name in /v1/models and OpenAI replies (default: --model).")
     serve_batch_wait_ms: float = opt(
-        20.0,
+        50.0,
         "tidal serve starts an engine step once --rollout-max-batch rows are queued or no request came for this long.",
         min=0,
     )

@@ -49,7 +49,7 @@ class ServerState:
     """The engine, its worker thread, the weight applier and the served weight version (a string, as in SGLang)."""
 
     def __init__(
-        self, engine, *, model_path: str, served_model_name: str, api_key: str | None, batch_wait_s: float = 0.02
+        self, engine, *, model_path: str, served_model_name: str, api_key: str | None, batch_wait_s: float = 0.05
     ) -> None:
         self.engine = engine
         self.worker = EngineWorker(

@@ -74,7 +74,7 @@ class EngineWorker:
     """``max_rows``: rows one step may take; ``fill_rows`` / ``wait_s``: a step starts once ``fill_rows``
     rows are queued or no request arrived for ``wait_s`` (a burst of requests becomes one step)."""
 
-    def __init__(self, engine, *, max_rows: int = 4096, fill_rows: int = 512, wait_s: float = 0.02) -> None:
+    def __init__(self, engine, *, max_rows: int = 4096, fill_rows: int = 512, wait_s: float = 0.05) -> None:
         self.engine = engine
         self.max_rows = max_rows
         self.fill_rows = min(fill_rows, max_rows)
