@@ -16,7 +16,8 @@ a change of load on a shared machine hits both alike; the fastest of each counts
 Prints one JSON line: ``inproc_tokens_per_s``, ``http_tokens_per_s``, ``http_overhead`` (the
 relative loss of throughput, ``1 - http/inproc``) next to ``goal_overhead`` (0.10), and the engine
 steps the server used for the fastest burst (``http_engine_steps``: 1 when every request shared a
-step; ``http_step_rows``: rows of each).
+step; ``http_step_rows``: rows of each), and of the fastest burst's ``http_burst_seconds`` the
+part the server's engine spent generating (``http_engine_seconds``; the rest is HTTP, JSON, queueing).
 Response tokens are counted after cutting at EOS, as the engine returns them.
 """
 
@@ -100,13 +101,15 @@ async def _burst(url: str, prompts, args) -> tuple[int, float, set[int]]:
     return sum(o["meta_info"]["completion_tokens"] for o in outs), dt, {o["meta_info"]["engine_step"] for o in outs}
 
 
-def _http_once(url: str, prompts, args) -> tuple[float, list[int]]:
-    """Tokens/s of one burst, and the rows of each engine step that served it."""
+def _http_once(url: str, prompts, args) -> tuple[float, list[int], float, float]:
+    """Tokens/s of one burst, the rows of each engine step that served it, the burst's seconds and
+    the seconds the engine spent generating in those steps."""
     import httpx
 
     tokens, dt, used = asyncio.run(_burst(url, prompts, args))
     recent = httpx.get(url + "/server_info").json()["internal_states"][0]["recent_steps"]
-    return tokens / dt, [s["rows"] for s in recent if s["step"] in used]
+    steps = [s for s in recent if s["step"] in used]
+    return tokens / dt, [s["rows"] for s in steps], dt, sum(s["seconds"] for s in steps)
 
 
 def _wait_healthy(url: str) -> None:
@@ -133,13 +136,13 @@ def measure(args, device: str) -> dict:
         _wait_healthy(url)
         _inproc_once(engine, prompts, args)
         _http_once(url, prompts, args)
-        inproc, http, rows = 0.0, 0.0, []
+        inproc, http, rows, wall, step_s = 0.0, 0.0, [], 0.0, 0.0
         for _ in range(args.repeats):
             inproc = max(inproc, _inproc_once(engine, prompts, args))
-            rate, used = _http_once(url, prompts, args)
+            rate, used, dt, gen_s = _http_once(url, prompts, args)
             if rate > http:
-                http, rows = rate, used
-        return {"inproc": inproc, "http": http, "rows": rows}
+                http, rows, wall, step_s = rate, used, dt, gen_s
+        return {"inproc": inproc, "http": http, "rows": rows, "wall": wall, "step_s": step_s}
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -173,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         "goal_overhead": GOAL_OVERHEAD,
         "http_engine_steps": len(step_rows),
         "http_step_rows": step_rows,
+        "http_burst_seconds": round(m["wall"], 3),
+        "http_engine_seconds": round(m["step_s"], 3),
     }
     print(json.dumps(row), flush=True)
     return 0

@@ -13,6 +13,7 @@ open; here nothing is). Without a key the server is open, and it binds 127.0.0.1
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -191,7 +192,7 @@ def _generate_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/server_info")
     async def server_info():
         w = state.worker
-        recent = [{"step": s.step, "requests": s.requests, "rows": s.rows} for s in w.recent]
+        recent = [dataclasses.asdict(s) for s in w.recent]
         return {
             "model_path": state.model_path,
             "served_model_name": state.served_model_name,

@@ -44,6 +44,7 @@ class StepInfo:
     step: int
     requests: int
     rows: int
+    seconds: float = 0.0  # the engine's generate call alone
 
 
 @dataclasses.dataclass
@@ -227,6 +228,7 @@ class EngineWorker:
                 for job in group:
                     job.future.set_exception(e)
                 continue
+            info.seconds = time.perf_counter() - t0
             self.recent.append(info)
             log.debug(
                 "engine step %d: %d requests, %d rows, %.3f s",
