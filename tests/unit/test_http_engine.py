@@ -155,8 +155,9 @@ def test_bad_addresses_and_replies_are_one_line(server, tmp_path):
         eng.generate(_samples(1), SamplingParams())
 
 
-def test_disk_version_loads_in_the_sglang_shaped_server(server, tmp_path):
-    """A version folder of tidal's disk transport is a plain safetensors folder to SGLang's reader."""
+def test_disk_version_loads_in_the_sglang_shaped_server(tmp_path):
+    """A version folder of tidal's disk transport is a plain safetensors folder to SGLang's reader
+    (its own server: these weights are not the model the shared server's runs sync)."""
     import torch
 
     from tidal.config.schema import WeightSyncConfig as W
@@ -166,10 +167,14 @@ def test_disk_version_loads_in_the_sglang_shaped_server(server, tmp_path):
     weights = {"model.embed.weight": torch.randn(8, 4), "model.norm.weight": torch.ones(4, dtype=torch.bfloat16)}
     cfg = W(update_weight_transport="disk", update_weight_disk_dir=str(tmp_path))
     path = DiskStrategy(cfg, []).write(weights.items(), 7)
-    eng = _engine(server.address)
-    result = eng.update_weights_from_disk(path, 7)
+    srv = Server("--tidal-extras").start()
+    try:
+        eng = _engine(srv.address)
+        result = eng.update_weights_from_disk(path, 7)
+        got = eng.weight_checksums()
+    finally:
+        srv.stop()
     assert (result.complete, result.engine_version) == (True, 7)
-    got = eng.weight_checksums()
     assert {n: got[n] for n in weights} == {n: tensor_checksum(t) for n, t in weights.items()}
 
 
