@@ -1,11 +1,13 @@
-"""The HTTP engine against a server written in the test from SGLang's documented protocol.
+"""The HTTP engine against a server written in the test from SGLang's documented protocol, and against tidal serve.
 
 ``sglang_like_server.py`` (no tidal import) runs as its own process on 127.0.0.1. The HTTP engine's
-calls are checked one by one (generate, memory, versions, errors), then the whole loop runs with
-``--rollout-engine sglang --rollout-external-engine-addrs`` over every weight-sync transport with
-the engine's weights compared bit for bit after every sync, and an engine that dies mid-run (the
-server exits on a /generate; the test brings it back on the same port) is survived with the same
-samples per step. An embedded engine actor that dies mid-run is survived the same way.
+calls are checked one by one (generate, memory, versions, errors, a disk folder, the broadcast
+group and flattened buckets), then the whole loop runs with ``--rollout-engine sglang``: against
+the SGLang-shaped server (tensor transport, the server hanging mid-run), against an external
+``tidal serve`` (broadcast, delta over disk) and against ``tidal serve`` started by tidal (tensor,
+the server killed mid-run), every weight bitwise equal to the trainer's after every sync and the
+same samples per step. An embedded engine actor killed mid-run is survived the same way, and a
+killed trainer rank ends the run in one line.
 """
 
 from __future__ import annotations
@@ -325,25 +327,43 @@ def _bitwise(seen):
     return on_step
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "flags",
-    # tensor (colocated) runs in the hanging-server test below; a disk folder is loaded by the
-    # server in test_disk_version_loads_in_the_sglang_shaped_server.
-    [["--no-colocate", "--update-weight-transport", "broadcast"]],
-    ids=["broadcast-disaggregated"],
-)
-def test_loop_over_external_sglang_server(ray_cluster, tmp_path, server, flags):
-    seen: list[int] = []
-    rows = _train(
-        tmp_path,
-        "--rollout-external-engine-addrs",
-        server.address,
-        "--check-weight-update-equal",
-        *flags,
-        on_step=_bitwise(seen),
-    )
-    assert seen == [1, 2, 3] and [r["engine_restarts"] for r in rows] == [0, 0]
+def test_broadcast_in_sglang_layout_to_the_sglang_shaped_server(ray_cluster):
+    """The broadcast strategy forms the group as SGLang joins it and sends flattened buckets (no
+    alignment gaps); mixed dtypes and odd sizes over several buckets land bitwise."""
+    import ray
+    import torch
+
+    from tidal.weight_sync.broadcast import BroadcastStrategy
+    from tidal.weight_sync.checksum import tensor_checksum
+
+    srv = Server("--tidal-extras").start()
+    try:
+        r = RolloutConfig(rollout_engine="sglang", rollout_external_engine_addrs=[srv.address])
+        actor = (
+            ray.remote(concurrency_groups={"probe": 2})(HttpEngineActor)
+            .options(num_cpus=0)
+            .remote(0, model=ModelConfig(), rollout=r, memory=MemoryConfig(), weight_sync=WeightSyncConfig(),
+                    device="cpu", address=srv.address)
+        )  # fmt: skip
+        ray.get(actor.init.remote())
+        g = torch.Generator().manual_seed(0)
+        weights = {
+            "a.weight": torch.randn(7, 3, generator=g),
+            "b.weight": torch.randn(5, generator=g).to(torch.bfloat16),
+            "c.weight": torch.randn(33, 9, generator=g),
+            "d.bias": torch.randn(3, generator=g),
+        }
+        cfg = WeightSyncConfig(update_weight_transport="broadcast", update_weight_buffer_size=1024)
+        strategy = BroadcastStrategy(cfg, [actor], device="cpu", colocated=False)
+        strategy.connect()
+        report = strategy.sync(weights.items(), 1)
+        assert report.bytes_total == sum(t.numel() * t.element_size() for t in weights.values())
+        assert ray.get(actor.get_weight_version.remote()) == 1
+        got = ray.get(actor.weight_checksums.remote())
+        assert got == {n: tensor_checksum(t) for n, t in weights.items()}
+        strategy.close()
+    finally:
+        srv.stop()
 
 
 @pytest.mark.slow
