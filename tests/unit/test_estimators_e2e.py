@@ -2,8 +2,8 @@
 
 The default run (tiny model, digit-sum task, 32 prompts x 8 samples, colocated on the CPU) must
 raise the 3-rollout mean reward by 0.3 within the default 60 rollouts, with every
-``--advantage-estimator``. A run stops as soon as the rise is reached (about 33 rollouts; ppo about
-22), which keeps the six runs within CI's time; one Ray cluster serves them all (the session
+``--advantage-estimator``. A run stops as soon as the rise is reached (31-33 rollouts with the
+fixed seeds), which keeps the six runs within CI's time; one Ray cluster serves them all (the session
 fixture). GRPO, the default, is the run on the perturbed engine with ``--use-tis``.
 """
 
