@@ -48,7 +48,7 @@ for s in "$@"; do
     bench-memory-preload) run bench-memory-preload 200 python3 -m tidal.bench.memory --gib ${MEM_GIB:-16} --cycles ${MEM_CYCLES:-5} --hook-mode preload --policies release,retain ;;
     bench-memory-100) run bench-memory-100 240 python3 -m tidal.bench.memory --gib ${MEM100_GIB:-4} --cycles 100 --policies retain ;;
     bench-trainer) TAIL=45 run bench-trainer 240 python3 -m tidal.bench.trainer --device cuda --model qwen2.5-0.5b-shape --samples 512 --prompt-len 32 --response-len 256 --max-tokens-per-gpu 8192 ${TRAINER_ARGS:---profile} ;;
-    bench-serve) run bench-serve 300 python3 -m tidal.bench.serve --shape qwen2.5-0.5b-shape --requests 512 --prompt-len 64 --new-tokens 256 ${SERVE_ARGS:-} ;;
+    bench-serve) run bench-serve 420 python3 -m tidal.bench.serve --shape qwen2.5-0.5b-shape --requests 512 --prompt-len 64 --new-tokens 256 ${SERVE_ARGS:-} ;;
     profile-ipc) TAIL=20 run profile-ipc 120 python3 scripts/profile_ipc.py ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
