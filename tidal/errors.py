@@ -71,3 +71,10 @@ def is_engine_death(exc: BaseException) -> bool:
         cause = getattr(exc, "cause", None)
         return cause is not None and cause is not exc and is_engine_death(cause)
     return False
+
+
+def last_line(e: BaseException) -> str:
+    """The last line of an error's message (its type name when empty): the cause of a remote error,
+    since Ray puts a traceback header before the message of an exception raised in an actor."""
+    lines = str(e).strip().splitlines()
+    return lines[-1] if lines else type(e).__name__

@@ -16,6 +16,7 @@ from tidal.cluster.groups import EngineGroup, TrainerGroup
 from tidal.cluster.placement import create_placement_group, plan_placement
 from tidal.cluster.ray_cluster import start_ray, stop_ray
 from tidal.config.schema import TidalConfig
+from tidal.dtypes import default_dtype_name
 from tidal.errors import RunFailed, WeightSyncError, is_engine_death
 from tidal.observe.console import Display
 from tidal.observe.plots import plot_curves
@@ -28,10 +29,6 @@ def steps_per_rollout(cfg: TidalConfig) -> int:
     """Optimizer steps one rollout makes (dynamic sampling can only make it fewer)."""
     samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     return max(1, -(-samples // (cfg.trainer.global_batch_size or samples)))
-
-
-def engine_dtype(device: str) -> str:
-    return "bfloat16" if device == "cuda" else "float32"
 
 
 class Session:
@@ -114,7 +111,7 @@ class Session:
             self.timeline_mark(
                 "engines released", self.engines.call("release_memory", ["kv_cache", "weights"])[0].metrics
             )
-        self.trainer.call("connect_engines", self.engines.actors, engine_dtype(self.device))
+        self.trainer.call("connect_engines", self.engines.actors, default_dtype_name(self.device))
 
     def __exit__(self, exc_type, exc, tb) -> None:
         import ray
@@ -183,7 +180,7 @@ class Session:
             self.engines.restart(i)
         self.step_restarts += len(dead)
         # Every engine is awake here (engines die while generating): a plain full sync, no memory steps.
-        self.trainer.call("connect_engines", self.engines.actors, engine_dtype(self.device))
+        self.trainer.call("connect_engines", self.engines.actors, default_dtype_name(self.device))
         report = self.trainer.call("update_weights")
         versions = self.engines.call("get_weight_version")
         if any(v != report["sync/version"] for v in versions):

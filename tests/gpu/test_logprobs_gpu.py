@@ -7,7 +7,7 @@ compiled kernels see dynamic rows. Checks, with and without temperature: the chu
 (log-prob, shift, entropy) and backward (log-prob gradient, entropy gradient, both; written into an
 fp32 buffer so bf16 rounding does not hide differences) agree within 1e-5; the same through the
 public function and autograd (whose CUDA backward runs on the autograd engine's own thread), with
-``TIDAL_COMPILE_LOSSES=0`` as the eager reference. Prints eager and compiled forward + backward times.
+``compile=False`` as the eager reference. Prints eager and compiled forward + backward times.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import time
 import pytest
 import torch
 
-from tidal.algos import losses, token_logprobs_and_entropy
+from tidal.algos import logprobs as losses
+from tidal.algos import token_logprobs_and_entropy
 
 pytestmark = pytest.mark.gpu
 
@@ -35,7 +36,6 @@ def data():
 
 @pytest.fixture(autouse=True)
 def compile_on(monkeypatch):
-    monkeypatch.delenv(losses._COMPILE_ENV, raising=False)
     monkeypatch.setattr(losses, "_compile_off", None)
     assert losses._compile_available(torch.device("cuda")), "needs triton"
 
@@ -70,9 +70,11 @@ def test_compiled_chunks_match_eager(data, inv_t):
     assert losses._compile_off is None
 
 
-def _fwd_bwd(x, tgt, temperature, entropy_grad):
+def _fwd_bwd(x, tgt, temperature, entropy_grad, compile=True):
     leaf = x.detach().requires_grad_()
-    lp, ent = token_logprobs_and_entropy(leaf, tgt, temperature=temperature, with_entropy_grad=entropy_grad)
+    lp, ent = token_logprobs_and_entropy(
+        leaf, tgt, temperature=temperature, with_entropy_grad=entropy_grad, compile=compile
+    )
     w = torch.linspace(-1, 1, lp.numel(), device="cuda")
     loss = (lp * w).sum() + (ent * w.flip(0)).sum() if entropy_grad else (lp * w).sum()
     loss.backward()
@@ -85,8 +87,7 @@ def test_public_function_compiled_equals_eager(data, monkeypatch, temperature, e
     x, tgt = data
     compiled = _fwd_bwd(x, tgt, temperature, entropy_grad)
     assert losses._compile_off is None and {"forward", "backward"} <= set(losses._compiled)
-    monkeypatch.setenv(losses._COMPILE_ENV, "0")
-    eager = _fwd_bwd(x, tgt, temperature, entropy_grad)
+    eager = _fwd_bwd(x, tgt, temperature, entropy_grad, compile=False)
     torch.testing.assert_close(compiled[0], eager[0], **TOL)
     torch.testing.assert_close(compiled[1], eager[1], **TOL)
     assert compiled[2].dtype == torch.bfloat16
@@ -97,18 +98,17 @@ def test_public_function_compiled_equals_eager(data, monkeypatch, temperature, e
 def test_compiled_speed(data, monkeypatch):
     x, tgt = data
 
-    def timed() -> float:
-        _fwd_bwd(x, tgt, 1.0, False)  # warm-up (compile, allocator)
+    def timed(compile: bool = True) -> float:
+        _fwd_bwd(x, tgt, 1.0, False, compile)  # warm-up (compile, allocator)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(5):
-            _fwd_bwd(x, tgt, 1.0, False)
+            _fwd_bwd(x, tgt, 1.0, False, compile)
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / 5
 
     t_compiled = timed()
-    monkeypatch.setenv(losses._COMPILE_ENV, "0")
-    t_eager = timed()
+    t_eager = timed(compile=False)
     print(
         f"\ntoken_logprobs_and_entropy [{ROWS}, {VOCAB}] bf16, forward + backward: "
         f"eager {t_eager * 1e3:.1f} ms, compiled {t_compiled * 1e3:.1f} ms"

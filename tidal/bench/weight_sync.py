@@ -31,6 +31,7 @@ import time
 import torch
 
 from tidal.config.schema import WeightSyncConfig
+from tidal.dtypes import default_dtype_name, dtype_of
 
 
 class SyncSource:
@@ -57,7 +58,7 @@ class SyncSource:
         self.model = build_model(
             self.spec, dtype=torch.float32, seed=seed, device="cuda" if device == "cuda" else "cpu"
         )
-        self.engine_dtype = getattr(torch, engine_dtype)
+        self.engine_dtype = dtype_of(engine_dtype)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.engines = engines
         self.strategy = make_strategy(cfg, engines, device=device, colocated=colocated, base_dir=self.spec.path)
@@ -343,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     transports = args.transports or ("tensor,broadcast,disk" if args.device == "cpu" else "tensor,disk")
     ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     disk_dir = tempfile.mkdtemp(prefix="tidal-bench-ws-", dir=args.disk_dir)
-    engine_dtype = "bfloat16" if args.device == "cuda" else "float32"
+    engine_dtype = default_dtype_name(args.device)
     try:
         for model in models.split(","):
             source, engines = start_actors(

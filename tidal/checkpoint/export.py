@@ -24,7 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from safetensors.torch import save_file
 
-from tidal.checkpoint.store import plain, replace_dir
+from tidal.atomic import publish_dir
+from tidal.checkpoint.store import plain
 
 
 @runtime_checkable
@@ -67,7 +68,7 @@ def export_hf(source: ExportSource, out_dir: str) -> dict:
             pass  # an invalid generation config is the model's own; the weights are what matters here
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(tmp)
-    replace_dir(tmp, out_dir)
+    publish_dir(tmp, out_dir)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     source.barrier()
     return {"export/path": out_dir, "export/bytes": nbytes, "export/seconds": time.perf_counter() - t0}

@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -46,6 +45,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tidal.atomic import publish_dir, write_text_atomic
 from tidal.errors import UserError
 
 FORMAT = 1
@@ -98,42 +98,6 @@ class TrainState(Protocol):
 
 def iter_name(rollout_id: int) -> str:
     return f"iter_{int(rollout_id):07d}"
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """Write ``path`` through a temp file and ``os.replace`` (readers see the old or the new text)."""
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def replace_dir(tmp: str, final: str) -> None:
-    """Move a finished temp folder to ``final``, replacing an older folder of that name."""
-    old = None
-    if os.path.exists(final):
-        old = f"{os.path.dirname(final)}/.old-{os.path.basename(final)}-{uuid.uuid4().hex[:8]}"
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync_dir(os.path.dirname(os.path.abspath(final)))
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 class ShardedWriter:
@@ -263,8 +227,7 @@ def save_checkpoint(state: TrainState, root: str, extra: dict) -> dict:
             "saved_at": time.time(),
         }
         write_text_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1, sort_keys=True))
-        _fsync_dir(tmp)
-        replace_dir(tmp, final)
+        publish_dir(tmp, final)
         write_text_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")
     state.barrier()
     if rank != 0:

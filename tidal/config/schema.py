@@ -76,6 +76,10 @@ class TrainerConfig:
         "(there they equal the training pass's own, detached, and the pass is skipped).",
     )
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory.")
+    compile_logprobs: bool = opt(
+        True, "torch.compile the log-prob/entropy chunk kernels (CUDA with triton; off: the eager kernels)."
+    )
+    dist_timeout_min: int = opt(30, "Timeout of the trainer's process-group collectives, in minutes.", min=1)
     param_dtype: str = opt(
         "auto", "Compute dtype of parameters: fp32 on CPU, bf16 on GPU when auto.", choices=("auto", "fp32", "bf16")
     )
@@ -203,6 +207,11 @@ class RolloutConfig:
     rollout_compile: bool | None = opt(
         None, "torch.compile the decode step (attention stays eager); default: on with CUDA, off on CPU."
     )
+
+
+def rollout_compile_default(device: str) -> bool:
+    """``--rollout-compile`` when unset: on with CUDA, off elsewhere (where decode steps are not captured)."""
+    return device == "cuda"
 
 
 @dataclass

@@ -28,7 +28,8 @@ from tidal.config.args import coerce, fields, flag_of
 from tidal.config.environment import Environment, format_bytes
 from tidal.config.plan import MemoryPlan, ModelShape, build_plan, choose_offload, describe_combo, model_shape
 from tidal.config.provenance import Provenance
-from tidal.config.schema import TidalConfig
+from tidal.config.schema import TidalConfig, rollout_compile_default
+from tidal.dtypes import default_dtype_name, short_name
 from tidal.errors import ConfigError, UserError
 
 
@@ -145,14 +146,14 @@ def _device(ctx: Context) -> None:
 )
 def _rollout_compile(ctx: Context) -> None:
     if ctx.cfg.rollout.rollout_compile is None:
-        on = ctx.cfg.cluster.device == "cuda"
+        on = rollout_compile_default(ctx.cfg.cluster.device)
         ctx.derive("rollout_compile", on, "rollout-compile", f"default on {ctx.cfg.cluster.device}")
 
 
 @rule("param-dtype", "`--param-dtype auto` is fp32 on CPU and bf16 on CUDA.")
 def _param_dtype(ctx: Context) -> None:
     if ctx.cfg.trainer.param_dtype == "auto":
-        dtype = "bf16" if ctx.cfg.cluster.device == "cuda" else "fp32"
+        dtype = short_name(default_dtype_name(ctx.cfg.cluster.device))
         ctx.derive("param_dtype", dtype, "param-dtype", f"auto on {ctx.cfg.cluster.device}")
 
 

@@ -42,6 +42,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, TrainerConfig, WeightSyncConfig
+from tidal.dtypes import as_dtype, default_dtype
 from tidal.errors import ResidencyError, UserError, WeightSyncError
 from tidal.memory import make_backend
 from tidal.memory.base import StateClass
@@ -60,7 +61,6 @@ from tidal.weight_sync.checksum import tensor_checksum
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 # Seeds of different engines must differ, or two engines given the same seed sample the same streams.
 _RANK_SEED_STRIDE = 7919
 
@@ -95,8 +95,8 @@ class EmbeddedEngine:
         self.device = torch.device(device)
         self.engine_rank = engine_rank
         if dtype is None:
-            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+            dtype = default_dtype(self.device.type)
+        self.dtype = as_dtype(dtype)
         self.max_rows = max_rows
         self.chunk_bytes = chunk_bytes
         self.spec = resolve_model(model_cfg.model, model_cfg.tokenizer, model_cfg.trust_remote_code)

@@ -132,6 +132,7 @@ class TrainerActor(Trainer):
             self.master_port,
             device=self.device_type,
             separate_compute_group=self.release_groups,
+            timeout_min=self.cfg.dist_timeout_min,
         )
         self.spec = resolve_model(self.model_cfg.model, self.model_cfg.tokenizer, self.model_cfg.trust_remote_code)
         tok = load_tokenizer(self.spec)
@@ -340,11 +341,11 @@ class TrainerActor(Trainer):
             for mbs in steps:
                 for mb in mbs:
                     if recompute:
-                        old = token_stats(self.model, mb)[0].float()
+                        old = token_stats(self.model, mb, compile=self.cfg.compile_logprobs)[0].float()
                         sums.engine_diff(mb, old)
                         objective.prepare(mb, old)
                     if self.ref_model is not None:
-                        mb.ref_logprobs = token_stats(self.ref_model, mb)[0].float()
+                        mb.ref_logprobs = token_stats(self.ref_model, mb, compile=self.cfg.compile_logprobs)[0].float()
                     if self.critic is not None:
                         objective.prepare_values(mb, self.critic)
         self._sync()
@@ -368,7 +369,9 @@ class TrainerActor(Trainer):
         for mb in mbs:
             # The current policy's entropy comes from the same pass as the log-probs: a gradient
             # only for an entropy bonus, otherwise a detached metric.
-            logprobs, ent = token_stats(self.model, mb, entropy=True, entropy_grad=entropy_grad)
+            logprobs, ent = token_stats(
+                self.model, mb, entropy=True, entropy_grad=entropy_grad, compile=self.cfg.compile_logprobs
+            )
             if old_from_train_pass:
                 old = logprobs.detach().float()
                 sums.engine_diff(mb, old)

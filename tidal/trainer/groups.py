@@ -25,8 +25,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-_TIMEOUT = timedelta(minutes=int(os.environ.get("TIDAL_DIST_TIMEOUT_MIN", "30")))
-
 
 class TrainerGroups:
     """Creates the groups and the 1-D device mesh FSDP2 shards over; releases and rebuilds the compute group."""
@@ -40,15 +38,19 @@ class TrainerGroups:
         *,
         device: str,
         separate_compute_group: bool,
+        timeout_min: int = 30,
     ):
         self.rank, self.world_size, self.device = rank, world_size, device
         self.separate = separate_compute_group
+        self.timeout = timedelta(minutes=timeout_min)  # --dist-timeout-min
         os.environ["MASTER_ADDR"] = str(master_addr)
         os.environ["MASTER_PORT"] = str(master_port)
         os.environ["RANK"] = str(rank)
         os.environ["WORLD_SIZE"] = str(world_size)
         if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size, timeout=_TIMEOUT)
+            dist.init_process_group(
+                "gloo", init_method="env://", rank=rank, world_size=world_size, timeout=self.timeout
+            )
         self.host = dist.group.WORLD
         self.compute = self._new_compute_group() if self.separate else self.host
         self.mesh = DeviceMesh.from_group(self.compute, device)
@@ -57,7 +59,7 @@ class TrainerGroups:
 
     def _new_compute_group(self) -> dist.ProcessGroup:
         backend = "nccl" if self.device == "cuda" else "gloo"
-        return dist.new_group(ranks=list(range(self.world_size)), backend=backend, timeout=_TIMEOUT)
+        return dist.new_group(ranks=list(range(self.world_size)), backend=backend, timeout=self.timeout)
 
     def release(self) -> bool:
         """Destroy the compute group (its communicators' device memory goes with it). False if not separate."""

@@ -24,10 +24,11 @@ LOSS_KEYS = ("pg_loss", "kl", "entropy", "clipfrac", "ratio_mean")
 
 
 def token_stats(
-    model, mb: MicroBatch, *, entropy: bool = False, entropy_grad: bool = False
+    model, mb: MicroBatch, *, entropy: bool = False, entropy_grad: bool = False, compile: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T-1] of ``mb``'s targets under ``model`` and, with ``entropy``, the entropy [B, T-1]
-    from the same pass over the logits (``tidal.algos.losses.token_logprobs_and_entropy``).
+    from the same pass over the logits (``tidal.algos.logprobs.token_logprobs_and_entropy``;
+    ``compile``: its compiled kernels where available).
 
     No attention mask: rows are right-padded, so causal attention already keeps every real token
     from seeing a pad and the positions of real tokens are 0, 1, ... either way; without a mask
@@ -36,13 +37,13 @@ def token_stats(
     (contiguous) logits, the last one against a pad and dropped: cheaper than flattening a
     ``[:, :-1]`` slice, which copies the logits.
     """
-    from tidal.algos.losses import token_logprobs, token_logprobs_and_entropy
+    from tidal.algos.logprobs import token_logprobs, token_logprobs_and_entropy
 
     logits = model(input_ids=mb.input_ids, use_cache=False).logits
     if entropy:
-        logp, ent = token_logprobs_and_entropy(logits, mb.next_ids, with_entropy_grad=entropy_grad)
+        logp, ent = token_logprobs_and_entropy(logits, mb.next_ids, with_entropy_grad=entropy_grad, compile=compile)
         return logp[:, :-1], ent[:, :-1]
-    return token_logprobs(logits, mb.next_ids)[:, :-1], None
+    return token_logprobs(logits, mb.next_ids, compile=compile)[:, :-1], None
 
 
 def check_samples(samples: list[Sample], *, vocab: int, model_name: str, max_tokens: int, warn: bool) -> bool:

@@ -27,38 +27,14 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
+from tidal.dtypes import dtype_name, dtype_of
 from tidal.weight_sync.checksum import checksum_bytes
 
 ALIGN = 64
-_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.float64,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-    )
-}
 
 
 def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_of(name: str) -> torch.dtype:
-    return _DTYPES[name]
 
 
 def nbytes_of(t: torch.Tensor) -> int:

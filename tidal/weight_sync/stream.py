@@ -36,7 +36,7 @@ import ray
 import torch
 
 from tidal.config.schema import WeightSyncConfig
-from tidal.errors import WeightSyncError
+from tidal.errors import WeightSyncError, last_line
 from tidal.weight_sync import delta as delta_codec
 from tidal.weight_sync import packs_on_device
 from tidal.weight_sync.base import NamedTensors, SyncReport, WeightSyncStrategy
@@ -352,7 +352,7 @@ class StreamingStrategy(WeightSyncStrategy):
             except WeightSyncError as e:
                 if f.attempt == 1:
                     raise WeightSyncError(
-                        f"weight sync v{version}: bucket {f.bucket.index} rejected again after a full re-send: {_first_line(e)}"
+                        f"weight sync v{version}: bucket {f.bucket.index} rejected again after a full re-send: {last_line(e)}"
                     ) from None
                 report.retried = True
                 f = self._submit(self._full_again(f.bucket), version, delta, 1, report)
@@ -402,9 +402,3 @@ def gather_results(refs: list) -> list[WeightUpdateResult]:
     if err is not None:
         raise err
     return out
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    # Ray prefixes remote errors with a traceback header; the cause's message is the last line.
-    return text[-1] if text else type(e).__name__

@@ -42,6 +42,7 @@ import time
 
 import torch
 
+from tidal.dtypes import default_dtype
 from tidal.model import build_model, resolve_model
 from tidal.rollout.fast.decode import FastDecoder
 from tidal.rollout.generate import left_pad, teacher_forced_logprobs
@@ -164,7 +165,7 @@ def _line(case: str, args, dec: FastDecoder, res, seconds: float, peak: int, hf_
 def run_cases(args: argparse.Namespace) -> list[dict]:
     """Every case, one dict per JSON line (printed as they finish)."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = default_dtype(device.type)
     spec = resolve_model(args.shape)
     model = build_model(spec, dtype=dtype, seed=args.seed, device=device).eval()
     model.requires_grad_(False)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from tidal.config.schema import rollout_compile_default
 from tidal.errors import UserError
 from tidal.memory.base import StateClass
 from tidal.rollout.fast.decode import FastDecoder
@@ -58,7 +59,9 @@ def _decoder(engine) -> FastDecoder | None:
             cuda_graphs=cfg.rollout_cuda_graphs,
             kv_block=cfg.rollout_kv_block,
             # Unset (a config built in code, not resolved): the resolved default, on with CUDA.
-            compile=cfg.rollout_compile if cfg.rollout_compile is not None else engine.device.type == "cuda",
+            compile=cfg.rollout_compile
+            if cfg.rollout_compile is not None
+            else rollout_compile_default(engine.device.type),
             pad_id=engine._pad_id,
             region=lambda: engine.backend.region(StateClass.KV_CACHE),
         )
