@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from tidal.algos import entropy_from_logits, losses, token_logprobs, token_logprobs_and_entropy
+from tidal.algos import entropy_from_logits, token_logprobs, token_logprobs_and_entropy
+from tidal.algos import logprobs as losses
 
 
 def _reference(logits, targets, temperature=1.0):

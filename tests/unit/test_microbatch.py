@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from tidal.algos.losses import loss_normalizer, token_logprobs
+from tidal.algos.logprobs import token_logprobs
+from tidal.algos.losses import loss_normalizer
 from tidal.rollout.types import Sample
 from tidal.trainer.actor import MicroBatch
 

@@ -16,17 +16,15 @@ from tidal.algos.estimators import (
     rloo_advantages,
     sample_advantages,
 )
+from tidal.algos.logprobs import entropy_from_logits, token_logprobs, token_logprobs_and_entropy
 from tidal.algos.losses import (
     LossInputs,
     aggregate_sum,
-    entropy_from_logits,
     grpo_loss,
     kl_penalty,
     loss_normalizer,
     masked_mean,
     policy_loss,
-    token_logprobs,
-    token_logprobs_and_entropy,
 )
 from tidal.algos.objectives import RLInputs, overlong_penalty, policy_terms, rl_loss, value_loss
 

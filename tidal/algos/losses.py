@@ -22,8 +22,8 @@ gradient of ``sum / norm``. Without ``normalizer`` the loss is normalised within
 
 Log-probs and entropy
 ---------------------
-``token_logprobs_and_entropy``, ``token_logprobs`` and ``entropy_from_logits`` are re-exported from
-``tidal.algos.logprobs`` (the chunked, optionally compiled kernel behind them lives there).
+``token_logprobs_and_entropy``, ``token_logprobs`` and ``entropy_from_logits`` live in
+``tidal.algos.logprobs`` (a chunked kernel, compiled on CUDA: process state, not a pure function).
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def _copy_gbps(device: str, nbytes: int) -> float:
 
 def _limit_tokens_per_s(actor, samples) -> float:
     """The bare model on the trainer's own micro-batches: one forward + backward + AdamW step."""
-    from tidal.algos.losses import token_logprobs
+    from tidal.algos.logprobs import token_logprobs
     from tidal.model.load import build_model
     from tidal.trainer.actor import MicroBatch
     from tidal.trainer.packing import pack_micro_batches
