@@ -23,6 +23,7 @@ from tidal.config.schema import TidalConfig
 from tidal.errors import WeightSyncError
 from tidal.rollout import orchestrate
 from tidal.rollout.engine import TAGS
+from tidal.weight_sync.base import SyncReport
 
 log = logging.getLogger(__name__)
 
@@ -131,14 +132,12 @@ def sync_weights(s, first: bool = False) -> dict:
     cfg, trainer, engines = s.cfg, s.trainer, s.engines
     if cfg.memory.offload_rollout:
         engines.call("resume_memory", ["weights"])
-    report = trainer.call("update_weights")
+    report: SyncReport = trainer.call("update_weights")
     versions = engines.call("get_weight_version")
-    if any(v != report["sync/version"] for v in versions):
-        raise WeightSyncError(
-            f"engines report weight versions {versions} after syncing version {report['sync/version']}"
-        )
+    if any(v != report.version for v in versions):
+        raise WeightSyncError(f"engines report weight versions {versions} after syncing version {report.version}")
     if first and cfg.weight_sync.check_weight_update_equal:
         s.check_weights_equal()
     if cfg.memory.offload_rollout:
         engines.call("resume_memory", ["kv_cache"])
-    return report
+    return report.metrics()

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 SHORT = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _COMPUTE = ("float32", "bfloat16", "float16")
-_WIRE = (*_COMPUTE, "float64", "int64", "int32", "int16", "int8", "uint8", "bool", "float8_e4m3fn", "float8_e5m2")
+WIRE_NAMES = (*_COMPUTE, "float64", "int64", "int32", "int16", "int8", "uint8", "bool", "float8_e4m3fn", "float8_e5m2")
 
 
 def default_dtype_name(device: str) -> str:
@@ -40,7 +40,7 @@ def short_name(name: str) -> str:
 def _table() -> dict[str, torch.dtype]:
     import torch
 
-    return {name: getattr(torch, name) for name in _WIRE}
+    return {name: getattr(torch, name) for name in WIRE_NAMES}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

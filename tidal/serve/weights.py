@@ -37,16 +37,11 @@ from collections.abc import Iterable
 
 import torch
 
+from tidal.dtypes import WIRE_NAMES
+from tidal.dtypes import dtype_of as wire_dtype
 from tidal.errors import UserError, WeightSyncError
 from tidal.weight_sync.checksum import tensor_checksum
 
-_DTYPES = {
-    name: getattr(torch, name)
-    for name in (
-        "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
-        "float8_e4m3fn", "float8_e5m2",
-    )
-}  # fmt: skip
 _REBUILDS = {
     "rebuild_tensor", "rebuild_cuda_tensor", "rebuild_typed_storage", "rebuild_typed_storage_child",
     "rebuild_storage_filename", "rebuild_storage_fd", "rebuild_storage_empty", "rebuild_event",
@@ -59,7 +54,7 @@ _ALLOWED = {
     "collections": {"OrderedDict"},
     "multiprocessing.resource_sharer": {"DupFd"},
 }
-_TORCH_NAMES = {"Tensor", "Size", "device", "UntypedStorage"} | set(_DTYPES)
+_TORCH_NAMES = {"Tensor", "Size", "device", "UntypedStorage"} | set(WIRE_NAMES)
 
 
 @dataclasses.dataclass
@@ -138,10 +133,11 @@ def named_tensors_from_payload(serialized: list[str], load_format: str | None) -
 
 
 def dtype_of(name: str) -> torch.dtype:
-    dt = _DTYPES.get(name.removeprefix("torch."))
-    if dt is None:
-        raise UserError(f"dtype {name!r}: use one of {', '.join(_DTYPES)}")
-    return dt
+    """A dtype named in a request (``torch.`` prefix allowed); one the wire format does not know is a user error."""
+    wire = name.removeprefix("torch.")
+    if wire not in WIRE_NAMES:
+        raise UserError(f"dtype {name!r}: use one of {', '.join(WIRE_NAMES)}")
+    return wire_dtype(wire)
 
 
 def receive_broadcast(pg, names, dtypes, shapes, device, *, flat: bool) -> tuple[list, torch.Tensor | None]:

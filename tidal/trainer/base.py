@@ -37,6 +37,7 @@ from tidal.checkpoint.store import TrainState, load_checkpoint, save_checkpoint
 from tidal.config.schema import WeightSyncConfig
 from tidal.dtypes import as_dtype, default_dtype
 from tidal.errors import ConfigError, ResidencyError
+from tidal.weight_sync.base import SyncReport
 
 # --train-backend value -> "module:class"; imported only when chosen.
 BACKENDS = {"fsdp": "tidal.trainer.actor:TrainerActor"}
@@ -128,8 +129,9 @@ class Trainer(ABC):
             self.strategy.connect()
         self.connected = True
 
-    def update_weights(self) -> dict:
-        """Weight version += 1 and push every weight to the engines (rank 0 sends; all ranks gather)."""
+    def update_weights(self) -> SyncReport | None:
+        """Weight version += 1 and push every weight to the engines (rank 0 sends; all ranks gather).
+        Rank 0 returns the sync's report (its ``metrics()`` are the ``sync/...`` step metrics), others None."""
         if not self.connected:
             raise ResidencyError("update_weights() before connect_engines(); connect the engines first")
         self.version += 1
@@ -143,12 +145,11 @@ class Trainer(ABC):
         if self.rank != 0:
             for _ in it:
                 pass
-            return {}
+            return None
         report = self.strategy.sync(((n, t) for n, t in it), self.version, self.engine_dtype)
-        out = dict(report.metrics())
-        out["sync/trainer_s"] = time.perf_counter() - t0
-        out["sync/from_backup"] = int(self.weights_from_backup)
-        return out
+        report.trainer_s = time.perf_counter() - t0
+        report.from_backup = int(self.weights_from_backup)
+        return report
 
     def weight_checksums(self, dtype: str | torch.dtype | None = None) -> dict[str, str]:
         """name -> checksum of the full tensor in the engine dtype (rank 0; ``{}`` elsewhere)."""

@@ -46,6 +46,8 @@ class SyncReport:
     apply_s: float = 0.0
     seconds: float = 0.0
     retried: bool = False
+    trainer_s: float = 0.0  # the trainer's whole update (gather + sync), set by the trainer
+    from_backup: int = 0  # 1 when the trainer read its weights from host backups (paused)
 
     @property
     def density(self) -> float:
