@@ -23,15 +23,20 @@ def fsync_path(path: str) -> None:
             os.close(fd)
 
 
-def write_text_atomic(path: str, text: str) -> None:
-    """Write ``path`` through a temp file and ``os.replace`` (readers see the old or the new text)."""
+def write_bytes_atomic(path: str, data: bytes | memoryview) -> None:
+    """Write ``path`` through a temp file and ``os.replace`` (readers see the old or the new bytes)."""
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """``write_bytes_atomic`` of UTF-8 text."""
+    write_bytes_atomic(path, text.encode())
 
 
 def publish_dir(tmp: str, final: str) -> None:

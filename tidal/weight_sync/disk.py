@@ -60,7 +60,8 @@ import torch
 from safetensors.numpy import save as save_numpy
 from safetensors.torch import save as save_torch
 
-from tidal.errors import ConfigError, WeightSyncError
+from tidal.atomic import publish_dir
+from tidal.errors import ConfigError, WeightSyncError, last_line
 from tidal.weight_sync import disk_format as fmt
 from tidal.weight_sync.base import NamedTensors, SyncReport, WeightSyncStrategy
 from tidal.weight_sync.bucket import as_numpy_u8, dtype_name, plan_buckets
@@ -108,15 +109,7 @@ class VersionWriter:
             weight_map.update(dict.fromkeys(names, final))
         t0 = time.perf_counter()
         fmt.write_index(self.tmp, {"metadata": metadata, "weight_map": weight_map})
-        fmt.fsync_dir(self.tmp)
-        if os.path.exists(self.final):  # a retry replaces the folder: move the old one aside first
-            trash = f"{self.final}.old-{os.getpid()}-{time.monotonic_ns()}"
-            os.rename(self.final, trash)
-            os.rename(self.tmp, self.final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(self.tmp, self.final)
-        fmt.fsync_dir(os.path.dirname(self.final))
+        publish_dir(self.tmp, self.final)  # a retry replaces the folder whole
         self.write_s += time.perf_counter() - t0
         return self.final
 
@@ -387,7 +380,7 @@ class DiskStrategy(WeightSyncStrategy):
             except Exception as e:  # noqa: BLE001 - the first engine error is re-raised below
                 err = err or e
         if err is not None:
-            raise WeightSyncError(_last_line(err)) from None
+            raise WeightSyncError(last_line(err)) from None
         return out
 
     def _load(self, path: str, version: int, report: SyncReport) -> None:
@@ -434,7 +427,7 @@ class DiskStrategy(WeightSyncStrategy):
             except WeightSyncError as second:
                 self.stream_version = None  # what the engines hold is unknown: the next sync starts a new stream
                 raise WeightSyncError(
-                    f"weight sync v{version} over disk failed after a retry: {_last_line(second)} (first: {_last_line(first)})"
+                    f"weight sync v{version} over disk failed after a retry: {last_line(second)} (first: {last_line(first)})"
                 ) from None
         self._cleanup(path)
         report.seconds = time.perf_counter() - start
@@ -447,7 +440,7 @@ class DiskStrategy(WeightSyncStrategy):
         try:
             _verify_full(path, self.algo)
         except WeightSyncError as e:
-            raise WeightSyncError(f"{_last_line(e)}; the trainer no longer holds those weights") from None
+            raise WeightSyncError(f"{last_line(e)}; the trainer no longer holds those weights") from None
 
     def _cleanup(self, path: str) -> None:
         if self.cfg.update_weight_disk_keep_files:
@@ -460,8 +453,3 @@ class DiskStrategy(WeightSyncStrategy):
             v = fmt.parse_version_dir(entry)
             if v is not None and v < self.full_version:
                 shutil.rmtree(os.path.join(self.disk_dir, entry), ignore_errors=True)
-
-
-def _last_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[-1] if lines else type(e).__name__

@@ -30,7 +30,6 @@ delta shards); ``check_not_old_tidal`` refuses those folders with one line on ho
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -40,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
+from tidal.atomic import write_bytes_atomic
 from tidal.errors import UserError, WeightSyncError
 from tidal.weight_sync.checksum import checksum_bytes
 
@@ -81,23 +81,7 @@ def shard_name(offset: int, total: int) -> str:
 # ------------------------------------------------------------------------------------------- files
 
 
-def fsync_dir(path: str) -> None:
-    with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def atomic_write(path: str, data: bytes | memoryview) -> None:
-    """Write ``path`` as ``path.tmp``, fsync it, then ``os.replace`` it into place."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+atomic_write = write_bytes_atomic  # every file of the format is published this way (tidal.atomic)
 
 
 def read_json(path: str) -> dict:
