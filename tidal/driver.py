@@ -88,7 +88,7 @@ def _loop(s, on_step) -> dict:
     offload_train, offload_rollout = cfg.memory.offload_train, cfg.memory.offload_rollout
     start = s.resume_from_checkpoint()
     if offload_train:
-        s.timeline_mark("trainer init", trainer.call("pause"))
+        s.timeline_mark("trainer init", trainer.call("pause").after)
     row: dict = sync_weights(s, first=True)
     if on_step is not None:
         on_step(s, start - 1, row)
@@ -98,17 +98,17 @@ def _loop(s, on_step) -> dict:
             samples, gen_metrics = orchestrate.generate_rollout(s, rollout_id)
         if offload_rollout:
             with t("release", display):
-                s.timeline_mark("engines released", engines.call("release_memory", list(TAGS))[0].metrics)
+                s.timeline_mark("engines released", engines.call("release_memory", list(TAGS))[0].after)
         train_metrics: dict = {}
         if samples:
             if offload_train:
                 with t("resume", display):
-                    s.timeline_mark("trainer resumed", trainer.call("resume"))
+                    s.timeline_mark("trainer resumed", trainer.call("resume").after)
             with t("train", display):
                 train_metrics = trainer.call("train", samples, rollout_id)
             if offload_train:
                 with t("pause", display):
-                    s.timeline_mark("trainer paused", trainer.call("pause"))
+                    s.timeline_mark("trainer paused", trainer.call("pause").after)
         with t("sync", display):
             sync_metrics = sync_weights(s)
         metrics = {**gen_metrics, **train_metrics, **sync_metrics, **t, **s.memory_metrics()}

@@ -18,6 +18,7 @@ from tidal.cluster.ray_cluster import start_ray, stop_ray
 from tidal.config.schema import TidalConfig
 from tidal.dtypes import default_dtype_name
 from tidal.errors import RunFailed, WeightSyncError, is_engine_death
+from tidal.memory.base import MemoryFigures
 from tidal.observe.console import Display
 from tidal.observe.plots import plot_curves
 from tidal.observe.run_dir import RunDir
@@ -109,7 +110,7 @@ class Session:
             self.engines.call("randomize_weights", cfg.trainer.seed + 1)
         if cfg.memory.offload_rollout:
             self.timeline_mark(
-                "engines released", self.engines.call("release_memory", ["kv_cache", "weights"])[0].metrics
+                "engines released", self.engines.call("release_memory", ["kv_cache", "weights"])[0].after
             )
         self.trainer.call("connect_engines", self.engines.actors, default_dtype_name(self.device))
 
@@ -214,14 +215,10 @@ class Session:
         return RunFailed(f"trainer rank {rank} {kind}: {_last_line(exc)}{self.checkpoint_hint()}")
 
     # ---- pieces the driver calls -----------------------------------------------------------
-    def timeline_mark(self, phase: str, report: dict | None) -> dict | None:
-        """Record host and device memory after a pause/resume/release (keys ``.../host_rss_after``)."""
-        if self.timeline is not None and report:
-            host = next((v for k, v in report.items() if k.endswith("host_rss_after")), None)
-            dev = next((v for k, v in report.items() if k.endswith("device_used_after")), None)
-            if host is not None:
-                self.timeline.mark(phase, host, dev or 0)
-        return report
+    def timeline_mark(self, phase: str, after: MemoryFigures | None) -> None:
+        """Record host and device memory after a pause/resume/release (None: nothing was measured)."""
+        if self.timeline is not None and after is not None:
+            self.timeline.mark(phase, after.host_rss, after.device_used)
 
     def memory_metrics(self) -> dict:
         """Host RSS of driver, trainer rank 0 and engine 0; device peaks since the last step and device in use."""

@@ -180,7 +180,7 @@ def test_pause_resume_is_bitwise_and_weights_readable_while_paused(ray_cluster, 
     call(ray, group, "train", make_samples(3), 2)  # optimizer state exists
     state = call(ray, group, "state_checksums")[0]
     live = call(ray, group, "weight_checksums", "float32")[0]
-    pause = call(ray, group, "pause")[0]
+    pause = call(ray, group, "pause")[0].metrics
     assert pause["memory/trainer_pause/effective"] == 1
     assert pause["memory/trainer_pause/groups_released"] == 1
     assert pause["memory/trainer_pause/weights/backup_bytes"] > 0
@@ -189,7 +189,7 @@ def test_pause_resume_is_bitwise_and_weights_readable_while_paused(ray_cluster, 
     assert call(ray, group, "weight_checksums", "float32")[0] == live
     with pytest.raises(ray.exceptions.RayTaskError, match="PAUSED"):
         call(ray, group, "train", make_samples(4), 3)
-    resume = call(ray, group, "resume")[0]
+    resume = call(ray, group, "resume")[0].metrics
     assert resume["memory/trainer_resume/groups_rebuilt"] == 1
     assert call(ray, group, "state_checksums")[0] == state
     # FSDP runs over the rebuilt compute group.

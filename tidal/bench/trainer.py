@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         m = actor.train(batch, 1)
     limit = _limit_tokens_per_s(actor, samples)
 
-    p = actor.pause()
+    p = actor.pause().metrics
     kept = p["memory/trainer_pause/weights/backup_bytes"] + p["memory/trainer_pause/optimizer/backup_bytes"]
     with tempfile.TemporaryDirectory() as d:
         t = time.perf_counter()
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         save_file(flat, os.path.join(d, "limit.safetensors"))
         write_s = time.perf_counter() - t
-    r = actor.resume()
+    r = actor.resume().metrics
     row = {
         "model": args.model,
         "device": args.device,

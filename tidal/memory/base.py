@@ -85,6 +85,23 @@ class ClassReport:
 
 
 @dataclass
+class MemoryFigures:
+    """Process memory right after a pause, resume or release: what the memory timeline records."""
+
+    host_rss: int = 0  # bytes
+    device_used: int = 0  # bytes in use on the device, all processes (host RSS for a CPU device)
+
+
+@dataclass
+class MemoryResult:
+    """What a trainer's pause or resume returns: step metrics (``memory/trainer_pause/...``) and the
+    process memory after it (None where nothing was paused, and on ranks other than 0)."""
+
+    metrics: dict[str, float | int] = field(default_factory=dict)
+    after: MemoryFigures | None = None
+
+
+@dataclass
 class MemoryReport:
     """One pause or resume: per-class figures plus process memory before and after."""
 
@@ -96,6 +113,10 @@ class MemoryReport:
     host_rss_after: int = 0
     device_used_before: int = 0
     device_used_after: int = 0
+
+    @property
+    def after(self) -> MemoryFigures:
+        return MemoryFigures(host_rss=self.host_rss_after, device_used=self.device_used_after)
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """Flat step metrics, e.g. ``memory/trainer_pause/optimizer/bytes``."""

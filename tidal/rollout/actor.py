@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, TrainerConfig, WeightSyncConfig
+from tidal.memory.base import MemoryFigures
 from tidal.rollout.engine import (
     TAGS,
     BucketHeader,
@@ -55,9 +56,9 @@ def set_torch_threads(cpus: float | None) -> int:
     return threads
 
 
-def _memory_report(stats: dict) -> MemoryReport:
+def _memory_report(stats: dict, after: MemoryFigures | None = None) -> MemoryReport:
     stats = dict(stats)
-    return MemoryReport(str(stats.pop("residency")), stats)
+    return MemoryReport(str(stats.pop("residency")), stats, after)
 
 
 class EngineActor(RolloutEngine):
@@ -121,10 +122,12 @@ class EngineActor(RolloutEngine):
         return out
 
     def release_memory(self, tags: Sequence[str] = TAGS) -> MemoryReport:
-        return _memory_report(self._engine().release_memory(tags))
+        engine = self._engine()
+        return _memory_report(engine.release_memory(tags), engine.last_memory)
 
     def resume_memory(self, tags: Sequence[str] = TAGS) -> MemoryReport:
-        return _memory_report(self._engine().resume_memory(tags))
+        engine = self._engine()
+        return _memory_report(engine.resume_memory(tags), engine.last_memory)
 
     def update_weights_from_tensor(self, bucket: BucketHeader, version: int) -> WeightUpdateResult:
         return self._update(self._engine().update_weights_from_tensor(bucket, version))

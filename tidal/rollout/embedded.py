@@ -45,7 +45,7 @@ from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, Traine
 from tidal.dtypes import as_dtype, default_dtype
 from tidal.errors import ResidencyError, UserError, WeightSyncError
 from tidal.memory import make_backend
-from tidal.memory.base import StateClass
+from tidal.memory.base import MemoryFigures, StateClass
 from tidal.memory.residency import EngineResidency, EngineState
 from tidal.model import build_model, load_tokenizer, resolve_model
 from tidal.rollout.engine import TAGS
@@ -103,6 +103,8 @@ class EmbeddedEngine:
         self.tokenizer = load_tokenizer(self.spec)
         self.residency = EngineResidency(f"engine {engine_rank}")
         self.backend = make_backend(memory, device=self.device.type, role="engine")
+        self.last_memory: MemoryFigures | None = None  # process memory after the last release / resume
+        self._fast_decoder = None  # built on first generate (tidal.rollout.fast.plug)
         self.model = self._build(seed)
         self.model.requires_grad_(False)
         # Every name a sender may use, tied aliases included (lm_head.weight -> the embedding).
@@ -238,6 +240,21 @@ class EmbeddedEngine:
                 budget = 1 << 30
         return int(max(1, min(self.max_rows, budget // (kv + prefill + logits))))
 
+    def _decoder(self):
+        """The fast decoder this engine owns, built on first use (``tidal.rollout.fast.plug.OFF`` when unused)."""
+        if self._fast_decoder is None:
+            from tidal.rollout.fast.plug import build_decoder
+
+            self._fast_decoder = build_decoder(
+                self.model,
+                self.rollout,
+                device_type=self.device.type,
+                pad_id=self._pad_id,
+                backend=self.backend,
+                name=self.residency.name,
+            )
+        return self._fast_decoder
+
     @torch.no_grad()
     def _generate_chunk(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, end_ids: list[int]
@@ -249,7 +266,7 @@ class EmbeddedEngine:
         # Fast decode path (tidal.rollout.fast): static KV cache, on-device sampling, CUDA graphs.
         from tidal.rollout.fast.plug import fast_generate_chunk
 
-        fast = fast_generate_chunk(self, prompts, sampling, end_ids)
+        fast = fast_generate_chunk(self._decoder(), prompts, sampling, end_ids)
         if fast is not None:
             return fast
         ids, mask = left_pad(prompts, self._pad_id, self.device)
@@ -318,6 +335,7 @@ class EmbeddedEngine:
         self.residency.release()
         self.flush_cache()
         report = self.backend.pause([StateClass(t) for t in ("kv_cache", "weights") if t in resident])
+        self.last_memory = report.after
         return {**report.metrics("memory/engine_release"), "residency": self.residency.state.value}
 
     def resume_memory(self, tags: Sequence[str] = TAGS) -> dict:
@@ -334,6 +352,7 @@ class EmbeddedEngine:
             self.residency.resume_kv()
             classes.append(StateClass.KV_CACHE)
         report = self.backend.resume(classes)
+        self.last_memory = report.after
         return {**report.metrics("memory/engine_resume"), "residency": self.residency.state.value}
 
     def _resident(self) -> list[str]:

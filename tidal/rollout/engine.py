@@ -30,6 +30,7 @@ import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tidal.memory.base import MemoryFigures
 from tidal.rollout.types import Sample, SamplingParams
 
 TAGS = ("weights", "kv_cache")
@@ -44,6 +45,7 @@ class MemoryReport:
 
     residency: str
     metrics: dict[str, float | int] = field(default_factory=dict)
+    after: MemoryFigures | None = None  # process memory after it, where the engine measures it
 
 
 @dataclass

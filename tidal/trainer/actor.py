@@ -46,7 +46,7 @@ import torch
 from tidal.config.schema import AlgorithmConfig, MemoryConfig, ModelConfig, TrainerConfig, WeightSyncConfig
 from tidal.dtypes import as_dtype, default_dtype_name
 from tidal.errors import ConfigError
-from tidal.memory.base import StateClass
+from tidal.memory.base import MemoryResult, StateClass
 from tidal.memory.residency import TrainerResidency
 from tidal.rollout.types import Sample
 from tidal.trainer.base import Trainer
@@ -404,11 +404,11 @@ class TrainerActor(Trainer):
         if self.device_type == "cuda":
             torch.cuda.empty_cache()
 
-    def pause(self) -> dict:
+    def pause(self) -> MemoryResult:
         """Release device memory of weights, optimizer state and grads (no-op unless offload_train)."""
         self.residency.pause()
         if not self.offload:
-            return {"memory/trainer_pause/effective": 0}
+            return MemoryResult({"memory/trainer_pause/effective": 0})
         t0 = time.perf_counter()
         self._free_transients()
         t1 = time.perf_counter()
@@ -419,13 +419,13 @@ class TrainerActor(Trainer):
         out["memory/trainer_pause/effective"] = 1
         out["memory/trainer_pause/groups_released"] = int(released)
         out["memory/trainer_pause/total_s"] = time.perf_counter() - t0
-        return out if self.rank == 0 else {}
+        return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
 
-    def resume(self) -> dict:
+    def resume(self) -> MemoryResult:
         """Bring weights and optimizer state back bit for bit; grads come back as None (zeroed every step)."""
         self.residency.resume()
         if not self.offload:
-            return {"memory/trainer_resume/effective": 0}
+            return MemoryResult({"memory/trainer_resume/effective": 0})
         t0 = time.perf_counter()
         report = self.memory.resume(list(_CLASSES))
         rebuilt = self.groups.rebuild(fsdp_modules(self._models))
@@ -433,7 +433,7 @@ class TrainerActor(Trainer):
         out["memory/trainer_resume/effective"] = 1
         out["memory/trainer_resume/groups_rebuilt"] = int(rebuilt)
         out["memory/trainer_resume/total_s"] = time.perf_counter() - t0
-        return out if self.rank == 0 else {}
+        return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
 
     # ---- weight source and state surface -------------------------------------------------------------
     @property

@@ -37,6 +37,7 @@ from tidal.checkpoint.store import TrainState, load_checkpoint, save_checkpoint
 from tidal.config.schema import WeightSyncConfig
 from tidal.dtypes import as_dtype, default_dtype
 from tidal.errors import ConfigError, ResidencyError
+from tidal.memory.base import MemoryResult
 from tidal.weight_sync.base import SyncReport
 
 # --train-backend value -> "module:class"; imported only when chosen.
@@ -74,12 +75,12 @@ class Trainer(ABC):
         """All optimizer steps of one rollout's samples; rank 0 returns the metrics reduced over ranks."""
 
     @abstractmethod
-    def pause(self) -> dict:
-        """Release the device memory of weights, optimizer state and grads; memory metrics."""
+    def pause(self) -> MemoryResult:
+        """Release the device memory of weights, optimizer state and grads; memory metrics and figures."""
 
     @abstractmethod
-    def resume(self) -> dict:
-        """Bring back what ``pause`` released, bit for bit; memory metrics."""
+    def resume(self) -> MemoryResult:
+        """Bring back what ``pause`` released, bit for bit; memory metrics and figures."""
 
     @abstractmethod
     def memory_stats(self) -> dict[str, int]:

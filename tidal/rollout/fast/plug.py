@@ -1,13 +1,14 @@
 """How ``EmbeddedEngine`` uses the fast decode path: one call at its generation step.
 
-``fast_generate_chunk(engine, prompts, sampling, end_ids)`` returns what the engine's
+``fast_generate_chunk(decoder, prompts, sampling, end_ids)`` returns what the engine's
 ``_generate_chunk`` returns (token ids and raw-policy log-probs per row), or ``None`` when the
 transformers ``generate`` path should run instead: fast decode turned off, a model it cannot run
 (logged once), or more stop ids than it holds. Stop *strings* need no special case: rows run to
 their end id or length and ``finish_response`` cuts them at the first stop string, as it does for
 ``generate``'s output.
 
-The decoder is built on first use and kept on the engine (``engine._fast_decoder``). Its cache and
+The engine owns its decoder: it builds it on first use with ``build_decoder`` (from its model,
+``RolloutConfig`` and memory backend) and keeps it (``engine._fast_decoder``). Its cache and
 state buffers are allocated inside the engine backend's ``region(kv_cache)`` and registered as class
 ``kv_cache``, so ``release_memory`` / ``resume_memory`` free and restore them with the rest of the
 engine's KV memory.
@@ -35,51 +36,42 @@ from tidal.rollout.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
-_OFF = "off"
+OFF = "off"  # what an engine keeps when it decided not to use the fast path
 
 
-def _decoder(engine) -> FastDecoder | None:
-    dec = getattr(engine, "_fast_decoder", None)
-    if dec is _OFF:
-        return None
-    if dec is not None:
-        return dec
-    cfg = engine.rollout
+def build_decoder(model, cfg, *, device_type: str, pad_id: int, backend, name: str) -> FastDecoder | str:
+    """The engine's fast decoder for ``model`` under ``cfg`` (its ``RolloutConfig``), or ``OFF``: turned
+    off, or a model it cannot run (logged once). Its KV cache is allocated in ``backend``'s
+    ``region(kv_cache)`` and registered there, so the engine's releases free it."""
     if not cfg.rollout_fast_decode:
-        engine._fast_decoder = _OFF
-        return None
-    limit = getattr(engine.model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30
+        return OFF
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30
     seq = min(limit, cfg.rollout_max_prompt_len + cfg.rollout_max_response_len)
     try:
         dec = FastDecoder(
-            engine.model,
+            model,
             max_batch=cfg.rollout_max_batch,
             max_seq_len=seq,
             mem_fraction=cfg.rollout_mem_fraction,
             cuda_graphs=cfg.rollout_cuda_graphs,
             kv_block=cfg.rollout_kv_block,
             # Unset (a config built in code, not resolved): the resolved default, on with CUDA.
-            compile=cfg.rollout_compile
-            if cfg.rollout_compile is not None
-            else rollout_compile_default(engine.device.type),
-            pad_id=engine._pad_id,
-            region=lambda: engine.backend.region(StateClass.KV_CACHE),
+            compile=cfg.rollout_compile if cfg.rollout_compile is not None else rollout_compile_default(device_type),
+            pad_id=pad_id,
+            region=lambda: backend.region(StateClass.KV_CACHE),
         )
     except UserError as exc:
-        log.warning("%s: transformers generate instead of fast decode (%s)", engine.residency.name, exc)
-        engine._fast_decoder = _OFF
-        return None
-    engine.backend.register(StateClass.KV_CACHE, dec.kv_tensors)
-    engine._fast_decoder = dec
+        log.warning("%s: transformers generate instead of fast decode (%s)", name, exc)
+        return OFF
+    backend.register(StateClass.KV_CACHE, dec.kv_tensors)
     return dec
 
 
 def fast_generate_chunk(
-    engine, prompts: Sequence[Sequence[int]], sampling: SamplingParams, end_ids: list[int]
+    dec: FastDecoder | str, prompts: Sequence[Sequence[int]], sampling: SamplingParams, end_ids: list[int]
 ) -> tuple[list[list[int]], list[list[float]]] | None:
     """New token ids and their policy log-probs per row, or None to fall back to ``generate``."""
-    dec = _decoder(engine)
-    if dec is None or len(end_ids) > dec.max_stop_ids:
+    if dec == OFF or len(end_ids) > dec.max_stop_ids:
         return None
     # No seed: the engine has seeded torch for this call (CPU: the decoder draws its seed from it;
     # CUDA: the default generator the graphs use is the one torch.manual_seed set).
