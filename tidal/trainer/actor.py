@@ -135,6 +135,7 @@ class TrainerActor(Trainer):
             timeout_min=self.cfg.dist_timeout_min,
         )
         self.spec = resolve_model(self.model_cfg.model, self.model_cfg.tokenizer, self.model_cfg.trust_remote_code)
+        self.model_path = self.spec.path
         tok = load_tokenizer(self.spec)
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else 0)
         self.tokenizer = tok

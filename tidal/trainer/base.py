@@ -64,6 +64,7 @@ class Trainer(ABC):
     engine_dtype: torch.dtype | None
     sync_cfg: WeightSyncConfig
     connected: bool  # connect_engines() has run
+    model_path: str | None = None  # the local model folder the weights were loaded from (None for a preset), set by init
 
     # ---- backend: lifecycle, training, memory -------------------------------------------------------
     @abstractmethod
@@ -123,9 +124,8 @@ class Trainer(ABC):
             from tidal.weight_sync import make_strategy
 
             # The engines' own checkpoint folder (None for a preset): version 0 of a delta-over-disk stream.
-            base_dir = getattr(getattr(self, "spec", None), "path", None)
             self.strategy = make_strategy(
-                sync_cfg, engines, device=self.device_type, colocated=colocated, base_dir=base_dir
+                sync_cfg, engines, device=self.device_type, colocated=colocated, base_dir=self.model_path
             )
             self.strategy.connect()
         self.connected = True
