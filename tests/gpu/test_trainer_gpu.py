@@ -75,7 +75,7 @@ def test_gpu_train_pause_resume_bitwise_and_nccl_rebuilt(ray_cluster, tmp_path):
 
     state = ray.get(actor.state_checksums.remote())
     live_bf16 = ray.get(actor.weight_checksums.remote("bfloat16"))
-    p = ray.get(actor.pause.remote())
+    p = ray.get(actor.pause.remote()).metrics
     kept = p["memory/trainer_pause/weights/backup_bytes"] + p["memory/trainer_pause/optimizer/backup_bytes"]
     freed = p["memory/trainer_pause/device_used_before"] - p["memory/trainer_pause/device_used_after"]
     print(
@@ -89,7 +89,7 @@ def test_gpu_train_pause_resume_bitwise_and_nccl_rebuilt(ray_cluster, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     ray.get(actor.save.remote(ckpt, {"rollout_id": 0}))  # saved while paused, from host backups
 
-    r = ray.get(actor.resume.remote())
+    r = ray.get(actor.resume.remote()).metrics
     print(
         f"resume: {r['memory/trainer_resume/total_s']:.2f} s, groups rebuilt {r['memory/trainer_resume/groups_rebuilt']}"
     )
