@@ -184,9 +184,9 @@ class Session:
         self.trainer.call("connect_engines", self.engines.actors, default_dtype_name(self.device))
         report = self.trainer.call("update_weights")
         versions = self.engines.call("get_weight_version")
-        if any(v != report["sync/version"] for v in versions):
+        if any(v != report.version for v in versions):
             raise WeightSyncError(
-                f"engines report weight versions {versions} after the resync to version {report['sync/version']}"
+                f"engines report weight versions {versions} after the resync to version {report.version}"
             )
 
     def checkpoint_hint(self) -> str:

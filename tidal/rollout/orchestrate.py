@@ -19,6 +19,7 @@ import torch
 from tidal.algos.advantages import dynamic_sampling_keep
 from tidal.algos.estimators import sample_advantages
 from tidal.algos.objectives import overlong_penalty
+from tidal.errors import last_line
 from tidal.errors import ray_get as get
 from tidal.rollout.rewards import score_samples
 from tidal.rollout.types import Sample, SamplingParams
@@ -96,7 +97,7 @@ def run_engines(s, samples: list[Sample], sampling: SamplingParams, group_size: 
                 if not is_engine_death(e):
                     raise
                 dead.append(i)
-                why = why or _first_line(e)
+                why = why or _cause(e)
         todo = {i: todo[i] for i in dead}
         if dead:
             s.restart_engines(dead, why)
@@ -134,9 +135,9 @@ def _failed(ref) -> bool:
         return True
 
 
-def _first_line(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    return (lines[-1] if lines else type(e).__name__)[:200]
+def _cause(e: BaseException) -> str:
+    """The last line of a remote error (``tidal.errors.last_line``), at most 200 characters."""
+    return last_line(e).strip()[:200]
 
 
 def generate_rollout(s, rollout_id: int) -> tuple[list[Sample], dict]:

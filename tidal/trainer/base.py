@@ -64,7 +64,8 @@ class Trainer(ABC):
     engine_dtype: torch.dtype | None
     sync_cfg: WeightSyncConfig
     connected: bool  # connect_engines() has run
-    model_path: str | None = None  # the local model folder the weights were loaded from (None for a preset), set by init
+    # The local model folder the weights were loaded from (None for a preset), set by init.
+    model_path: str | None = None
 
     # ---- backend: lifecycle, training, memory -------------------------------------------------------
     @abstractmethod
