@@ -156,6 +156,7 @@ class EngineActor(RolloutEngine):
         return self._engine().get_weight_version()
 
     def flush_cache(self) -> None:
+        """The embedded engine's ``flush_cache``: frees the CUDA allocator's cached blocks; no KV/prefix cache exists."""
         self._engine().flush_cache()
 
     def pause_generation(self) -> None:

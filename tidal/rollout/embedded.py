@@ -306,11 +306,13 @@ class EmbeddedEngine:
         return new.cpu().tolist(), logprobs.cpu().tolist()
 
     def flush_cache(self) -> None:
-        """Hand cached-but-free device blocks back to the driver (before a release or a sync).
+        """On CUDA: ``gc.collect()`` then ``torch.cuda.empty_cache()``, returning the caching allocator's
+        free blocks to the driver (before a release or a sync); on CPU: nothing.
 
-        No KV contents outlive a ``generate`` call here (the generate path allocates its cache per
-        call; the fast path zeroes its static cache at the start of each call), so there is no prefix
-        state to drop; what remains are the allocator's free blocks, which a colocated trainer needs.
+        It flushes no cache despite SGLang's name: no KV contents outlive a ``generate`` call here (the
+        generate path allocates its cache per call; the fast path zeroes its static cache at the start
+        of each call), so there is no prefix state to drop; what remains are the allocator's free
+        blocks, which a colocated trainer needs.
         """
         if self.device.type == "cuda":
             gc.collect()

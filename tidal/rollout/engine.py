@@ -107,7 +107,13 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def flush_cache(self) -> None:
-        """Drop cached KV/prefix state; required before releasing memory and before a sync."""
+        """Called before releasing memory and before a sync; the name is SGLang's endpoint's.
+
+        What it does depends on the engine: an SGLang server (``HttpEngineActor``) drops its radix
+        (prefix) cache and KV pool contents; the embedded engine keeps no KV or prefix state past a
+        ``generate`` call, so there it only returns the CUDA caching allocator's free blocks to the
+        driver (``gc.collect()`` + ``torch.cuda.empty_cache()``) and does nothing on CPU.
+        """
 
     @abc.abstractmethod
     def pause_generation(self) -> None:

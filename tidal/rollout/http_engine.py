@@ -458,6 +458,7 @@ class HttpEngineActor(RolloutEngine):
         return self._version
 
     def flush_cache(self) -> None:
+        """``POST /flush_cache``: the server drops its radix (prefix) cache; retried while requests still run."""
         for attempt in range(10):  # SGLang refuses a flush while requests run
             try:
                 self._c().post("/flush_cache")
