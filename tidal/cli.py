@@ -18,6 +18,7 @@ import logging
 import sys
 
 from tidal.errors import UserError
+from tidal.signals import Stopped
 
 USAGE = __doc__.split("\n\n")[1]
 
@@ -152,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[cmd](rest)
     except UserError as e:
         print(f"tidal: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except Stopped as e:
+        print(f"tidal: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("tidal: interrupted; actors stopped", file=sys.stderr)

@@ -50,6 +50,8 @@ def train(cfg: TidalConfig, on_step=None) -> dict:
 
     with Session(cfg) as s:
         try:
+            if cfg.rollout.debug_rollout_only:
+                return rollout_only(s, on_step)
             return _loop(s, on_step)
         except Exception as e:
             short = _one_line(s, e)
@@ -84,7 +86,7 @@ def _last(e: BaseException) -> str:
 def _loop(s, on_step) -> dict:
     """The steps of one run inside an open session (see the module docstring)."""
     cfg = s.cfg
-    trainer, engines, run, display = s.trainer, s.engines, s.run, s.display
+    trainer, engines, display = s.trainer, s.engines, s.display
     offload_train, offload_rollout = cfg.memory.offload_train, cfg.memory.offload_rollout
     start = s.resume_from_checkpoint()
     if offload_train:
@@ -92,10 +94,17 @@ def _loop(s, on_step) -> dict:
     row: dict = sync_weights(s, first=True)
     if on_step is not None:
         on_step(s, start - 1, row)
+    # The curve's first point: greedy eval accuracy of the starting weights (kept in step 0's row).
+    initial = {}
+    if cfg.rollout.eval_interval and start == 0:
+        initial = {f"{k}_initial": v for k, v in orchestrate.evaluate(s).items()}
+        initial["eval_initial_elapsed_s"] = round(s.run.elapsed(), 3)
     for rollout_id in range(start, cfg.rollout.num_rollout):
+        s.check_stop(rollout_id - 1)  # the safe point: SIGTERM saves the last finished step and stops
         t = Timer()
         with t("generate", display):
             samples, gen_metrics = orchestrate.generate_rollout(s, rollout_id)
+        s.log_samples(rollout_id, samples)
         if offload_rollout:
             with t("release", display):
                 s.timeline_mark("engines released", engines.call("release_memory", list(TAGS))[0].after)
@@ -111,19 +120,43 @@ def _loop(s, on_step) -> dict:
                     s.timeline_mark("trainer paused", trainer.call("pause").after)
         with t("sync", display):
             sync_metrics = sync_weights(s)
-        metrics = {**gen_metrics, **train_metrics, **sync_metrics, **t, **s.memory_metrics()}
+        metrics = {**initial, **gen_metrics, **train_metrics, **sync_metrics, **t, **s.memory_metrics()}
+        initial = {}
         metrics["engine_restarts"], s.step_restarts = s.step_restarts, 0
-        if cfg.rollout.eval_interval and (rollout_id + 1) % cfg.rollout.eval_interval == 0:
-            with t("eval", display):
-                metrics.update(orchestrate.evaluate(s))
-        if s.should_save(rollout_id):
-            with t("save", display):
-                s.save(rollout_id)
-        row = run.log_step(rollout_id, metrics)
-        display.step(row)
-        s.after_step(rollout_id)
-        if on_step is not None:
-            on_step(s, rollout_id, row)
+        row = finish_step(s, rollout_id, metrics, t, on_step)
+    s.check_stop(cfg.rollout.num_rollout - 1)
+    return row
+
+
+def finish_step(s, rollout_id: int, metrics: dict, t: Timer, on_step=None) -> dict:
+    """[eval] [save], then the step's metrics line, plots and the ``on_step`` hook; returns the row."""
+    cfg, display = s.cfg, s.display
+    if cfg.rollout.eval_interval and (rollout_id + 1) % cfg.rollout.eval_interval == 0:
+        with t("eval", display):
+            metrics.update(orchestrate.evaluate(s))
+    if s.should_save(rollout_id):
+        with t("save", display):
+            s.save(rollout_id)
+    row = s.run.log_step(rollout_id, metrics)
+    display.step(row)
+    s.after_step(rollout_id)
+    if on_step is not None:
+        on_step(s, rollout_id, row)
+    return row
+
+
+def rollout_only(s, on_step=None) -> dict:
+    """``--debug-rollout-only``: generate, score and evaluate every rollout; no trainer exists, nothing syncs."""
+    row: dict = {}
+    for rollout_id in range(s.cfg.rollout.num_rollout):
+        s.check_stop(rollout_id - 1)
+        t = Timer()
+        with t("generate", s.display):
+            samples, gen_metrics = orchestrate.generate_rollout(s, rollout_id)
+        s.log_samples(rollout_id, samples)
+        metrics = {**gen_metrics, **t, **s.memory_metrics()}
+        metrics["engine_restarts"], s.step_restarts = s.step_restarts, 0
+        row = finish_step(s, rollout_id, metrics, t, on_step)
     return row
 
 

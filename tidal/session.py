@@ -17,11 +17,12 @@ from tidal.cluster.placement import create_placement_group, plan_placement
 from tidal.cluster.ray_cluster import start_ray, stop_ray
 from tidal.config.schema import TidalConfig
 from tidal.dtypes import default_dtype_name
-from tidal.errors import RunFailed, WeightSyncError, is_engine_death
+from tidal.errors import RunFailed, UserError, WeightSyncError, is_engine_death
 from tidal.memory.base import MemoryFigures
 from tidal.observe.console import Display
 from tidal.observe.plots import plot_curves
 from tidal.observe.run_dir import RunDir
+from tidal.signals import Stopped, StopSignal
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class Session:
         self.run = None
         self.engine_restarts = 0  # over the run, against --max-engine-restarts
         self.step_restarts = 0  # since the last step line (the step's engine_restarts metric)
+        self.stop = StopSignal()
+        self._last_saved: int | None = None
 
     # ---- setup / teardown -------------------------------------------------------------------
     def __enter__(self) -> Session:
@@ -59,10 +62,13 @@ class Session:
         self.tokenizer = load_tokenizer(spec)
         self.dataset = PromptDataset.build(cfg.data, cfg.rollout, self.tokenizer, seed=cfg.trainer.seed)
         self.reward_fn = get_reward_fn(cfg.data.rm_type, cfg.data.custom_rm_path)
+        self.load_path, load_note = self._find_checkpoint()  # before the run folder: a bad --load leaves nothing
         self.run = RunDir(cfg)
         self.timeline = MemoryTimeline()
         self.display = Display(cfg.rollout.num_rollout, enabled=cfg.logging.progress)
         self.display.info(f"run directory: {self.run.path}")
+        if load_note:
+            self.display.info(load_note)
         try:
             self._start_actors(actor_env(cfg.memory, dict(cfg.cluster.train_env_vars), self.device))
         except BaseException:
@@ -75,8 +81,10 @@ class Session:
         num_engines = cfg.cluster.rollout_num_gpus // cfg.cluster.rollout_num_gpus_per_engine
         if cfg.rollout.rollout_engine == "sglang" and cfg.rollout.rollout_external_engine_addrs:
             num_engines = 0  # servers outside tidal: their client actors need no bundle
-        placement = plan_placement(cfg.cluster, self.device, num_engines)
+        rollout_only = cfg.rollout.debug_rollout_only  # no trainer: no ranks, no bundles, no trainer memory
+        placement = plan_placement(cfg.cluster, self.device, num_engines, with_trainer=not rollout_only)
         self._ray_started = start_ray(cfg.cluster.ray_address, num_cpus=placement.num_cpus, num_gpus=placement.num_gpus)
+        self.stop.install()  # after ray.init, which installs its own exit-at-once SIGTERM handler
         self._placement = create_placement_group(placement)
         self.display.phase("starting actors")
         self.engines = EngineGroup(
@@ -87,6 +95,10 @@ class Session:
             weight_sync=cfg.weight_sync,
             seed=cfg.trainer.seed,  # presets are built from this seed on both sides: same initial weights
         )
+        if rollout_only:
+            self.engines.call("init")
+            self.display.info(f"rollout only: {len(self.engines)} engine(s) on {self.device}, no trainer")
+            return
         self.trainer = TrainerGroup(
             placement,
             env_vars=trainer_env,
@@ -117,6 +129,7 @@ class Session:
     def __exit__(self, exc_type, exc, tb) -> None:
         import ray
 
+        self.stop.restore()
         if self.display is not None:
             self.display.close()
         try:
@@ -225,10 +238,12 @@ class Session:
         from tidal.cluster.groups import get
         from tidal.memory.telemetry import host_rss_bytes
 
-        trainer, engine = get(
-            [self.trainer.actors[0].memory_stats.remote(), self.engines.actors[0].memory_stats.remote()]
-        )
-        return {
+        none = {"host_rss": 0, "device_peak": 0, "device_used": 0}
+        refs = [self.engines.actors[0].memory_stats.remote()]
+        if self.trainer is not None:
+            refs.append(self.trainer.actors[0].memory_stats.remote())
+        engine, trainer = (get(refs) + [none])[:2]
+        out = {
             "host_rss_bytes": host_rss_bytes() + trainer["host_rss"] + engine["host_rss"],
             "trainer_host_rss_bytes": trainer["host_rss"],
             "engine_host_rss_bytes": engine["host_rss"],
@@ -239,6 +254,11 @@ class Session:
             else max(trainer["device_peak"], engine["device_peak"]),
             "device_used_bytes": max(trainer["device_used"], engine["device_used"]),
         }
+        # One point per step on memory.png, paused or not; on CPU the device is the host (the actors' RSS).
+        device = out["device_used_bytes"] if self.device == "cuda" else trainer["host_rss"] + engine["host_rss"]
+        if self.timeline is not None:
+            self.timeline.mark("step", out["host_rss_bytes"], device)
+        return out
 
     def check_weights_equal(self) -> None:
         from tidal.weight_sync.verify import compare_checksums
@@ -254,17 +274,48 @@ class Session:
             f"check-weight-update-equal: {len(want)} tensors bitwise equal on {len(self.engines)} engine(s)"
         )
 
+    def _find_checkpoint(self) -> tuple[str | None, str | None]:
+        """The checkpoint ``--load`` names, checksums verified (``tidal.checkpoint.manifest``), and a line to show."""
+        from tidal.checkpoint.manifest import find_loadable
+
+        load = self.cfg.checkpoint.load
+        if not load:
+            return None, None
+        found = find_loadable(load)
+        if found.path is None and found.skipped:
+            bad, problem = found.skipped[0]
+            more = "" if os.path.abspath(bad) == os.path.abspath(load) else f" (newest: {os.path.basename(bad)})"
+            raise UserError(f"--load {load}: checkpoint damaged{more}: {problem}; no intact checkpoint to load")
+        if found.skipped:
+            bad, problem = found.skipped[0]
+            others = f" and {len(found.skipped) - 1} more" if len(found.skipped) > 1 else ""
+            note = f"--load {load}: {os.path.basename(bad)}{others} damaged ({problem}); loading {os.path.basename(found.path)}"
+            return found.path, note
+        return found.path, None
+
     def resume_from_checkpoint(self) -> int:
         ck = self.cfg.checkpoint
         if not ck.load:
             return 0
-        extra = self.trainer.call("load", ck.load)
-        if not extra:
-            self.display.info(f"--load {ck.load}: no checkpoint yet, starting from scratch")
+        if self.load_path is None:
+            self.display.info(f"--load {ck.load}: no checkpoint there yet (it is the --save folder): starting fresh")
             return 0
+        extra = self.trainer.call("load", self.load_path)
+        if not extra:
+            raise UserError(f"--load {self.load_path}: the trainer found no checkpoint there; check the folder")
         self.dataset.load_state_dict(extra["data"])
-        self.display.info(f"resumed from {ck.load} at rollout {extra['rollout_id'] + 1}")
+        self._last_saved = int(extra["rollout_id"])
+        self.display.info(f"resumed from {self.load_path} at rollout {extra['rollout_id'] + 1}")
         return int(extra["rollout_id"]) + 1
+
+    def log_samples(self, rollout_id: int, samples: list) -> None:
+        """``--log-samples`` of this rollout to samples.jsonl; ``--show-samples`` prints one."""
+        from tidal.observe.samples import pick, sample_line, sample_record
+
+        records = self.run.samples.write(rollout_id, samples)
+        if self.cfg.logging.show_samples:
+            for r in records[:1] or [sample_record(rollout_id, x) for x in pick(samples, 1)]:
+                self.display.info(sample_line(r))
 
     def should_save(self, rollout_id: int) -> bool:
         ck = self.cfg.checkpoint
@@ -275,18 +326,40 @@ class Session:
 
     def save(self, rollout_id: int) -> None:
         extra = {"rollout_id": rollout_id, "data": self.dataset.state_dict()}
-        self.trainer.call("save", self.cfg.checkpoint.save, extra)
+        ck = self.cfg.checkpoint
+        report = self.trainer.call("save", ck.save, extra) or {}
+        self._last_saved = rollout_id
+        if ck.keep_checkpoints:
+            from tidal.checkpoint.manifest import prune
+
+            prune(ck.save, ck.keep_checkpoints, report.get("checkpoint/path", ""))
+
+    def check_stop(self, last_done: int) -> None:
+        """At a safe point (between steps): after SIGTERM, save the last finished step (``--save``) and stop."""
+        if not self.stop.requested:
+            return
+        save = self.cfg.checkpoint.save
+        if not save or self.trainer is None:
+            raise Stopped(
+                f"SIGTERM: stopped after rollout {last_done}; nothing saved (pass --save DIR to keep progress)"
+            )
+        if last_done >= 0 and self._last_saved != last_done:
+            self.save(last_done)
+        if self._last_saved is None:
+            raise Stopped("SIGTERM: stopped before the first rollout finished; nothing to save")
+        raise Stopped(f"SIGTERM: checkpoint of rollout {self._last_saved} in {save}; continue with --load {save}")
 
     def after_step(self, rollout_id: int) -> None:
         if rollout_id < 5 or rollout_id % 10 == 0:
             plot_curves(self.run.history, os.path.join(self.run.path, "curves.png"))
+            self.timeline.write_png(os.path.join(self.run.path, "memory.png"))
 
 
 def newest_checkpoint(folder: str) -> str | None:
     """The newest complete checkpoint under ``folder`` (its folder name), if any."""
-    from tidal.checkpoint.store import find_latest
+    from tidal.checkpoint.manifest import find_loadable
 
-    path = find_latest(folder)
+    path = find_loadable(folder).path  # checksums verified: the hint names one that loads
     return os.path.basename(path.rstrip("/")) if path else None
 
 

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tidal.config import Environment, parse, resolve
+from tidal.config import Environment, explain, parse, resolve
 from tidal.config.validate import RULES, Context, rule_by_id, unresolved_fields
 from tidal.errors import ConfigError
 
@@ -105,6 +105,8 @@ def test_rule_values_catches_configs_built_in_code():
         (["--debug-rollout-only", "--offload"], {"colocate": False, "offload_train": False, "offload_rollout": False}),
         (["--debug-rollout-only", "--offload-train", "--colocate"], {"colocate": False, "offload_train": False}),
         (["--debug-rollout-only", "--global-batch-size", "7"], "does not divide"),
+        (["--debug-rollout-only", "--save", "/tmp/ck"], "--debug-rollout-only starts no trainer, so --save"),
+        (["--debug-rollout-only", "--load", "/tmp/ck"], "--debug-rollout-only starts no trainer, so --load"),
     ],
 )
 def test_rule_debug_rollout_only(argv, expect):
@@ -421,21 +423,9 @@ def test_rule_offload_needed(argv, env, expect):
         assert prov.of("offload_train").detail.startswith("offload-needed: ")
 
 
-@pytest.mark.parametrize(
-    "argv, expect",
-    [
-        ([], {"train_grads_backup": False}),
-        (["--offload-train"], {"train_grads_backup": False}),  # slime PR #1924
-        (["--offload"], {"train_grads_backup": False}),
-        (["--train-grads-backup"], {"train_grads_backup": True}),  # trainer never pauses: harmless
-        (
-            ["--offload-train", "--train-grads-backup"],
-            "--train-grads-backup with --offload-train only costs host memory",
-        ),
-    ],
-)
-def test_rule_grads_backup(argv, expect):
-    check(argv, CPU, expect)
+def test_train_grads_backup_is_removed():
+    with pytest.raises(ConfigError, match="--train-grads-backup was removed in tidal 0.1.0: it changed nothing"):
+        parse(["--train-grads-backup"])
 
 
 @pytest.mark.parametrize(
@@ -459,6 +449,35 @@ def test_rule_grads_backup(argv, expect):
 )
 def test_rule_host_memory(argv, env, expect):
     check(argv, env, expect)
+
+
+HALF_0P5B = ["--preset", "qwen2.5-0.5b-1gpu", "--offload"]
+
+
+@pytest.mark.parametrize(
+    "argv, env, policy, why",
+    [
+        # The H200 case: 6 GiB of backups on a host with 100+ GiB free keeps them pinned.
+        (HALF_0P5B, GPU1, "retain", "room to keep them pinned"),
+        # 7B on 8 GPUs: ~85 GiB of backups per node; 1 TiB host: retain; 160 GiB host: more than half, release.
+        (SEVEN_B + ["--offload"], GPU8, "retain", "room to keep them pinned"),
+        (SEVEN_B + ["--offload"], Environment(True, 8, 80 * GIB, 160 * GIB, tms_available=True), "release", "too much"),
+        # An explicit flag wins over the plan.
+        (HALF_0P5B + ["--offload-host-memory", "release"], GPU1, "release", None),
+        ([], CPU, "release", "CPU: the device is the host"),
+        (TINY_GPU, GPU1, "retain", "the trainer never pauses"),
+    ],
+)
+def test_rule_host_policy_is_retain_when_the_host_has_room(argv, env, policy, why):
+    cfg, prov = run(argv, env)
+    assert cfg.memory.offload_host_memory == policy
+    source = prov.of("offload_host_memory")
+    if why is None:
+        assert source.kind == "flag"
+    else:
+        assert source.detail.startswith("host-memory: ") and why in source.detail, source
+    if "--offload" in argv:
+        assert f"host policy: {policy}" in explain(cfg, prov, env)
 
 
 @pytest.mark.parametrize(
@@ -651,6 +670,21 @@ def test_rule_lr(argv, expect):
 )
 def test_rule_checkpoint(argv, expect):
     check(argv, CPU, expect)
+
+
+def test_rule_load_needs_a_checkpoint_except_as_the_save_folder(tmp_path):
+    missing, empty, ck = tmp_path / "missing", tmp_path / "empty", tmp_path / "ck"
+    empty.mkdir()
+    (ck / "iter_0000003").mkdir(parents=True)
+    (ck / "iter_0000003" / "meta.json").write_text("{}")
+    check(["--load", str(missing)], CPU, f"--load {missing}: no such directory")
+    check(["--load", str(empty)], CPU, f"--load {empty}: holds no checkpoint")
+    # The auto-resume idiom: --load equal to --save with nothing there yet is a fresh start.
+    check(["--load", str(missing), "--save", str(missing)], CPU, {"load": str(missing)})
+    check(["--load", str(empty), "--save", str(empty) + "/"], CPU, {"load": str(empty)})
+    check(["--load", str(ck)], CPU, {"load": str(ck)})
+    check(["--load", str(ck / "iter_0000003")], CPU, {"load": str(ck / "iter_0000003")})
+    check(["--keep-checkpoints", "2"], CPU, "--keep-checkpoints 2 needs --save DIR")
 
 
 def test_rule_data(tmp_path):

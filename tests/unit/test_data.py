@@ -10,7 +10,7 @@ from tokenizers.processors import TemplateProcessing
 
 from tidal.config.schema import DataConfig, RolloutConfig
 from tidal.data.dataset import PromptDataset
-from tidal.data.tasks import TASKS, task_rows
+from tidal.data.tasks import task_rows
 from tidal.errors import UserError
 from tidal.model.tokenizer import CHARS, char_tokenizer
 from tidal.rollout.orchestrate import make_rollout_samples
@@ -197,7 +197,7 @@ def test_make_rollout_samples():
 # --- built-in tasks ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.parametrize("name", ["digit-sum", "arith"])
 def test_tasks_are_deterministic_and_valid(name, tok):
     a, b, c = task_rows(name, 1), task_rows(name, 1), task_rows(name, 2)
     assert a == b and a.train != c.train and sorted(a.train) == sorted(c.train)
@@ -206,6 +206,25 @@ def test_tasks_are_deterministic_and_valid(name, tok):
         assert prompt.endswith("=") and str(eval(prompt[:-1])) == label  # the label is the arithmetic's value
     # one token per character: nothing unknown to the tiny presets
     assert all(len(tok(p)["input_ids"]) == len(p) for p, _ in a.train[:50] + a.eval)
+
+
+def test_mental_math_is_chat_prompts_with_held_out_questions():
+    a, b, c = task_rows("mental-math", 1), task_rows("mental-math", 1), task_rows("mental-math", 2)
+    key = [str(p) for p, _ in a.train]
+    assert a == b and key != [str(p) for p, _ in c.train] and sorted(key) == sorted(str(p) for p, _ in c.train)
+    questions = {}
+    for split in (a.train, a.eval):
+        for prompt, label in split:
+            system, user = prompt
+            assert system == {"role": "system", "content": "Answer with only the number."} and user["role"] == "user"
+            q = user["content"]
+            expr = q.removeprefix("What is ").removesuffix("?").replace("times", "*")
+            assert str(eval(expr)) == label and int(label) >= 0, q
+            questions.setdefault(q, set()).add(id(split))
+    assert all(len(v) == 1 for v in questions.values()), "a question is in train or eval, never both"
+    assert 40 <= len(a.eval) <= 64 and len(a.train) > 3 * len(a.eval)
+    ops = {q.split()[3] for q, _ in ((p[1]["content"], lab) for p, lab in a.eval)}
+    assert ops == {"+", "-", "times"}
 
 
 def test_digit_sum_is_balanced_by_answer():

@@ -48,6 +48,8 @@ def _run(tmp_path, *flags):
         for got in s.engines.call("weight_checksums"):
             assert compare_checksums(want, got) == [], f"engine differs from trainer after sync {rollout_id}"
         assert s.engines.call("get_weight_version") == [row["sync/version"]] * len(s.engines)
+        # memory.png gets one reading per step, paused or not (the disaggregated run pauses nothing).
+        assert sum(p.phase == "step" for p in s.timeline.points) == rollout_id + 1
         seen.setdefault("first", want)
         seen["last"] = want
         seen.setdefault("versions", []).append(row["sync/version"])
@@ -62,7 +64,43 @@ def _run(tmp_path, *flags):
     for key in ("reward_mean", "elapsed_s", "generate_s", "train_s", "sync_s", "loss"):
         assert key in rows[0], key
     assert os.path.exists(os.path.join(cfg.logging.output_dir, "curves.png"))
+    _check_samples(cfg.logging.output_dir, steps=[0, 1], versions={0: 1, 1: 2})
+    assert os.path.getsize(os.path.join(cfg.logging.output_dir, "memory.png")) > 0
     return cfg
+
+
+def _check_samples(run_dir, steps, versions):
+    """samples.jsonl: --log-samples (default 4) readable samples per step, spread over the prompts."""
+    records = [json.loads(x) for x in open(os.path.join(run_dir, "samples.jsonl"))]
+    assert [r["step"] for r in records] == [s for s in steps for _ in range(4)]
+    for r in records:
+        assert set(r) >= {"prompt", "response", "label", "reward", "weight_version", "finish_reason", "response_length"}
+        assert r["weight_version"] == versions[r["step"]], r
+        assert r["finish_reason"] in ("stop", "length") and 0 < r["response_length"] <= 3
+        assert r["reward"] in (0.0, 1.0) and isinstance(r["response"], str)
+    assert len({r["group"] for r in records if r["step"] == 0}) == 4, "the 4 samples come from 4 prompts"
+
+
+@pytest.mark.slow
+def test_debug_rollout_only_generates_and_scores_without_a_trainer(ray_cluster, tmp_path):
+    """--debug-rollout-only: no trainer actor (no trainer memory), engines keep their initial weights."""
+    cfg, prov = parse(
+        ["--debug-rollout-only", "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2"]
+        + ["--rollout-max-response-len", "3", "--device", "cpu", "--no-progress", "--eval-interval", "2"]
+        + ["--output-dir", str(tmp_path / "run")]
+    )
+    cfg = resolve(cfg, prov)
+    seen = []
+
+    def on_step(s, rollout_id, row):
+        assert s.trainer is None and s._placement.trainers == []
+        seen.append(row)
+
+    train(cfg, on_step=on_step)
+    assert [r["step"] for r in seen] == [0, 1]
+    assert all(r["trainer_host_rss_bytes"] == 0 and "train_s" not in r and "loss" not in r for r in seen)
+    assert "eval_accuracy" in seen[1] and "reward_mean" in seen[0]
+    _check_samples(cfg.logging.output_dir, steps=[0, 1], versions={0: -1, 1: -1})
 
 
 @pytest.mark.slow

@@ -5,7 +5,8 @@ Layout of one checkpoint, ``<dir>/iter_{rollout:07d}/``::
     model-00001.safetensors ...     fp32 master weights by HF name (tied weights once)
     optim-00001.safetensors ...     AdamW moments, "<name>/exp_avg" and "<name>/exp_avg_sq"
     rng_rank{r}.pt                  each rank's torch / CUDA / Python / NumPy RNG state
-    meta.json                       written last: tensor index, AdamW step counts, LR schedule, extra
+    meta.json                       tensor index, AdamW step counts, LR schedule, extra
+    manifest.json                   written last: size and XXH3-128 of every file (tidal.checkpoint.manifest)
 
 and ``<dir>/latest`` names the newest complete one.
 
@@ -24,7 +25,7 @@ Why full tensors gathered to rank 0 rather than ``torch.distributed.checkpoint``
   gather through rank 0, acceptable at the sizes this trainer targets (one host).
 
 Atomicity: everything is written into ``<dir>/.tmp-iter_XXXXXXX-<random>/`` (ignored by readers),
-``meta.json`` last, then the folder is renamed to its final name, then ``latest`` is replaced
+``manifest.json`` last, then the folder is renamed to its final name, then ``latest`` is replaced
 atomically. A crash at any point leaves either the previous checkpoint or the new one, never a
 half-written folder that ``load`` would pick. Every rank must see the same filesystem (one host, or
 a shared mount).
@@ -35,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -42,10 +44,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from tidal.atomic import publish_dir, write_text_atomic
+from tidal.checkpoint.manifest import find_loadable, write_manifest
 from tidal.errors import UserError
 
 FORMAT = 1
@@ -158,6 +161,8 @@ def is_complete(path: str) -> bool:
 
 def find_latest(root: str) -> str | None:
     """The newest complete checkpoint under ``root`` (``latest`` first, else the highest complete ``iter_*``)."""
+    if is_complete(root):
+        return root  # a checkpoint folder itself (--load DIR/iter_0000005)
     if not os.path.isdir(root):
         return None
     pointer = os.path.join(root, "latest")
@@ -187,14 +192,32 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(state: TrainState, root: str, extra: dict) -> dict:
-    """Write one checkpoint of ``state`` under ``root``; collective over the trainer's ranks, rank 0 writes."""
+    """Write one checkpoint of ``state`` under ``root``; collective over the trainer's ranks, rank 0 writes.
+
+    A write that fails (no space left, quota, I/O error) removes the temp folder and raises a
+    ``UserError``: the previous checkpoint and the ``latest`` pointer were never touched.
+    """
+    rollout_id = int(extra.get("rollout_id", 0))
+    # Rank 0 picks the temp name and tells the others.
+    name = state.broadcast_object(f".tmp-{iter_name(rollout_id)}-{uuid.uuid4().hex[:8]}" if state.rank == 0 else None)
+    tmp = os.path.join(root, name)
+    try:
+        return _save(state, root, tmp, rollout_id, extra)
+    except (OSError, SafetensorError) as e:  # safetensors reports a failed write as its own error
+        if state.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        before = find_loadable(root).path
+        kept = f"{os.path.basename(before)} is intact" if before else "no earlier checkpoint was touched"
+        raise UserError(
+            f"--save {root}: writing the checkpoint of rollout {rollout_id} failed ({getattr(e, 'strerror', None) or e}); {kept}; "
+            f"free space and continue with --load {root}"
+        ) from None
+
+
+def _save(state: TrainState, root: str, tmp: str, rollout_id: int, extra: dict) -> dict:
     t0 = time.perf_counter()
     rank = state.rank
-    rollout_id = int(extra.get("rollout_id", 0))
     final = os.path.join(root, iter_name(rollout_id))
-    # Rank 0 picks the temp name and tells the others.
-    name = state.broadcast_object(f".tmp-{iter_name(rollout_id)}-{uuid.uuid4().hex[:8]}" if rank == 0 else None)
-    tmp = os.path.join(root, name)
     if rank == 0:
         os.makedirs(tmp, exist_ok=False)
     state.barrier()
@@ -227,6 +250,7 @@ def save_checkpoint(state: TrainState, root: str, extra: dict) -> dict:
             "saved_at": time.time(),
         }
         write_text_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1, sort_keys=True))
+        write_manifest(tmp)  # last: a checksum of every file above (tidal.checkpoint.manifest)
         publish_dir(tmp, final)
         write_text_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")
     state.barrier()

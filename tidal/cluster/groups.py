@@ -29,6 +29,10 @@ def rendezvous_address(placement: Placement, bundle: int) -> tuple[str, int]:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    if len(ray.nodes()) == 1:
+        # One node, the driver's: no need to start a worker process just to ask it (a second or more at start-up).
+        return ray.util.get_node_ip_address(), _free_port()
+
     @ray.remote(num_cpus=0)
     def probe() -> tuple[str, int]:
         return ray.util.get_node_ip_address(), _free_port()

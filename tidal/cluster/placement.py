@@ -41,9 +41,9 @@ class Placement:
         return int(sum(b.get("GPU", 0) for b in self.bundles))
 
 
-def plan_placement(cluster: ClusterConfig, device: str, num_engines: int) -> Placement:
-    """Decide bundles and per-actor resources (pure: no Ray calls)."""
-    ranks = cluster.actor_num_nodes * cluster.actor_num_gpus_per_node
+def plan_placement(cluster: ClusterConfig, device: str, num_engines: int, *, with_trainer: bool = True) -> Placement:
+    """Decide bundles and per-actor resources (pure: no Ray calls); ``with_trainer=False``: engines only."""
+    ranks = cluster.actor_num_nodes * cluster.actor_num_gpus_per_node if with_trainer else 0
     gpu = 1.0 if device == "cuda" else 0.0
     cpus = cluster.num_cpus_per_actor
     if cluster.colocate:

@@ -39,7 +39,19 @@ def start_ray(address: str | None, *, num_cpus: float, num_gpus: int) -> bool:
             ) from e
         return False
     logical_cpus = max(float(os.cpu_count() or 1), num_cpus)
+    from tidal.signals import shielded
+
     # address="local" starts a new cluster even when another one runs here (joining is --ray-address's job).
+    # Shielded: Ray's processes ignore SIGINT, so Ctrl-C stops the run through the driver alone.
+    with shielded():
+        _init_local(logical_cpus, num_gpus)
+    log.info("started a local Ray cluster: %d CPUs, %d GPUs", int(logical_cpus), num_gpus)
+    return True
+
+
+def _init_local(logical_cpus: float, num_gpus: int) -> None:
+    import ray
+
     ray.init(
         address="local",
         num_cpus=int(round(logical_cpus + 0.49)),
@@ -48,8 +60,6 @@ def start_ray(address: str | None, *, num_cpus: float, num_gpus: int) -> bool:
         configure_logging=False,
         log_to_driver=True,
     )
-    log.info("started a local Ray cluster: %d CPUs, %d GPUs", int(logical_cpus), num_gpus)
-    return True
 
 
 def stop_ray(started: bool) -> None:

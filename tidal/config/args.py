@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from tidal.config.environment import parse_size
+from tidal.config.environment import format_bytes, parse_size
 from tidal.config.provenance import Provenance
 from tidal.config.removed import find_removed
 from tidal.config.schema import SECTIONS, TidalConfig, field_index
@@ -101,6 +101,25 @@ def fields() -> list[FieldInfo]:
                 )
             )
     return out
+
+
+# Fields whose unset default (None) is filled by a rule of ``tidal.config.validate``.
+DERIVED = {
+    "rollout_num_gpus", "offload_train", "offload_rollout", "update_weight_transport",
+    "global_batch_size", "eps_clip_high", "output_dir", "memory_snapshot_dir", "rollout_compile",
+    "offload_host_memory", "use_critic", "critic_lr",
+}  # fmt: skip
+
+
+def default_text(info: FieldInfo) -> str:
+    """A field's default as ``--help`` and docs/cli.md show it."""
+    if info.default is None:
+        return "derived (see `tidal explain`)" if info.name in DERIVED else "unset"
+    if info.unit == "bytes":
+        return f"{info.default} ({format_bytes(info.default)})"
+    if isinstance(info.default, (dict, list)):
+        return json.dumps(info.default)
+    return str(info.default)
 
 
 def _fields_by_name() -> dict[str, FieldInfo]:
@@ -260,7 +279,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     groups: dict[str, argparse._ArgumentGroup] = {}
     for info in fields():
         group = groups.get(info.section) or groups.setdefault(info.section, parser.add_argument_group(info.section))
-        kw: dict[str, Any] = dict(dest=info.name, default=argparse.SUPPRESS, help=info.help)
+        shown = default_text(info).replace("%", "%%")
+        kw: dict[str, Any] = dict(dest=info.name, default=argparse.SUPPRESS, help=f"{info.help} [default: {shown}]")
         if info.kind == "bool":
             kw["action"] = argparse.BooleanOptionalAction
         elif info.kind == "list":
@@ -309,13 +329,13 @@ def split_sglang_flags(argv: list[str], known: list[str]) -> tuple[list[str], li
     return rest, passthrough
 
 
-def parse(argv: list[str]) -> tuple[TidalConfig, Provenance]:
+def parse(argv: list[str], prog: str = "tidal train") -> tuple[TidalConfig, Provenance]:
     """Flags (+ ``--config FILE.yaml``, ``--preset NAME``) -> unresolved config and provenance.
 
     Values are typed and checked one by one here; ``resolve`` then checks them together and fills
     the derived fields.
     """
-    parser = build_parser()
+    parser = build_parser(prog)
     argv, passthrough = split_sglang_flags(list(argv), _parser_flags(parser))
     ns, unknown = parser.parse_known_args(argv)
     if unknown:

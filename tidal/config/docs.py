@@ -10,13 +10,11 @@ go stale: change a flag, run ``--write``, commit both.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
 
-from tidal.config.args import fields, preset_names
-from tidal.config.environment import format_bytes
+from tidal.config.args import default_text, fields, preset_names
 from tidal.config.removed import REMOVED
 from tidal.config.validate import RULES
 
@@ -30,19 +28,7 @@ def _cell(text: str) -> str:
 
 
 def _default(info) -> str:
-    if info.default is None:
-        return "derived" if info.name in _DERIVED else "unset"
-    if info.unit == "bytes":
-        return f"{info.default} ({format_bytes(info.default)})"
-    if isinstance(info.default, (dict, list)):
-        return json.dumps(info.default)
-    return str(info.default)
-
-
-_DERIVED = {
-    "rollout_num_gpus", "offload_train", "offload_rollout", "train_grads_backup", "update_weight_transport",
-    "global_batch_size", "eps_clip_high", "output_dir", "memory_snapshot_dir", "use_critic", "critic_lr",
-}  # fmt: skip
+    return default_text(info).replace("derived (see `tidal explain`)", "derived")
 
 
 def _type(info) -> str:

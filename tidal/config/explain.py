@@ -188,8 +188,9 @@ def explain(cfg: TidalConfig, prov: Provenance, env: Environment | None = None) 
     if m.offload_train:
         host = plan.host_paused(True, m.offload_host_memory)
         out.append(
-            f"  host memory while the trainer is paused: {format_bytes(host)} per node of {format_bytes(plan.host_budget)} usable ({m.offload_host_memory})"
+            f"  host memory while the trainer is paused: {format_bytes(host)} per node of {format_bytes(plan.host_budget)} usable"
         )
+        out.append(f"  host policy: {m.offload_host_memory} ({prov.of('offload_host_memory')})")
     if m.record_memory_history:
         out.append(
             f"  allocator history: snapshots of the first {m.memory_snapshot_steps} steps in {m.memory_snapshot_dir}"
@@ -200,6 +201,6 @@ def explain(cfg: TidalConfig, prov: Provenance, env: Environment | None = None) 
 def explain_argv(argv: list[str], env: Environment | None = None) -> str:
     """``tidal explain [flags]`` in one call: ``--assume-*`` flags, parse, resolve, explain."""
     env, rest = split_assumptions(list(argv), env)
-    cfg, prov = parse(rest)
+    cfg, prov = parse(rest, prog="tidal explain")
     cfg = resolve(cfg, prov, env)
     return explain(cfg, prov, env)

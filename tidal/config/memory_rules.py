@@ -41,7 +41,10 @@ def offload_needs_colocate(ctx: Context) -> None:
 def offload_needed(ctx: Context) -> None:
     m = ctx.cfg.memory
     plan = ctx.plan()
-    if not ctx.cfg.cluster.colocate:
+    if ctx.cfg.rollout.debug_rollout_only:
+        fits = plan.combo(False, False).generate_bytes <= plan.budget  # engines only: no trainer is started
+        train, rollout = m.offload_train, m.offload_rollout
+    elif not ctx.cfg.cluster.colocate:
         fits = plan.fits(False, False)
         train, rollout = m.offload_train, m.offload_rollout
     else:
@@ -61,19 +64,11 @@ def offload_needed(ctx: Context) -> None:
         )
 
 
-def grads_backup(ctx: Context) -> None:
-    m = ctx.cfg.memory
-    if m.train_grads_backup and m.offload_train:
-        raise ConfigError(
-            "--train-grads-backup with --offload-train only costs host memory: grads are zeroed at the start of every step; drop it"
-        )
-    if m.train_grads_backup is None:
-        why = "--offload-train: grads are zeroed every step" if m.offload_train else "the trainer never pauses"
-        ctx.derive("train_grads_backup", False, "grads-backup", why)
-
-
 def host_memory(ctx: Context) -> None:
     m = ctx.cfg.memory
+    if m.offload_host_memory is None:
+        policy, why = _host_policy(ctx)
+        ctx.derive("offload_host_memory", policy, "host-memory", why)
     if m.offload_host_memory == "disk" and not m.offload_disk_dir:
         raise ConfigError("--offload-host-memory disk needs --offload-disk-dir (a fast local folder)")
     if m.offload_disk_dir and m.offload_host_memory != "disk":
@@ -89,6 +84,20 @@ def host_memory(ctx: Context) -> None:
             f"--offload-train: paused trainer state needs {format_bytes(need)} of host memory per node, {format_bytes(plan.host_budget)} usable; "
             "use --offload-host-memory disk --offload-disk-dir DIR, or more trainer nodes"
         )
+
+
+def _host_policy(ctx: Context) -> tuple[str, str]:
+    """retain when the pinned backups leave at least half of the host budget to everything else, else release."""
+    if ctx.cfg.cluster.device != "cuda":
+        return "release", "CPU: the device is the host, there is nothing to keep pinned"
+    if not ctx.cfg.memory.offload_train:
+        return "retain", "the trainer never pauses: no backups to hold"
+    plan = ctx.plan()
+    need = plan.host_paused(True, "retain")
+    share = f"backups {format_bytes(need)} per node of {format_bytes(plan.host_budget)} usable host memory"
+    if need * 2 <= plan.host_budget:
+        return "retain", f"{share}: room to keep them pinned"
+    return "release", f"{share}: too much to keep pinned between pauses"
 
 
 def train_env_vars(ctx: Context) -> None:

@@ -37,6 +37,12 @@ REMOVED: tuple[RemovedFlag, ...] = (
         reason="torch_memory_saver's allocation margin guard is off by default and tidal checks device memory budgets before start instead",
         instead="delete the flag (run `tidal explain` to see the memory plan per rank)",
     ),
+    RemovedFlag(
+        flag="--train-grads-backup",
+        version="0.1.0",
+        reason="it changed nothing: gradients are zeroed at the start of every step, so a paused trainer never backs them up",
+        instead="delete the flag",
+    ),
 )
 
 

@@ -216,7 +216,9 @@ def rollout_compile_default(device: str) -> bool:
 
 @dataclass
 class DataConfig:
-    task: str = opt("digit-sum", "Built-in task when no --prompt-data is given.", choices=("digit-sum", "arith"))
+    task: str = opt(
+        "digit-sum", "Built-in task when no --prompt-data is given.", choices=("digit-sum", "arith", "mental-math")
+    )
     prompt_data: str | None = opt(None, "Prompts as JSONL or Parquet.")
     input_key: str = opt("prompt", "Field of a row that holds the prompt (text or chat messages).")
     label_key: str = opt("label", "Field of a row that holds the reference answer.")
@@ -231,17 +233,14 @@ class MemoryConfig:
     offload: bool | None = opt(None, "Shorthand: sets both --offload-train and --offload-rollout.")
     offload_train: bool | None = opt(None, "Pause trainer device memory while engines generate.")
     offload_rollout: bool | None = opt(None, "Release engine weights and KV cache while the trainer trains.")
-    train_grads_backup: bool | None = opt(
-        None,
-        "Back up gradient buffers when the trainer pauses; never with --offload-train (grads are zeroed every step).",
-    )
     memory_backend: str = opt(
         "auto", "Pause/resume implementation: tms on CUDA, portable elsewhere.", choices=("auto", "tms", "portable")
     )
     tms_hook_mode: str = opt("torch", "How torch_memory_saver hooks allocations.", choices=("torch", "preload"))
-    offload_host_memory: str = opt(
-        "release",
-        "Host backup lifetime: release after resume, retain pinned, or spill to disk.",
+    offload_host_memory: str | None = opt(
+        None,
+        "Host backup lifetime: release after resume, retain pinned (fastest), or spill to disk "
+        "(default: retain when the host has room for the backups, else release).",
         choices=("release", "retain", "disk"),
     )
     offload_disk_dir: str | None = opt(None, "Directory for --offload-host-memory disk.")
@@ -287,7 +286,14 @@ class WeightSyncConfig:
 class CheckpointConfig:
     save: str | None = opt(None, "Directory for trainer checkpoints.")
     save_interval: int = opt(0, "Save every N rollouts (0: only at the end when --save is set).", min=0)
-    load: str | None = opt(None, "Resume from the newest checkpoint in this directory.")
+    load: str | None = opt(
+        None,
+        "Resume from the newest intact checkpoint in this directory (or from one iter_* folder); the same folder as "
+        "--save with no checkpoint yet starts fresh.",
+    )
+    keep_checkpoints: int = opt(
+        0, "Keep the newest N checkpoints under --save; older ones go once a new one is complete (0 keeps all).", min=0
+    )
 
 
 @dataclass
@@ -295,6 +301,8 @@ class LoggingConfig:
     output_dir: str | None = opt(None, "Run directory (default: runs/<time>-<model>).")
     use_tensorboard: bool = opt(False, "Also write TensorBoard events into the run directory.")
     progress: bool = opt(True, "Show a live progress display.")
+    log_samples: int = opt(4, "Samples per rollout written to samples.jsonl in the run directory (0: none).", min=0)
+    show_samples: bool = opt(False, "Print one sample per rollout on the console (prompt, response, label, reward).")
     log_level: str = opt("info", "Log verbosity.", choices=("debug", "info", "warning", "error"))
 
 

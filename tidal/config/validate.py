@@ -7,7 +7,7 @@ config, so each is tested on its own with a table of inputs (tests/unit/test_con
 ``docs/configuration.md`` lists them from ``RULES``.
 
 The slime rules are kept where tidal has the same concept (``--offload`` expands, colocate turns
-offload on, ``--offload-train`` never backs up grads, a critic forces ``--offload-train`` (here: when colocated),
+offload on, a critic forces ``--offload-train`` (here: when colocated),
 ``--debug-rollout-only`` turns colocation and offload off, disk transport needs a folder). Where
 tidal differs it says so: colocation turns offload on only when the memory plan says it is needed,
 delta sync also works over tensor and broadcast transports, and ``nccl`` is read as ``broadcast``.
@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tidal.checkpoint.manifest import is_checkpoint, iterations
 from tidal.config import algorithm_rules, memory_rules
 from tidal.config.args import coerce, fields, flag_of
 from tidal.config.environment import Environment
@@ -115,11 +116,17 @@ def _values(ctx: Context) -> None:
 
 @rule(
     "debug-rollout-only",
-    "`--debug-rollout-only` turns colocate, offload-train and offload-rollout off (nothing trains, nothing shares devices).",
+    "`--debug-rollout-only` starts no trainer and turns colocate, offload-train and offload-rollout off (nothing trains, "
+    "nothing shares devices); `--save`/`--load` need a trainer and are refused with it.",
 )
 def _debug_rollout_only(ctx: Context) -> None:
     if not ctx.cfg.rollout.debug_rollout_only:
         return
+    for name in ("save", "load"):
+        if ctx.get(name):
+            raise ConfigError(
+                f"--debug-rollout-only starts no trainer, so {_f(name)} has nothing to {name}; drop one of the two"
+            )
     why = "--debug-rollout-only: no trainer shares the devices"
     ctx.derive("colocate", False, "debug-rollout-only", why)
     for name in ("offload", "offload_train", "offload_rollout"):
@@ -321,15 +328,10 @@ rule(
 )(memory_rules.offload_needed)
 
 rule(
-    "grads-backup",
-    "Gradients are never backed up (`--train-grads-backup` resolves to off): they are zeroed at the start of every step; "
-    "asking for it with `--offload-train` is an error.",
-)(memory_rules.grads_backup)
-
-rule(
     "host-memory",
-    "`--offload-host-memory disk` needs `--offload-disk-dir`; with offload-train the trainer's host backups per node must fit "
-    "in host memory.",
+    "`--offload-host-memory` defaults to retain (pinned backups kept between pauses: no re-pinning per step) when the "
+    "trainer's backups per node take at most half of the usable host memory, else release; on CPU, release (the device "
+    "is the host). `disk` needs `--offload-disk-dir`; with offload-train the backups per node must fit in host memory.",
 )(memory_rules.host_memory)
 
 rule(
@@ -426,11 +428,29 @@ def _lr(ctx: Context) -> None:
         raise ConfigError(f"--min-lr {t.min_lr} is above --lr {t.lr}; lower --min-lr")
 
 
-@rule("checkpoint", "`--save-interval` needs `--save`.")
+@rule(
+    "checkpoint",
+    "`--save-interval` and `--keep-checkpoints` need `--save`. `--load DIR` must exist and hold a checkpoint (a folder "
+    "of `iter_*` or one of them), except when it is the `--save` folder: then a missing or empty folder starts fresh.",
+)
 def _checkpoint(ctx: Context) -> None:
     ck = ctx.cfg.checkpoint
-    if ck.save_interval and not ck.save:
-        raise ConfigError(f"--save-interval {ck.save_interval} needs --save DIR (where checkpoints go)")
+    for name in ("save_interval", "keep_checkpoints"):
+        if ctx.get(name) and not ck.save:
+            raise ConfigError(f"{_f(name)} {ctx.get(name)} needs --save DIR (where checkpoints go)")
+    if not ck.load:
+        return
+    if ck.save and os.path.abspath(ck.load) == os.path.abspath(ck.save):
+        return  # the auto-resume idiom: nothing there yet means a fresh start (said at start-up)
+    if not os.path.isdir(ck.load):
+        raise ConfigError(
+            f"--load {ck.load}: no such directory; check the path, or pass the same folder to --save and --load "
+            "to start fresh and resume from it later"
+        )
+    if not is_checkpoint(ck.load) and not iterations(ck.load):
+        raise ConfigError(
+            f"--load {ck.load}: holds no checkpoint (no iter_* folder with a meta.json); point it at the folder given to --save"
+        )
 
 
 _HOOK = re.compile(r"^(?:[A-Za-z_][\w.]*|.+\.py):[A-Za-z_][\w.]*$")
@@ -509,8 +529,8 @@ def unresolved_fields(cfg: TidalConfig) -> list[str]:
     """Fields that still hold a value resolution replaces (None where a rule derives one, or "auto")."""
     derived = {
         "device", "param_dtype", "memory_backend", "rollout_num_gpus", "offload_train", "offload_rollout",
-        "train_grads_backup", "update_weight_transport", "global_batch_size", "eps_clip_high", "output_dir",
-        "rollout_compile", "use_critic",
+        "update_weight_transport", "global_batch_size", "eps_clip_high", "output_dir",
+        "rollout_compile", "use_critic", "offload_host_memory",
     }  # fmt: skip
     out = []
     for info in fields():

@@ -1,8 +1,9 @@
 """Built-in tasks: (prompt, label) rows generated in code, so a run needs no data file.
 
-Prompts are at most 8 characters, all in the character vocabulary of the tiny presets
-(``tidal.model.tokenizer``), and end with ``=``; the label is the answer written as digits, scored by
-the ``exact`` reward (the response must be the answer and then the end token) or ``math``.
+``digit-sum`` and ``arith`` prompts are at most 8 characters, all in the character vocabulary of the
+tiny presets (``tidal.model.tokenizer``), and end with ``=``; the label is the answer written as
+digits, scored by the ``exact`` reward (the response must be the answer and then the end token) or
+``math``. ``mental-math`` is for real instruct models.
 
 ``digit-sum`` (the embedded default)
     ``a+b=`` with ``a, b`` in 0..4, answer ``a+b`` (one digit). Made to be learnt from random
@@ -29,6 +30,16 @@ the ``exact`` reward (the response must be the answer and then the end token) or
     first, so answers are non-negative), answers of one to three digits. One prompt in ten, chosen by
     a hash of its text (the same on every machine), is held out as the eval split.
 
+``mental-math`` (for instruct models: chat prompts, ``--rm-type math``)
+    ``What is a + b?``, ``What is a - b?`` (a >= b) and ``What is a times b?`` (a, b >= 2) with
+    single-digit operands, asked as chat messages under the system message "Answer with only the
+    number." (rendered by the model's chat template). One question in four, by a hash of its text,
+    is held out as the eval split (55 questions). Made for ``--preset smollm2-135m-cpu``:
+    SmolLM2-135M-Instruct knows most of these sums, but under this system message it mostly
+    starts explaining and runs out of its 12-token budget before the number, so its greedy
+    accuracy starts near 0.1 (0.47 with the model's own default system message and 16 tokens):
+    room to improve on questions it can answer.
+
 The seed decides the order of the train split (the dataset reshuffles it every epoch from the seed
 as well) and which held-out prompts are evaluated when ``eval_size`` caps them; the same ``(name,
 seed)`` always gives the same rows.
@@ -40,10 +51,11 @@ import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from tidal.errors import UserError
 
-Row = tuple[str, str]  # (prompt, label)
+Row = tuple[Any, str]  # (prompt: text or chat messages, label)
 
 # Held-out prompts evaluated per eval round: greedy decoding of 64 short prompts takes about a second
 # with the tiny presets on a 2-core CPU.
@@ -84,7 +96,28 @@ def arith() -> TaskSplits:
     return TaskSplits(train=train, eval=held)
 
 
-TASKS: dict[str, Callable[[], TaskSplits]] = {"digit-sum": digit_sum, "arith": arith}
+_SYSTEM = "Answer with only the number."
+
+
+def mental_math() -> TaskSplits:
+    questions: dict[str, str] = {}
+    for a in range(10):
+        for b in range(10):
+            questions[f"What is {a} + {b}?"] = str(a + b)
+            if a >= b:
+                questions[f"What is {a} - {b}?"] = str(a - b)
+            if a >= 2 and b >= 2:
+                questions[f"What is {a} times {b}?"] = str(a * b)
+
+    def chat(q: str) -> list[dict]:
+        return [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": q}]
+
+    train = [(chat(q), lab) for q, lab in questions.items() if not _held_out(q, 4)]
+    held = [(chat(q), lab) for q, lab in questions.items() if _held_out(q, 4)]
+    return TaskSplits(train=train, eval=held)
+
+
+TASKS: dict[str, Callable[[], TaskSplits]] = {"digit-sum": digit_sum, "arith": arith, "mental-math": mental_math}
 
 
 def task_rows(name: str, seed: int, eval_size: int | None = DEFAULT_EVAL_SIZE) -> TaskSplits:

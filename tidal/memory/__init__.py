@@ -69,7 +69,9 @@ def make_backend(
     kind, problem = resolve_backend(memory_cfg.memory_backend, device)
     if problem is not None:
         log.info("memory: portable backend for the %s (%s)", role, problem)
-    common = dict(host_memory=memory_cfg.offload_host_memory, disk_dir=memory_cfg.offload_disk_dir, label=role)
+    # A config built in code and never resolved leaves the policy unset: release, the backends' own default.
+    host_memory = memory_cfg.offload_host_memory or "release"
+    common = dict(host_memory=host_memory, disk_dir=memory_cfg.offload_disk_dir, label=role)
     if kind == "tms":
         from tidal.memory.tms import TmsBackend
 

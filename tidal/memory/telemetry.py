@@ -6,8 +6,8 @@ PyTorch's allocator counters, because a paused torch_memory_saver region is invi
 allocator but not to the driver. On a CPU device the device *is* the host, so its "device
 memory" is the process RSS.
 
-``MemoryTimeline`` collects one point per phase event (``mark("generate", rss, dev)``) from the
-driver and draws them into a PNG in the run directory, so the colocation plot (trainer and engine
+``MemoryTimeline`` collects one point per phase event (``mark("generate", rss, dev)``) and one per
+step (``mark("step", ...)``, whether anything paused or not) from the driver and draws them into a PNG in the run directory, so the colocation plot (trainer and engine
 taking turns on one device, host memory rising by the backups) is visible after a run.
 """
 
@@ -114,8 +114,10 @@ class MemoryTimeline:
         # Steps, not lines: the reading holds until the next phase event.
         ax.step(xs, [p.device_used / gib for p in self.points], where="post", marker="o", label="device used")
         ax.step(xs, [p.host_rss / gib for p in self.points], where="post", marker="s", label="host RSS")
+        # Pause/resume events are labelled; the per-step readings ("step") only get their markers.
         for p in self.points:
-            ax.annotate(p.phase, (p.seconds, p.device_used / gib), rotation=60, fontsize=7, alpha=0.8)
+            if p.phase != "step":
+                ax.annotate(p.phase, (p.seconds, p.device_used / gib), rotation=60, fontsize=7, alpha=0.8)
         ax.set_xlabel("seconds since start")
         ax.set_ylabel("GiB")
         ax.set_title(self.title)

