@@ -34,10 +34,10 @@ digits, scored by the ``exact`` reward (the response must be the answer and then
     ``What is a + b?``, ``What is a - b?`` (a >= b) and ``What is a times b?`` (a, b >= 2) with
     single-digit operands, asked as chat messages under the system message "Answer with only the
     number." (rendered by the model's chat template). One question in four, by a hash of its text,
-    is held out as the eval split (55 questions). Made for ``--preset smollm2-135m-cpu``:
+    is held out as the eval split (49 questions). Made for ``--preset smollm2-135m-cpu``:
     SmolLM2-135M-Instruct knows most of these sums, but under this system message it mostly
     starts explaining and runs out of its 12-token budget before the number, so its greedy
-    accuracy starts near 0.1 (0.47 with the model's own default system message and 16 tokens):
+    accuracy starts near 0.08 (0.47 with the model's own default system message and 16 tokens):
     room to improve on questions it can answer.
 
 The seed decides the order of the train split (the dataset reshuffles it every epoch from the seed
