@@ -5,6 +5,8 @@ pytest -m gpu tests/gpu/test_engine_gpu.py -s
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from tidal.model import build_model, resolve_model
 from tidal.rollout.embedded import EmbeddedEngine
 from tidal.rollout.generate import teacher_forced_logprobs
 from tidal.rollout.types import Sample, SamplingParams
-from tidal.weight_sync.bucket import pack, plan_buckets
+from tidal.weight_sync.bucket import BucketHeader, pack, plan_buckets
 from tidal.weight_sync.checksum import tensor_checksum
 from tidal.weight_sync.stream import Bucket
 
@@ -35,7 +37,7 @@ def device_used() -> int:
     return total - free
 
 
-def payloads(named: dict[str, torch.Tensor], version: int, limit: int) -> list[dict]:
+def payloads(named: dict[str, torch.Tensor], version: int, limit: int) -> list[BucketHeader]:
     import ray
 
     groups = list(plan_buckets(named.items(), limit))
@@ -43,7 +45,7 @@ def payloads(named: dict[str, torch.Tensor], version: int, limit: int) -> list[d
     for i, group in enumerate(groups):
         data, entries = pack(group)
         b = Bucket(i, "full", entries, data, [n for n, _ in group], last=i == len(groups) - 1, all_names=list(named))
-        out.append({**b.header(version, None, False, {}), "data": ("object", ray.put(data.numpy()))})
+        out.append(dataclasses.replace(b.header(version, None, False, {}), data=("object", ray.put(data.numpy()))))
     return out
 
 

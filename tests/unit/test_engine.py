@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import pytest
@@ -13,7 +14,7 @@ from tidal.model import build_model, resolve_model
 from tidal.rollout.embedded import EmbeddedEngine
 from tidal.rollout.generate import finish_response, teacher_forced_logprobs
 from tidal.rollout.types import Sample, SamplingParams
-from tidal.weight_sync.bucket import pack, plan_buckets
+from tidal.weight_sync.bucket import BucketHeader, pack, plan_buckets
 from tidal.weight_sync.checksum import tensor_checksum
 from tidal.weight_sync.stream import Bucket
 
@@ -134,7 +135,7 @@ def test_chunked_generation_equals_one_batch():
     assert diff < 1e-5
 
 
-def bucket_payloads(named: dict[str, torch.Tensor], version: int, limit: int) -> list[dict]:
+def bucket_payloads(named: dict[str, torch.Tensor], version: int, limit: int) -> list[BucketHeader]:
     """The colocated transport's messages for a full sync, buckets of at most ``limit`` bytes."""
     import ray
 
@@ -143,7 +144,7 @@ def bucket_payloads(named: dict[str, torch.Tensor], version: int, limit: int) ->
     for i, group in enumerate(groups):
         data, entries = pack(group)
         b = Bucket(i, "full", entries, data, [n for n, _ in group], last=i == len(groups) - 1, all_names=list(named))
-        payloads.append({**b.header(version, None, False, {}), "data": ("object", ray.put(data.numpy()))})
+        payloads.append(dataclasses.replace(b.header(version, None, False, {}), data=("object", ray.put(data.numpy()))))
     return payloads
 
 

@@ -16,9 +16,9 @@ protocol) are interchangeable. The calls are named as SGLang names its endpoints
     get_weight_version() / flush_cache() / pause_generation() / continue_generation()
     health()                                     -> EngineHealth (the driver's liveness probe)
 
-Results are the dataclasses below, never free-form dicts. A weight bucket (``BucketHeader``) is the
-message ``tidal.weight_sync.stream`` builds: its entries, checksum and flags (plus, for the tensor
-transport, where its bytes are).
+Results are the dataclasses below, never free-form dicts. A weight bucket's header (``BucketHeader``, a
+dataclass in ``tidal.weight_sync.bucket``) is the message ``tidal.weight_sync.stream`` builds: its
+entries, checksum and flags (plus, for the tensor transport, where its bytes are).
 
 Residency is an explicit state machine (AWAKE / WEIGHTS_ONLY / ASLEEP, ``tidal.memory.residency``):
 generating while any memory is released, or syncing into released weights, raises a clear error.
@@ -32,11 +32,9 @@ from dataclasses import dataclass, field
 
 from tidal.memory.base import MemoryFigures
 from tidal.rollout.types import Sample, SamplingParams
+from tidal.weight_sync.bucket import BucketHeader  # the weight-bucket message (``Bucket.header`` builds it)
 
 TAGS = ("weights", "kv_cache")
-
-# A weight bucket's header as ``tidal.weight_sync.stream.Bucket.header`` builds it (JSON-safe values).
-BucketHeader = dict[str, object]
 
 
 @dataclass

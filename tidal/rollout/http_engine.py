@@ -369,9 +369,9 @@ class HttpEngineActor(RolloutEngine):
 
         buf = bucket_buffer(bucket)
         got = buffer_checksum(buf)
-        if got != bucket["checksum"]:
+        if got != bucket.checksum:
             raise WeightSyncError(
-                f"weight sync v{version}: bucket {bucket['index']} checksum mismatch ({got} != {bucket['checksum']}) on its way to {self.address}; nothing applied"
+                f"weight sync v{version}: bucket {bucket.index} checksum mismatch ({got} != {bucket.checksum}) on its way to {self.address}; nothing applied"
             )
         if buf.device.type == "cpu":
             # Into shared memory once, so the server maps the tensors instead of receiving their bytes.
@@ -382,17 +382,17 @@ class HttpEngineActor(RolloutEngine):
             # torch refuses to pass on CUDA memory it received over IPC: one device copy of the bucket,
             # which this actor owns and shares with the server (kept alive until the server answered).
             buf = buf.clone()
-        entries = list(bucket["entries"])
+        entries = list(bucket.entries)
         named = [(e["name"], entry_view(buf, e)) for e in entries]
         if not named:
-            return self._version_only(version, bool(bucket["last"]))
+            return self._version_only(version, bool(bucket.last))
         body = {
             "serialized_named_tensors": [serialize_named_tensors(named)],
             "load_format": None,
-            "flush_cache": bool(bucket["last"]),
+            "flush_cache": bool(bucket.last),
             "checksums": {name: tensor_checksum(t) for name, t in named},
         }
-        return self._update("/update_weights_from_tensor", body, version, bool(bucket["last"]), buf.numel())
+        return self._update("/update_weights_from_tensor", body, version, bool(bucket.last), buf.numel())
 
     def init_weights_update_group(
         self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str
@@ -412,20 +412,20 @@ class HttpEngineActor(RolloutEngine):
             )
 
     def update_weights_from_distributed(self, bucket: BucketHeader, version: int) -> WeightUpdateResult:
-        entries = list(bucket["entries"])
+        entries = list(bucket.entries)
         if not entries:
-            return self._version_only(version, bool(bucket["last"]))
+            return self._version_only(version, bool(bucket.last))
         body = {
             "names": [e["name"] for e in entries],
             "dtypes": [e["dtype"] for e in entries],
             "shapes": [list(e["shape"]) for e in entries],
             "group_name": SGLANG_GROUP,
             "load_format": "flattened_bucket",
-            "flush_cache": bool(bucket["last"]),
-            "checksums": bucket.get("tensor_checksums"),
+            "flush_cache": bool(bucket.last),
+            "checksums": bucket.tensor_checksums,
         }
         nbytes = sum(int(e["nbytes"]) for e in entries)
-        return self._update("/update_weights_from_distributed", body, version, bool(bucket["last"]), nbytes)
+        return self._update("/update_weights_from_distributed", body, version, bool(bucket.last), nbytes)
 
     def pull_weights(self, source_dir: str, local_checkpoint_dir: str | None = None, target_version=None):
         """slime's ``POST /pull_weights`` (delta over disk): the server brings its local checkpoint to

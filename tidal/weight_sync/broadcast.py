@@ -11,10 +11,13 @@ the tensors' bytes back to back, with each tensor's checksum in the header (``te
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import ray
 import torch
 
 from tidal.errors import ConfigError
+from tidal.weight_sync.bucket import BucketHeader
 from tidal.weight_sync.checksum import checksum_bytes
 from tidal.weight_sync.group import broadcast, make_group, master_store, sglang_group
 from tidal.weight_sync.stream import Bucket, StreamingStrategy
@@ -54,14 +57,14 @@ class BroadcastStrategy(StreamingStrategy):
     def _pack_device(self) -> str:
         return "cuda" if self.backend == "nccl" else "cpu"
 
-    def _send(self, bucket: Bucket, header: dict, attempt: int) -> list:
+    def _send(self, bucket: Bucket, header: BucketHeader, attempt: int) -> list:
         if self.pg is None:
             self.connect()
         data = bucket.data
         if self.sglang:
-            header = {**header, "tensor_checksums": entry_checksums(data, header["entries"])}
-            data = compact(data, header["entries"])
-        refs = [e.update_weights_from_distributed.remote(header, header["version"]) for e in self.engines]
+            header = replace(header, tensor_checksums=entry_checksums(data, header.entries))
+            data = compact(data, header.entries)
+        refs = [e.update_weights_from_distributed.remote(header, header.version) for e in self.engines]
         if self.backend == "nccl" and data.device.type != "cuda":
             data = data.cuda()
         if data.numel():

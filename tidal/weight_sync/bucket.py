@@ -23,12 +23,38 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from tidal.dtypes import dtype_name, dtype_of
 from tidal.weight_sync.checksum import checksum_bytes
+
+
+@dataclass
+class BucketHeader:
+    """One bucket's header, the message every transport sends with (or ahead of) the bucket's bytes.
+
+    It travels between processes through Ray only; an HTTP engine turns it into SGLang's request
+    bodies at its edge (``tidal.rollout.http_engine``)."""
+
+    version: int  # the version this bucket belongs to
+    index: int  # its position in the sync
+    mode: str  # "full" (raw bytes) or "delta" (encoded against ``base_version``)
+    entries: list[dict]  # one per tensor (see the module docstring)
+    nbytes: int  # the flat buffer's length
+    checksum: str  # ``buffer_checksum`` of the flat buffer
+    keep_snapshot: bool  # the receiver keeps a host copy as the base of the next delta
+    last: bool  # the last bucket of the version: the receiver completes the version
+    all_names: list[str] = field(default_factory=list)  # on the last bucket: every weight of the version
+    base_version: int | None = None  # delta mode: the version the deltas apply to
+    encoding: str | None = None  # the delta encoding, compression and checksum algorithm of the sync
+    compression: str | None = None
+    checksum_format: str | None = None
+    tensor_checksums: dict[str, str] | None = None  # broadcast to an SGLang server: xxh3-128 per tensor
+    data: tuple | None = None  # tensor transport: ("cuda_ipc", rebuild, args) or ("object", ref)
+
 
 ALIGN = 64
 

@@ -35,7 +35,7 @@ import torch
 
 from tidal.errors import WeightSyncError
 from tidal.weight_sync import delta as codec
-from tidal.weight_sync.bucket import buffer_checksum, dtype_of, entry_view
+from tidal.weight_sync.bucket import BucketHeader, buffer_checksum, dtype_of, entry_view
 
 
 class WeightReceiver:
@@ -58,16 +58,16 @@ class WeightReceiver:
 
         self.pg, self.store = make_group(None, master_addr, master_port, rank, world_size, backend)
 
-    def from_tensor(self, payload: dict) -> dict:
+    def from_tensor(self, payload: BucketHeader) -> dict:
         return self.apply_bucket(payload, bucket_buffer(payload))
 
-    def from_distributed(self, meta: dict) -> dict:
+    def from_distributed(self, meta: BucketHeader) -> dict:
         if self.pg is None:
             raise WeightSyncError("update_weights_from_distributed before init_weights_update_group")
         from tidal.weight_sync.group import broadcast
 
         on_device = self.device.type == "cuda" and type(self.pg).__name__ == "ProcessGroupNCCL"
-        buf = torch.empty(meta["nbytes"], dtype=torch.uint8, device=self.device if on_device else "cpu")
+        buf = torch.empty(meta.nbytes, dtype=torch.uint8, device=self.device if on_device else "cpu")
         broadcast(self.pg, buf)
         return self.apply_bucket(meta, buf)
 
@@ -85,33 +85,33 @@ class WeightReceiver:
 
     # ------------------------------------------------------------------ applying
 
-    def apply_bucket(self, header: dict, buf: torch.Tensor) -> dict:
+    def apply_bucket(self, header: BucketHeader, buf: torch.Tensor) -> dict:
         t0 = time.perf_counter()
-        version = header["version"]
+        version = header.version
         if self._loading_version != version:
             self._loaded = set()
             self._loading_version = version
         got = buffer_checksum(buf)
-        if got != header["checksum"]:
+        if got != header.checksum:
             raise WeightSyncError(
-                f"weight sync v{version}: bucket {header['index']} checksum mismatch ({got} != {header['checksum']}); nothing applied"
+                f"weight sync v{version}: bucket {header.index} checksum mismatch ({got} != {header.checksum}); nothing applied"
             )
-        entries = header["entries"]
-        if header["mode"] == "full":
+        entries = header.entries
+        if header.mode == "full":
             pairs = [(e["name"], entry_view(buf, e)) for e in entries]
             self.load(pairs)
-            if header["keep_snapshot"]:
+            if header.keep_snapshot:
                 for name, t in pairs:
                     self._remember(name, t)
         else:
             self._apply_delta(header, buf)
         nbytes = sum(e["nbytes"] for e in entries)
-        if header["last"]:
+        if header.last:
             self._finish(header)
         return {
             "apply_s": time.perf_counter() - t0,
             "bytes": nbytes,
-            "complete": bool(header["last"]),
+            "complete": bool(header.last),
             "version": version,
         }
 
@@ -138,18 +138,18 @@ class WeightReceiver:
         arr, dtype, shape = self.snapshot[name]
         return torch.from_numpy(arr).view(dtype_of(dtype)).view(shape)
 
-    def _apply_delta(self, header: dict, buf: torch.Tensor) -> None:
-        base = header["base_version"]
+    def _apply_delta(self, header: BucketHeader, buf: torch.Tensor) -> None:
+        base = header.base_version
         if self.snapshot_version != base:
             raise WeightSyncError(
-                f"weight sync v{header['version']}: delta against v{base} but this engine's snapshot is v{self.snapshot_version}"
+                f"weight sync v{header.version}: delta against v{base} but this engine's snapshot is v{self.snapshot_version}"
             )
         host = buf if buf.device.type == "cpu" else buf.cpu()
         raw = host.numpy()
-        entries = header["entries"]
+        entries = header.entries
         for e in entries:
             if e["name"] not in self.snapshot:
-                raise WeightSyncError(f"weight sync v{header['version']}: delta for {e['name']} but no base for it")
+                raise WeightSyncError(f"weight sync v{header.version}: delta for {e['name']} but no base for it")
         items = [
             (
                 self.snapshot[e["name"]][0],
@@ -159,9 +159,9 @@ class WeightReceiver:
             )
             for e in entries
         ]
-        algo = header["checksum_format"]
+        algo = header.checksum_format
         try:
-            sums = codec.apply_many(items, header["encoding"], header["compression"], algo)
+            sums = codec.apply_many(items, header.encoding, header.compression, algo)
         except Exception:
             # Snapshots of this bucket may be half-written: forget them so only a full re-send restores them.
             for e in entries:
@@ -172,41 +172,43 @@ class WeightReceiver:
             for name in bad:
                 del self.snapshot[name]
             raise WeightSyncError(
-                f"weight sync v{header['version']}: {len(bad)} tensors do not match their checksums after applying the delta, e.g. {bad[:3]}"
+                f"weight sync v{header.version}: {len(bad)} tensors do not match their checksums after applying the delta, e.g. {bad[:3]}"
             )
         self.load([(e["name"], self.snapshot_tensor(e["name"])) for e in entries])
 
-    def _finish(self, header: dict) -> None:
-        names = header["all_names"]
-        if header["keep_snapshot"]:
+    def _finish(self, header: BucketHeader) -> None:
+        names = header.all_names
+        if header.keep_snapshot:
             rest = [n for n in names if n not in self._loaded]
             missing = [n for n in rest if n not in self.snapshot]
             if missing:
                 raise WeightSyncError(
-                    f"weight sync v{header['version']}: no snapshot for {missing[:3]} (of {len(missing)})"
+                    f"weight sync v{header.version}: no snapshot for {missing[:3]} (of {len(missing)})"
                 )
             # Unchanged weights: the engine may have discarded them while asleep, so load them again.
             self.load([(n, self.snapshot_tensor(n)) for n in rest])
-            self.snapshot_version = header["version"]
+            self.snapshot_version = header.version
         missing = [n for n in names if n not in self._loaded]
         if missing:
             raise WeightSyncError(
-                f"weight sync v{header['version']}: {len(missing)} weights never arrived, e.g. {missing[:3]}"
+                f"weight sync v{header.version}: {len(missing)} weights never arrived, e.g. {missing[:3]}"
             )
         self._loaded = set()
         self._loading_version = None
 
 
-def bucket_buffer(payload: dict) -> torch.Tensor:
+def bucket_buffer(payload: BucketHeader) -> torch.Tensor:
     """The flat bytes of a tensor-transport bucket: a CUDA IPC handle mapped, or the object-store array."""
-    kind = payload["data"][0]
+    if payload.data is None:
+        raise WeightSyncError(f"weight sync v{payload.version}: bucket {payload.index} carries no tensor payload")
+    kind = payload.data[0]
     if kind == "cuda_ipc":
-        _, rebuild, args = payload["data"]
+        _, rebuild, args = payload.data
         return rebuild(*args)
     if kind == "object":
         import ray
 
-        arr = ray.get(payload["data"][1])
+        arr = ray.get(payload.data[1])
         with warnings.catch_warnings():
             # The object store maps the bucket read-only; it is only ever read here.
             warnings.simplefilter("ignore", UserWarning)

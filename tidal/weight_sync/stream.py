@@ -42,6 +42,7 @@ from tidal.weight_sync import packs_on_device
 from tidal.weight_sync.base import NamedTensors, SyncReport, WeightSyncStrategy
 from tidal.weight_sync.bucket import (
     ALIGN,
+    BucketHeader,
     align,
     as_numpy_u8,
     buffer_checksum,
@@ -119,26 +120,27 @@ class Bucket:
     last: bool = False
     all_names: list[str] = field(default_factory=list)
 
-    def header(self, version: int, base_version: int | None, keep_snapshot: bool, encoding: dict) -> dict:
-        return {
-            "version": version,
-            "base_version": base_version,
-            "index": self.index,
-            "mode": self.mode,
-            "entries": self.entries,
-            "nbytes": self.data.numel(),
-            "checksum": buffer_checksum(self.data),
-            "keep_snapshot": keep_snapshot,
-            "last": self.last,
-            "all_names": self.all_names if self.last else [],
+    def header(self, version: int, base_version: int | None, keep_snapshot: bool, encoding: dict) -> BucketHeader:
+        """``encoding``: the sync's ``encoding``, ``compression`` and ``checksum_format`` (empty for full syncs)."""
+        return BucketHeader(
+            version=version,
+            base_version=base_version,
+            index=self.index,
+            mode=self.mode,
+            entries=self.entries,
+            nbytes=self.data.numel(),
+            checksum=buffer_checksum(self.data),
+            keep_snapshot=keep_snapshot,
+            last=self.last,
+            all_names=self.all_names if self.last else [],
             **encoding,
-        }
+        )
 
 
 @dataclass
 class InFlight:
     bucket: Bucket
-    header: dict
+    header: BucketHeader
     refs: list
     attempt: int
     t0: float
@@ -181,7 +183,7 @@ class StreamingStrategy(WeightSyncStrategy):
         return packs_on_device(self.cfg, self.device)
 
     @abc.abstractmethod
-    def _send(self, bucket: Bucket, header: dict, attempt: int) -> list:
+    def _send(self, bucket: Bucket, header: BucketHeader, attempt: int) -> list:
         """Start delivering one bucket to every engine; return the engines' result refs (``WeightUpdateResult``)."""
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -360,7 +362,7 @@ class StreamingStrategy(WeightSyncStrategy):
             apply_s = max((s.apply_s for s in stats), default=0.0)
             report.apply_s += apply_s
             report.send_s += max(time.perf_counter() - t0 - apply_s, 0.0)
-            report.bytes_sent += f.header["nbytes"] if f.bucket.entries else 0
+            report.bytes_sent += f.header.nbytes if f.bucket.entries else 0
             return stats
 
     def _drain(self, version: int, delta: bool, report: SyncReport, keep: int = 0) -> None:

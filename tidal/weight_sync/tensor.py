@@ -9,14 +9,17 @@ On CPU (and for delta buckets, which are small host buffers), the bucket goes in
 store once as a numpy array; every engine on the node maps it zero-copy (``ray.get`` of a numpy
 array does not copy) and reads it straight into its parameters.
 
-Payload (``engine.update_weights_from_tensor(payload, version)``): the bucket header (see
-``stream.Bucket.header``) plus ``data``: ``("object", ObjectRef)`` or ``("cuda_ipc", rebuild, args)``.
+Payload (``engine.update_weights_from_tensor(payload, version)``): the bucket's
+``BucketHeader`` (``stream.Bucket.header``) with ``data``: ``("object", ObjectRef)`` or ``("cuda_ipc", rebuild, args)``.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import ray
 
+from tidal.weight_sync.bucket import BucketHeader
 from tidal.weight_sync.stream import Bucket, StreamingStrategy
 
 
@@ -31,16 +34,16 @@ class TensorStrategy(StreamingStrategy):
     def _pack_device(self) -> str:
         return "cuda" if self.device == "cuda" else "cpu"
 
-    def _send(self, bucket: Bucket, header: dict, attempt: int) -> list:
+    def _send(self, bucket: Bucket, header: BucketHeader, attempt: int) -> list:
         data = bucket.data
         if data.device.type == "cuda":
             from torch.multiprocessing.reductions import reduce_tensor
 
             rebuild, args = reduce_tensor(data)
-            payload = {**header, "data": ("cuda_ipc", rebuild, args)}
+            payload = replace(header, data=("cuda_ipc", rebuild, args))
         else:
             ref = ray.put(data.numpy())
-            payload = {**header, "data": ("object", ref)}
-        refs = [e.update_weights_from_tensor.remote(payload, header["version"]) for e in self.engines]
+            payload = replace(header, data=("object", ref))
+        refs = [e.update_weights_from_tensor.remote(payload, header.version) for e in self.engines]
         # The bucket (device buffer or object) stays referenced by the in-flight record until every engine acknowledged.
         return refs
