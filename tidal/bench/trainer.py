@@ -120,12 +120,7 @@ def _profiled(fn, device: str):
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    from safetensors.torch import save_file
-
-    from tidal.config.schema import AlgorithmConfig, MemoryConfig, ModelConfig, TrainerConfig, WeightSyncConfig
-    from tidal.trainer.actor import TrainerActor
-
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -141,9 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--profile", action="store_true", help="print a torch.profiler table of the measured train call to stderr"
     )
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    actor = TrainerActor(
+
+def _trainer(args: argparse.Namespace):
+    from tidal.config.schema import AlgorithmConfig, MemoryConfig, ModelConfig, TrainerConfig, WeightSyncConfig
+    from tidal.trainer.actor import TrainerActor
+
+    return TrainerActor(
         0,
         1,
         "127.0.0.1",
@@ -157,6 +157,26 @@ def main(argv: list[str] | None = None) -> int:
         weight_sync=WeightSyncConfig(),
         device=args.device,
     )
+
+
+def _save_figures(actor) -> tuple[dict, float, float]:
+    """A checkpoint save's stats and time, and the time of writing as many bytes as one safetensors file."""
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as d:
+        t = time.perf_counter()
+        s = actor.save(os.path.join(d, "ckpt"), {"rollout_id": 1})
+        save_s = time.perf_counter() - t
+        flat = {f"t{i}": torch.ones(max(1, s["checkpoint/bytes"] // 4 // 8), dtype=torch.float32) for i in range(8)}
+        t = time.perf_counter()
+        save_file(flat, os.path.join(d, "limit.safetensors"))
+        write_s = time.perf_counter() - t
+    return s, save_s, write_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    actor = _trainer(args)
     info = actor.init()
     vocab = actor.model.config.vocab_size
     samples = _samples(args.samples, args.prompt_len, args.response_len, vocab)
@@ -170,14 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = actor.pause().metrics
     kept = p["memory/trainer_pause/weights/backup_bytes"] + p["memory/trainer_pause/optimizer/backup_bytes"]
-    with tempfile.TemporaryDirectory() as d:
-        t = time.perf_counter()
-        s = actor.save(os.path.join(d, "ckpt"), {"rollout_id": 1})
-        save_s = time.perf_counter() - t
-        flat = {f"t{i}": torch.ones(max(1, s["checkpoint/bytes"] // 4 // 8), dtype=torch.float32) for i in range(8)}
-        t = time.perf_counter()
-        save_file(flat, os.path.join(d, "limit.safetensors"))
-        write_s = time.perf_counter() - t
+    s, save_s, write_s = _save_figures(actor)
     r = actor.resume().metrics
     row = {
         "model": args.model,
