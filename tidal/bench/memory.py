@@ -122,6 +122,64 @@ def _warm_up(device: torch.device) -> None:
         p.add_(1.0)
 
 
+def _trainer_state(trainer, device: torch.device, sizes: list[int]):
+    """Trainer-like state: 16 bytes per parameter (weights, grads, exp_avg, exp_avg_sq), all fp32, registered."""
+    with trainer.region(S.WEIGHTS):
+        params = [torch.nn.Parameter(torch.randn(n, device=device) * 0.02) for n in sizes]
+    with trainer.region(S.GRADS):
+        for p in params:
+            p.grad = torch.randn(p.numel(), device=device) * 1e-3
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+    with trainer.region(S.OPTIMIZER):
+        opt.step()  # creates exp_avg / exp_avg_sq (and step) inside the optimizer's region
+
+    def opt_state() -> list[torch.Tensor]:
+        return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+    trainer.register(S.WEIGHTS, lambda: params)
+    trainer.register(S.OPTIMIZER, opt_state)
+    trainer.register(S.GRADS, lambda: [p.grad for p in params])
+    return params, opt_state
+
+
+def _engine_state(engine, device: torch.device, sizes: list[int]) -> list[torch.Tensor]:
+    """Engine-like state: weights and KV cache, as large as the trainer's weights each; discarded."""
+    with engine.region(S.WEIGHTS):
+        e_weights = [torch.empty(n, device=device).fill_(1.0) for n in sizes]
+    with engine.region(S.KV_CACHE):
+        kv = [torch.empty(n, device=device).fill_(0.0) for n in sizes]
+    engine.register(S.WEIGHTS, lambda: e_weights)
+    engine.register(S.KV_CACHE, lambda: kv)
+    return [*e_weights, *kv]
+
+
+def _cycles(trainer, engine, device, params, backed, cycles: int, rss0: int, dev0: int):
+    """``cycles`` rounds of engine release, trainer pause, resume, engine resume: timings, memory while
+    paused and whether the backed-up contents came back intact (a small update between rounds)."""
+    with trainer.unmanaged():
+        marks = fingerprint(backed)
+    rec: dict[str, list] = {k: [] for k in ("pause_s", "resume_s", "engine_release_s", "engine_resume_s")}
+    rss_growth, dev_left, intact = [], [], True
+    for _ in range(cycles):
+        rec["engine_release_s"].append(engine.pause(ENGINE).seconds)
+        rec["pause_s"].append(trainer.pause(TRAINER).seconds)
+        gc.collect()
+        rss_growth.append(host_rss_bytes() - rss0)
+        if device.type == "cuda":
+            dev_left.append(device_used_bytes(device) - dev0)
+        else:
+            dev_left.append(trainer.resident_bytes() + engine.resident_bytes())
+        rec["resume_s"].append(trainer.resume(TRAINER).seconds)
+        with trainer.unmanaged():
+            intact = intact and fingerprint(backed) == marks
+            with torch.no_grad():  # a "train step": the next pause backs up new bytes
+                for p in params:
+                    p.add_(1e-3)
+            marks = fingerprint(backed)
+        rec["engine_resume_s"].append(engine.resume(list(reversed(ENGINE))).seconds)
+    return rec, rss_growth, dev_left, intact
+
+
 def run_policy(args: argparse.Namespace, policy: str) -> dict:
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
@@ -144,62 +202,20 @@ def run_policy(args: argparse.Namespace, policy: str) -> dict:
     rss0 = host_rss_bytes()
     dev0 = device_used_bytes(device) if device.type == "cuda" else 0
 
-    # Trainer-like state: 16 bytes per parameter (weights, grads, exp_avg, exp_avg_sq), all fp32.
     sizes = _tensor_sizes(total // 4, 4)
-    with trainer.region(S.WEIGHTS):
-        params = [torch.nn.Parameter(torch.randn(n, device=device) * 0.02) for n in sizes]
-    with trainer.region(S.GRADS):
-        for p in params:
-            p.grad = torch.randn(p.numel(), device=device) * 1e-3
-    opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
-    with trainer.region(S.OPTIMIZER):
-        opt.step()  # creates exp_avg / exp_avg_sq (and step) inside the optimizer's region
-
-    def opt_state() -> list[torch.Tensor]:
-        return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-
-    trainer.register(S.WEIGHTS, lambda: params)
-    trainer.register(S.OPTIMIZER, opt_state)
-    trainer.register(S.GRADS, lambda: [p.grad for p in params])
-
-    # Engine-like state: weights and KV cache, as large as the trainer's weights each; discarded.
-    with engine.region(S.WEIGHTS):
-        e_weights = [torch.empty(n, device=device).fill_(1.0) for n in sizes]
-    with engine.region(S.KV_CACHE):
-        kv = [torch.empty(n, device=device).fill_(0.0) for n in sizes]
-    engine.register(S.WEIGHTS, lambda: e_weights)
-    engine.register(S.KV_CACHE, lambda: kv)
+    params, opt_state = _trainer_state(trainer, device, sizes)
+    engine_tensors = _engine_state(engine, device, sizes)
     _sync(device)
 
     backed = [*params, *[t for t in opt_state() if t.numel() > 1]]
-    with trainer.unmanaged():
-        marks = fingerprint(backed)
     weight_bytes = sum(t.untyped_storage().nbytes() for t in params)
     backup_bytes = weight_bytes + sum(t.untyped_storage().nbytes() for t in opt_state())
     # Under the disk policy only the weights stay on the host; optimizer state goes to files.
     host_backup_bytes = weight_bytes if policy == "disk" else backup_bytes
     grad_bytes = sum(p.grad.untyped_storage().nbytes() for p in params)
-    engine_bytes = sum(t.untyped_storage().nbytes() for t in [*e_weights, *kv])
+    engine_bytes = sum(t.untyped_storage().nbytes() for t in engine_tensors)
 
-    rec: dict[str, list] = {k: [] for k in ("pause_s", "resume_s", "engine_release_s", "engine_resume_s")}
-    rss_growth, dev_left, intact = [], [], True
-    for _ in range(args.cycles):
-        rec["engine_release_s"].append(engine.pause(ENGINE).seconds)
-        rec["pause_s"].append(trainer.pause(TRAINER).seconds)
-        gc.collect()
-        rss_growth.append(host_rss_bytes() - rss0)
-        if device.type == "cuda":
-            dev_left.append(device_used_bytes(device) - dev0)
-        else:
-            dev_left.append(trainer.resident_bytes() + engine.resident_bytes())
-        rec["resume_s"].append(trainer.resume(TRAINER).seconds)
-        with trainer.unmanaged():
-            intact = intact and fingerprint(backed) == marks
-            with torch.no_grad():  # a "train step": the next pause backs up new bytes
-                for p in params:
-                    p.add_(1e-3)
-            marks = fingerprint(backed)
-        rec["engine_resume_s"].append(engine.resume(list(reversed(ENGINE))).seconds)
+    rec, rss_growth, dev_left, intact = _cycles(trainer, engine, device, params, backed, args.cycles, rss0, dev0)
     trainer.close()
     engine.close()
 
