@@ -114,7 +114,8 @@ def build_app(state: ServerState) -> FastAPI:
     _error_handlers(app)
     _generate_routes(app, state)
     _memory_routes(app, state)
-    _weight_routes(app, state)
+    _weight_update_routes(app, state)
+    _weight_read_routes(app, state)
     _group_routes(app, state)
     from tidal.serve.openai_api import add_openai_routes
 
@@ -268,7 +269,8 @@ async def _apply(state: ServerState, fn, version, what: str):
     return _ok(msg, num_paused_requests=0)
 
 
-def _weight_routes(app: FastAPI, state: ServerState) -> None:
+def _weight_update_routes(app: FastAPI, state: ServerState) -> None:
+    """The endpoints that change the served weights or their version: from a folder, from tensors, pulled."""
     from tidal.serve import weights as w
 
     @app.post("/update_weights_from_disk")
@@ -295,32 +297,6 @@ def _weight_routes(app: FastAPI, state: ServerState) -> None:
             return state.applier.apply(pairs, req.checksums, req.tidal_checksum)
 
         return await _apply(state, run, req.weight_version, "update_weights_from_tensor")
-
-    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
-    async def get_weights_by_name(req: GetWeightsByNameReqInput):
-        p = state.applier.params.get(req.name)
-        if p is None:
-            raise UserError(f"weight {req.name!r} is not a parameter of the served model")
-
-        def read():
-            state.engine.residency.require_sync()
-            return p.detach()[: req.truncate_size].float().cpu().tolist()
-
-        return await state.worker.call(read)
-
-    @app.get("/weight_checksums")
-    async def weight_checksums():
-        """tidal extension: name -> xxh3-128 of each parameter's bytes (tied weights once)."""
-        return {
-            "weight_version": state.weight_version,
-            "checksums": await state.worker.call(state.engine.weight_checksums),
-        }
-
-    @app.post("/randomize_weights")
-    async def randomize_weights(req: RandomizeWeightsReqInput):
-        """tidal extension (``--check-weight-update-equal``): seeded noise in every weight; a missed tensor shows."""
-        await state.worker.call(lambda: state.engine.randomize_weights(req.seed))
-        return _ok(f"weights randomized with seed {req.seed}")
 
     @app.post("/update_weight_version")
     async def update_weight_version(req: UpdateWeightVersionReqInput):
@@ -352,6 +328,36 @@ def _weight_routes(app: FastAPI, state: ServerState) -> None:
         except (UserError, WeightSyncError, ResidencyError) as e:
             return _fail(e)
         return _ok(getattr(result, "message", f"pulled version {target}"), version=getattr(result, "version", target))
+
+
+def _weight_read_routes(app: FastAPI, state: ServerState) -> None:
+    """The endpoints that read or perturb the served weights in place: by name, checksums, seeded noise."""
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(req: GetWeightsByNameReqInput):
+        p = state.applier.params.get(req.name)
+        if p is None:
+            raise UserError(f"weight {req.name!r} is not a parameter of the served model")
+
+        def read():
+            state.engine.residency.require_sync()
+            return p.detach()[: req.truncate_size].float().cpu().tolist()
+
+        return await state.worker.call(read)
+
+    @app.get("/weight_checksums")
+    async def weight_checksums():
+        """tidal extension: name -> xxh3-128 of each parameter's bytes (tied weights once)."""
+        return {
+            "weight_version": state.weight_version,
+            "checksums": await state.worker.call(state.engine.weight_checksums),
+        }
+
+    @app.post("/randomize_weights")
+    async def randomize_weights(req: RandomizeWeightsReqInput):
+        """tidal extension (``--check-weight-update-equal``): seeded noise in every weight; a missed tensor shows."""
+        await state.worker.call(lambda: state.engine.randomize_weights(req.seed))
+        return _ok(f"weights randomized with seed {req.seed}")
 
 
 def _group_routes(app: FastAPI, state: ServerState) -> None:
