@@ -119,21 +119,7 @@ class TrainerActor(Trainer):
         from tidal.model.load import build_model, load_tokenizer, resolve_model
 
         t0 = time.perf_counter()
-        if self.device_type == "cuda":
-            index = int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count())
-            torch.cuda.set_device(index)
-            self.device = torch.device("cuda", index)
-        else:
-            self.device = torch.device("cpu")
-        self.groups = TrainerGroups(
-            self.rank,
-            self.world_size,
-            self.master_addr,
-            self.master_port,
-            device=self.device_type,
-            separate_compute_group=self.release_groups,
-            timeout_min=self.cfg.dist_timeout_min,
-        )
+        self._place()
         self.spec = resolve_model(self.model_cfg.model, self.model_cfg.tokenizer, self.model_cfg.trust_remote_code)
         self.model_path = self.spec.path
         tok = load_tokenizer(self.spec)
@@ -164,20 +150,7 @@ class TrainerActor(Trainer):
             self.custom_correction = load_custom_correction(self.algo.custom_tis_function_path)
 
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params,
-            lr=self.cfg.lr,
-            betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
-            eps=self.cfg.adam_eps,
-            weight_decay=self.cfg.weight_decay,
-        )
-        self.schedule = LRSchedule(
-            lr=self.cfg.lr,
-            min_lr=self.cfg.min_lr,
-            warmup_steps=self.cfg.lr_warmup_steps,
-            decay_style=self.cfg.lr_decay_style,
-            total_steps=self.total_steps,
-        )
+        self._optimizer_and_schedule()
         self.memory.register(StateClass.WEIGHTS, self._weight_tensors)
         self.memory.register(StateClass.OPTIMIZER, self._optimizer_tensors)
         self.memory.register(StateClass.GRADS, self._grad_tensors)
@@ -198,6 +171,41 @@ class TrainerActor(Trainer):
             "critic_params": sum(p.numel() for p in self.critic.model.parameters()) if self.critic else 0,
             "init_s": time.perf_counter() - t0,
         }
+
+    def _place(self) -> None:
+        """This rank's device (CUDA: LOCAL_RANK's) and its process groups."""
+        if self.device_type == "cuda":
+            index = int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count())
+            torch.cuda.set_device(index)
+            self.device = torch.device("cuda", index)
+        else:
+            self.device = torch.device("cpu")
+        self.groups = TrainerGroups(
+            self.rank,
+            self.world_size,
+            self.master_addr,
+            self.master_port,
+            device=self.device_type,
+            separate_compute_group=self.release_groups,
+            timeout_min=self.cfg.dist_timeout_min,
+        )
+
+    def _optimizer_and_schedule(self) -> None:
+        """AdamW over the trainable parameters and the learning-rate schedule."""
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=self.cfg.lr,
+            betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
+            eps=self.cfg.adam_eps,
+            weight_decay=self.cfg.weight_decay,
+        )
+        self.schedule = LRSchedule(
+            lr=self.cfg.lr,
+            min_lr=self.cfg.min_lr,
+            warmup_steps=self.cfg.lr_warmup_steps,
+            decay_style=self.cfg.lr_decay_style,
+            total_steps=self.total_steps,
+        )
 
     def _build_sharded(self, build_model, *, trainable: bool) -> torch.nn.Module:
         """Build on the host from the shared seed, then shard: every decoder layer, then the root."""
