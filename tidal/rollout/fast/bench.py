@@ -39,6 +39,7 @@ import functools
 import json
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -162,6 +163,57 @@ def _line(case: str, args, dec: FastDecoder, res, seconds: float, peak: int, hf_
     return line
 
 
+@dataclass
+class _Run:
+    """What every case shares: the flags, the model and its batch, and the lines printed so far."""
+
+    args: argparse.Namespace
+    device: torch.device
+    dtype: torch.dtype
+    model: torch.nn.Module
+    prompts: list[list[int]]
+    eos: int = 2  # the char tokenizer's EOS; with random weights it is as likely as any other token
+    pad: int = 0
+    lines: list[dict] = field(default_factory=list)
+
+    def emit(self, line: dict) -> None:
+        self.lines.append(line)
+        print(json.dumps(line), flush=True)
+
+    def decoder(self, **kw) -> FastDecoder:
+        args = self.args
+        opts = dict(
+            max_batch=len(self.prompts),
+            max_seq_len=args.prompt_len + max(args.new_tokens, args.varlen_max),
+            mem_fraction=args.mem_fraction,
+            pad_id=self.pad,
+            kv_block=args.kv_block,
+        )
+        opts.update(kw)
+        return FastDecoder(self.model, **opts)
+
+    def empty_cache(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _environment(run: _Run) -> dict:
+    import transformers
+
+    device = run.device
+    return {
+        "case": "environment",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "gpu_total_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0,
+        "weights_bytes": sum(p.numel() * p.element_size() for p in run.model.parameters()),
+        "rows": len(run.prompts),
+    }
+
+
 def run_cases(args: argparse.Namespace) -> list[dict]:
     """Every case, one dict per JSON line (printed as they finish)."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -171,45 +223,13 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
     model.requires_grad_(False)
     vocab = model.config.get_text_config().vocab_size
     prompts = make_prompts(args.prompts, args.samples, args.prompt_len, vocab, args.seed)
-    eos = 2  # the char tokenizer's EOS; with random weights it is as likely as any other token
-    pad = 0
-    lines: list[dict] = []
-
-    def emit(line: dict) -> None:
-        lines.append(line)
-        print(json.dumps(line), flush=True)
-
-    import transformers
-
-    emit(
-        {
-            "case": "environment",
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "cuda": torch.version.cuda,
-            "device": str(device),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "gpu_total_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0,
-            "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "rows": len(prompts),
-        }
-    )
-
-    def decoder(**kw) -> FastDecoder:
-        opts = dict(
-            max_batch=len(prompts),
-            max_seq_len=args.prompt_len + max(args.new_tokens, args.varlen_max),
-            mem_fraction=args.mem_fraction,
-            pad_id=pad,
-            kv_block=args.kv_block,
-        )
-        opts.update(kw)
-        return FastDecoder(model, **opts)
+    run = _Run(args, device, dtype, model, prompts)
+    run.emit(_environment(run))
 
     # transformers generate, the limit every case is measured against (after a short warm-up).
-    hf_generate(model, prompts[:4], max_new_tokens=4, temperature=1.0, pad_id=pad, seed=0)
+    hf_generate(model, prompts[:4], max_new_tokens=4, temperature=1.0, pad_id=run.pad, seed=0)
     hf_new, hf_s = hf_generate(
-        model, prompts, max_new_tokens=args.new_tokens, temperature=1.0, pad_id=pad, seed=args.seed
+        model, prompts, max_new_tokens=args.new_tokens, temperature=1.0, pad_id=run.pad, seed=args.seed
     )
     hf_tps = hf_new.numel() / hf_s
 
@@ -225,84 +245,100 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
         try:
             if case not in wanted:
                 continue
-            dec = decoder(**opts)
-            cold, cold_s, _ = _timed(dec, prompts, **fixed)
-            res, seconds, peak = _timed(dec, prompts, **fixed)
-            extra = {
-                "cold_seconds": round(cold_s, 4),
-                "capture_s": round(cold.stats["capture_s"], 4),
-                "compiled": res.stats["compiled"],
-                "compile_fallback_reason": res.stats["compile_fallback_reason"],
-            }
-            if case in ("fast", "fast-compiled"):
-                forced = teacher_forced_logprobs(model, prompts, res.tokens)
-                extra["logprob_max_abs_diff"], extra["logprob_mean_abs_diff"] = _diffs(res.logprobs, forced)
-                if args.fp32_rows and dtype != torch.float32:
-                    ref = copy.deepcopy(model).float()
-                    k = min(args.fp32_rows, len(prompts))
-                    forced32 = teacher_forced_logprobs(ref, prompts[:k], res.tokens[:k])
-                    extra["fp32_logprob_max_abs_diff"], extra["fp32_logprob_mean_abs_diff"] = _diffs(
-                        res.logprobs[:k], forced32
-                    )
-                    del ref
-                extra["mean_logprob"] = sum(sum(x) for x in res.logprobs) / max(1, sum(len(x) for x in res.logprobs))
-            line = _line(case, args, dec, res, seconds, peak, hf_tps, **extra)
-            if args.profile == case:
-                _profile(functools.partial(_timed, dec, prompts, **fixed), device)
-            if case == "fast":
-                # Release (drops graphs) then generate again: the capture cost a moving memory backend pays.
-                cuda = device.type == "cuda"
-                if cuda:
-                    torch.cuda.empty_cache()
-                reserved = torch.cuda.memory_reserved(device) if cuda else 0
-                t0 = time.perf_counter()
-                dec.release()
-                release_s = time.perf_counter() - t0
-                # What release() hands back: the cache, the state buffers and the graphs' pool.
-                freed = reserved - torch.cuda.memory_reserved(device) if cuda else dec_bytes(line)
-                line["reserved_bytes_warm"] = int(reserved)
-                line["release_freed_bytes"] = int(freed)
-                again, again_s, _ = _timed(dec, prompts, **fixed)
-                emit(line)
-                emit(
-                    _line(
-                        "fast-recapture",
-                        args,
-                        dec,
-                        again,
-                        again_s,
-                        0,
-                        hf_tps,
-                        release_s=round(release_s, 4),
-                        warm_seconds=round(seconds, 4),
-                    )
-                )
-            else:
-                emit(line)
-            del dec
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            _fixed_case(run, case, opts, fixed, hf_tps)
         except Exception as exc:  # one broken case must not hide the others in a one-shot GPU run
-            emit(_error_line(case, exc))
+            run.emit(_error_line(case, exc))
         finally:
             _free(device)
 
     if device.type == "cuda" and "fast-tms" in wanted:
         try:
-            emit(_tms_case(args, decoder, prompts, fixed, hf_tps))
+            run.emit(_tms_case(args, run.decoder, prompts, fixed, hf_tps))
         except Exception as exc:
-            emit(_error_line("fast-tms", exc))
+            run.emit(_error_line("fast-tms", exc))
         finally:
             _free(device)
+    _varlen_cases(run, wanted)
+    return run.lines
 
-    # Variable lengths: per-row limits spread over [varlen_min, varlen_max], EOS a stop id.
+
+def _fixed_case(run: _Run, case: str, opts: dict, fixed: dict, hf_tps: float) -> None:
+    """One fixed-length case (``fast``, ``fast-eager``, ``fast-compiled``); ``fast`` adds ``fast-recapture``."""
+    args, prompts, device = run.args, run.prompts, run.device
+    dec = run.decoder(**opts)
+    cold, cold_s, _ = _timed(dec, prompts, **fixed)
+    res, seconds, peak = _timed(dec, prompts, **fixed)
+    extra = {
+        "cold_seconds": round(cold_s, 4),
+        "capture_s": round(cold.stats["capture_s"], 4),
+        "compiled": res.stats["compiled"],
+        "compile_fallback_reason": res.stats["compile_fallback_reason"],
+    }
+    if case in ("fast", "fast-compiled"):
+        extra.update(_logprob_checks(run, res))
+    line = _line(case, args, dec, res, seconds, peak, hf_tps, **extra)
+    if args.profile == case:
+        _profile(functools.partial(_timed, dec, prompts, **fixed), device)
+    if case == "fast":
+        # Release (drops graphs) then generate again: the capture cost a moving memory backend pays.
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved(device) if cuda else 0
+        t0 = time.perf_counter()
+        dec.release()
+        release_s = time.perf_counter() - t0
+        # What release() hands back: the cache, the state buffers and the graphs' pool.
+        freed = reserved - torch.cuda.memory_reserved(device) if cuda else dec_bytes(line)
+        line["reserved_bytes_warm"] = int(reserved)
+        line["release_freed_bytes"] = int(freed)
+        again, again_s, _ = _timed(dec, prompts, **fixed)
+        run.emit(line)
+        run.emit(
+            _line(
+                "fast-recapture",
+                args,
+                dec,
+                again,
+                again_s,
+                0,
+                hf_tps,
+                release_s=round(release_s, 4),
+                warm_seconds=round(seconds, 4),
+            )
+        )
+    else:
+        run.emit(line)
+    del dec
+    run.empty_cache()
+
+
+def _logprob_checks(run: _Run, res) -> dict:
+    """The returned log-probs against a teacher-forced forward (and an fp32 copy on the first rows)."""
+    model, prompts, args = run.model, run.prompts, run.args
+    extra: dict = {}
+    forced = teacher_forced_logprobs(model, prompts, res.tokens)
+    extra["logprob_max_abs_diff"], extra["logprob_mean_abs_diff"] = _diffs(res.logprobs, forced)
+    if args.fp32_rows and run.dtype != torch.float32:
+        ref = copy.deepcopy(model).float()
+        k = min(args.fp32_rows, len(prompts))
+        forced32 = teacher_forced_logprobs(ref, prompts[:k], res.tokens[:k])
+        extra["fp32_logprob_max_abs_diff"], extra["fp32_logprob_mean_abs_diff"] = _diffs(res.logprobs[:k], forced32)
+        del ref
+    extra["mean_logprob"] = sum(sum(x) for x in res.logprobs) / max(1, sum(len(x) for x in res.logprobs))
+    return extra
+
+
+def _varlen_cases(run: _Run, wanted: set[str]) -> None:
+    """Variable lengths: per-row limits spread over [varlen_min, varlen_max], EOS a stop id."""
+    args, model, prompts, device, eos = run.args, run.model, run.prompts, run.device, run.eos
     gen = torch.Generator().manual_seed(args.seed + 1)
     limits = torch.randint(args.varlen_min, args.varlen_max + 1, (len(prompts),), generator=gen).tolist()
     var = dict(max_new_tokens=limits, temperature=1.0, stop_ids=[eos], seed=args.seed)
     hf_var_tps = 0.0
     if not args.skip_hf_varlen and wanted & {"fast-varlen", "fast-varlen-nocompact"}:
         hf_var, hf_var_s = hf_generate(
-            model, prompts, max_new_tokens=max(limits), temperature=1.0, pad_id=pad, seed=args.seed
+            model, prompts, max_new_tokens=max(limits), temperature=1.0, pad_id=run.pad, seed=args.seed
         )
         useful = 0
         for row, lim in zip(hf_var.tolist(), limits):
@@ -313,7 +349,7 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
         try:
             if case not in wanted:
                 continue
-            dec = decoder(compaction=compaction)
+            dec = run.decoder(compaction=compaction)
             _timed(dec, prompts, **var)  # cold: captures the buckets this batch visits
             res, seconds, peak = _timed(dec, prompts, **var)
             extra = {
@@ -322,15 +358,13 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
                 "limits_sum": sum(limits),
                 "stopped_rows": sum(res.stopped),
             }
-            emit(_line(case, args, dec, res, seconds, peak, hf_var_tps, **extra))
+            run.emit(_line(case, args, dec, res, seconds, peak, hf_var_tps, **extra))
             del dec
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            run.empty_cache()
         except Exception as exc:
-            emit(_error_line(case, exc))
+            run.emit(_error_line(case, exc))
         finally:
             _free(device)
-    return lines
 
 
 def _tms_case(args, decoder, prompts, fixed: dict, hf_tps: float) -> dict:
