@@ -54,9 +54,9 @@ def test_ppo_critic_and_tis_train_pause_and_resume_on_cuda(ray_cluster):
         assert math.isfinite(m[key]), key
     assert m["mismatch/k3"] > 0
     state = ray.get(actor.state_checksums.remote())
-    p = ray.get(actor.pause.remote())
+    p = ray.get(actor.pause.remote()).metrics
     freed = p["memory/trainer_pause/device_used_before"] - p["memory/trainer_pause/device_used_after"]
-    r = ray.get(actor.resume.remote())
+    r = ray.get(actor.resume.remote()).metrics
     assert ray.get(actor.state_checksums.remote()) == state  # policy and critic back bit for bit
     m2 = ray.get(actor.train.remote(_with_rewards_and_engine_logprobs(1), 1))
     assert math.isfinite(m2["value_loss"])
@@ -65,7 +65,7 @@ def test_ppo_critic_and_tis_train_pause_and_resume_on_cuda(ray_cluster):
     plain, _ = _start(ray, AlgorithmConfig())
     ray.get(plain.train.remote(_with_rewards_and_engine_logprobs(0), 0))
     g = ray.get(plain.train.remote(_with_rewards_and_engine_logprobs(1), 1))
-    gp = ray.get(plain.pause.remote())
+    gp = ray.get(plain.pause.remote()).metrics
     ray.kill(plain)
     freed_plain = gp["memory/trainer_pause/device_used_before"] - gp["memory/trainer_pause/device_used_after"]
     print(
