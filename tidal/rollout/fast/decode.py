@@ -305,48 +305,11 @@ class FastDecoder:
         """
         t_start = time.perf_counter()
         n = len(prompts)
-        limits = [int(max_new_tokens)] * n if isinstance(max_new_tokens, int) else [int(x) for x in max_new_tokens]
-        if len(limits) != n:
-            raise UserError(f"fast decode: {len(limits)} max_new_tokens for {n} prompts; give one or one per prompt")
-        if any(x < 1 for x in limits):
-            raise UserError("fast decode: max_new_tokens must be at least 1 for every prompt")
-        if any(len(p) == 0 for p in prompts):
-            raise UserError("fast decode: every prompt needs at least one token")
-        stops = list(dict.fromkeys(int(s) for s in stop_ids))
-        if len(stops) > self.max_stop_ids:
-            raise UserError(f"fast decode: {len(stops)} stop token ids, at most {self.max_stop_ids} are supported")
-        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-            raise UserError(
-                f"fast decode: temperature={temperature}, top_p={top_p}, top_k={top_k}: need T >= 0, 0 < top_p <= 1, top_k >= 0"
-            )
+        limits, stops = self._checked(prompts, max_new_tokens, stop_ids, temperature, top_p, top_k)
         if n == 0:
             return DecodeResult([], [], [], {})
-        need = max(len(p) for p in prompts) + max(limits)
-        if need > self.max_seq_len:
-            self.max_seq_len = -(-need // 64) * 64
-            self.release()
-        if self.cache is None:
-            self.allocate()
-        elif self._released_in_place():
-            raise RuntimeError("fast decode: the KV cache is released; resume kv_cache before generating")
-        self.graphs.check(self._signature())
-        # Buffers whose contents a step trusts are rewritten every call: a memory backend may have
-        # handed them back uninitialised (the cache is cleared per wave, in ``_wave``).
-        torch.arange(self.max_seq_len, out=self.s_cols)
-        mode = sampling_mode(temperature, top_p, top_k, self.vocab)
-        self.s_temp.fill_(float(temperature) if temperature > 0 else 1.0)
-        self.s_top_p.fill_(float(top_p))
-        self.s_stop.fill_(-1)
-        if stops:
-            self.s_stop[: len(stops)] = torch.tensor(stops, dtype=torch.long, device=self.device)
-        if self._gen is not None:
-            # CPU: a private generator, seeded from the global RNG unless a seed is given, so that a
-            # caller's torch.manual_seed makes the call reproducible.
-            self._gen.manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-        elif seed is not None:
-            # CUDA: the device's default generator, the one captured graphs advance at every replay.
-            with torch.cuda.device(self.device):
-                torch.cuda.manual_seed(int(seed))
+        self._make_ready(max(len(p) for p in prompts) + max(limits))
+        mode = self._set_sampling(temperature, top_p, top_k, stops, seed)
 
         tokens: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
@@ -384,6 +347,57 @@ class FastDecoder:
         )
         self.last_stats = stats
         return DecodeResult(tokens=tokens, logprobs=logprobs, stopped=stopped, stats=stats)
+
+    def _checked(self, prompts, max_new_tokens, stop_ids, temperature: float, top_p: float, top_k: int):
+        """The per-row limits and the distinct stop ids of a request, or a ``UserError`` naming what is wrong."""
+        n = len(prompts)
+        limits = [int(max_new_tokens)] * n if isinstance(max_new_tokens, int) else [int(x) for x in max_new_tokens]
+        if len(limits) != n:
+            raise UserError(f"fast decode: {len(limits)} max_new_tokens for {n} prompts; give one or one per prompt")
+        if any(x < 1 for x in limits):
+            raise UserError("fast decode: max_new_tokens must be at least 1 for every prompt")
+        if any(len(p) == 0 for p in prompts):
+            raise UserError("fast decode: every prompt needs at least one token")
+        stops = list(dict.fromkeys(int(s) for s in stop_ids))
+        if len(stops) > self.max_stop_ids:
+            raise UserError(f"fast decode: {len(stops)} stop token ids, at most {self.max_stop_ids} are supported")
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+            raise UserError(
+                f"fast decode: temperature={temperature}, top_p={top_p}, top_k={top_k}: need T >= 0, 0 < top_p <= 1, top_k >= 0"
+            )
+        return limits, stops
+
+    def _make_ready(self, need: int) -> None:
+        """A cache and graphs that fit ``need`` positions (reallocated when longer than before)."""
+        if need > self.max_seq_len:
+            self.max_seq_len = -(-need // 64) * 64
+            self.release()
+        if self.cache is None:
+            self.allocate()
+        elif self._released_in_place():
+            raise RuntimeError("fast decode: the KV cache is released; resume kv_cache before generating")
+        self.graphs.check(self._signature())
+
+    def _set_sampling(self, temperature: float, top_p: float, top_k: int, stops: list[int], seed: int | None):
+        """Write the call's sampling parameters and stop ids into the step buffers; seed the generator."""
+        # Buffers whose contents a step trusts are rewritten every call: a memory backend may have
+        # handed them back uninitialised (the cache is cleared per wave, in ``_wave``).
+        torch.arange(self.max_seq_len, out=self.s_cols)
+        mode = sampling_mode(temperature, top_p, top_k, self.vocab)
+        self.s_temp.fill_(float(temperature) if temperature > 0 else 1.0)
+        self.s_top_p.fill_(float(top_p))
+        self.s_stop.fill_(-1)
+        if stops:
+            self.s_stop[: len(stops)] = torch.tensor(stops, dtype=torch.long, device=self.device)
+        if self._gen is not None:
+            # CPU: a private generator, seeded from the global RNG unless a seed is given, so that a
+            # caller's torch.manual_seed makes the call reproducible.
+            self._gen.manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        elif seed is not None:
+            # CUDA: the device's default generator, the one captured graphs advance at every replay.
+            with torch.cuda.device(self.device):
+                torch.cuda.manual_seed(int(seed))
+        return mode
 
     def _bucket(self, n: int) -> int:
         for b in batch_buckets(self.rows):
