@@ -12,44 +12,26 @@ from __future__ import annotations
 
 import base64
 import io
-import os
-import subprocess
-import sys
 import time
 from multiprocessing.reduction import ForkingPickler
 
-import httpx
 import pytest
 import torch
 import xxhash
+from serve_process import serve_process
 
 pytestmark = pytest.mark.gpu
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEY = "gpu-key"
 SHAPE = "qwen2.5-0.5b-shape"
 
 
 @pytest.fixture(scope="module")
-def server():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)}
-    cmd = [sys.executable, "-m", "tidal", "serve", "--model", SHAPE, "--device", "cuda", "--memory-backend", "tms"]
-    cmd += ["--port", "0", "--api-key", KEY, "--no-check-memory-plan"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    line = proc.stdout.readline()
-    assert "listening on" in line, line
-    client = httpx.Client(base_url=line.split()[-1], headers={"Authorization": f"Bearer {KEY}"}, timeout=600)
-    for _ in range(600):
-        try:
-            if client.get("/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    yield client
-    client.close()
-    proc.terminate()
-    proc.wait(timeout=60)
+def server(tmp_path_factory):
+    args = ["--model", SHAPE, "--device", "cuda", "--memory-backend", "tms", "--no-check-memory-plan"]
+    log = tmp_path_factory.mktemp("serve") / "stderr.log"
+    with serve_process(args, log, key=KEY, health_s=120.0, timeout=600.0, stop_s=60.0) as client:
+        yield client
 
 
 def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:

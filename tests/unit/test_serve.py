@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
 
@@ -24,6 +23,7 @@ import httpx
 import pytest
 import torch
 import xxhash
+from serve_process import serve_process
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -32,27 +32,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "tidal", "serve", "--model", "tiny", "--port", "0", "--api-key", KEY]
-    log = open(tmp_path_factory.mktemp("serve") / "stderr.log", "w+")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    line = proc.stdout.readline()
-    assert line.startswith("tidal serve: listening on http://127.0.0.1:"), (line, log.seek(0) or log.read())
-    url = line.split()[-1]
-    client = httpx.Client(base_url=url, headers=AUTH, timeout=60)
-    for _ in range(200):
-        try:
-            if client.get("/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    yield client
-    client.close()
-    proc.terminate()
-    proc.wait(timeout=20)
-    log.seek(0)
-    print(log.read()[-4000:])  # the server's own log, shown when a test failed
+    log = tmp_path_factory.mktemp("serve") / "stderr.log"
+    with serve_process(["--model", "tiny"], log, key=KEY, env_extra={"OMP_NUM_THREADS": "1"}) as client:
+        yield client
 
 
 def _model():
