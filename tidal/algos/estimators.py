@@ -149,7 +149,7 @@ def response_mask(response_lens: Tensor) -> Tensor:
 
 
 def sample_advantages(
-    rewards: Tensor, response_lens: Tensor, group_size: int, cfg: Any
+    rewards: Tensor, response_lens: Tensor, group_size: int, cfg: Any, mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """Advantages of one rollout from its rewards[N] and response lengths[N], as ``cfg.advantage_estimator`` says.
 
@@ -157,7 +157,8 @@ def sample_advantages(
     GRPO's group-normalised advantage (``--grpo-std-normalization``), ``dr_grpo`` the group-centred
     one, ``rloo`` the leave-one-out one; the REINFORCE++ pair also give per-token values (their
     per-sequence value is the row mean). ``ppo`` gives zeros: its advantages come from the critic,
-    in the trainer (``gae``).
+    in the trainer (``gae``). ``mask[N, max_len]``, when given, holds the trained tokens of each
+    response (a multi-turn trajectory's policy tokens); default: the first ``response_lens[i]``.
     """
     est = cfg.advantage_estimator
     if est in GROUP_ESTIMATORS:
@@ -167,7 +168,7 @@ def sample_advantages(
         return rloo_advantages(rewards, group_size), None
     if est == "ppo":
         return torch.zeros(rewards.shape[0]), None
-    mask = response_mask(response_lens)
+    mask = response_mask(response_lens) if mask is None else mask.to(torch.bool)
     if est == "reinforce_plus_plus":
         tok = reinforce_plus_plus_advantages(rewards, mask, cfg.gamma)
     elif est == "reinforce_plus_plus_baseline":

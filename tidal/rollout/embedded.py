@@ -179,7 +179,13 @@ class EmbeddedEngine:
             if len(s.response_logprobs) != len(s.response_ids) or s.status not in ("completed", "truncated"):
                 raise UserError(
                     f"{where}: sample {s.index} has {len(s.response_ids)} response ids, {len(s.response_logprobs)} "
-                    f"log-probs and status {s.status!r}; fill one log-prob per token and status completed or truncated"
+                    f"log-probs and status {s.status!r}; fill one log-prob per token (0.0 where loss_mask is 0) "
+                    "and status completed or truncated"
+                )
+            if s.loss_mask and len(s.loss_mask) != len(s.response_ids):
+                raise UserError(
+                    f"{where}: sample {s.index} has {len(s.loss_mask)} loss-mask entries for {len(s.response_ids)} "
+                    "response ids; give one 0/1 per response token (0: supplied by the environment), or none"
                 )
             s.weight_version = self._version
         return out

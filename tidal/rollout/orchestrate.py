@@ -140,6 +140,19 @@ def _cause(e: BaseException) -> str:
     return last_line(e).strip()[:200]
 
 
+def policy_masks(samples: Sequence[Sample]) -> torch.Tensor | None:
+    """``[N, longest response]`` bool: the trained (policy) tokens of each response, or None when every
+    sample is single-turn (then every response token is trained)."""
+    if not any(x.loss_mask for x in samples):
+        return None
+    width = max(1, max(len(x.response_ids) for x in samples))
+    out = torch.zeros((len(samples), width), dtype=torch.bool)
+    for i, x in enumerate(samples):
+        if x.response_ids:
+            out[i, : len(x.response_ids)] = torch.tensor(x.policy_mask, dtype=torch.bool)
+    return out
+
+
 def generate_rollout(s, rollout_id: int) -> tuple[list[Sample], dict]:
     cfg = s.cfg
     r, algo = cfg.rollout, cfg.algorithm
@@ -161,7 +174,7 @@ def generate_rollout(s, rollout_id: int) -> tuple[list[Sample], dict]:
         )
         for x, v in zip(samples, shaped.tolist()):
             x.reward = v
-    adv, token_adv = sample_advantages(shaped, resp_lens, r.n_samples_per_prompt, algo)
+    adv, token_adv = sample_advantages(shaped, resp_lens, r.n_samples_per_prompt, algo, mask=policy_masks(samples))
     for i, (x, a) in enumerate(zip(samples, adv.tolist())):
         x.advantage = a
         if token_adv is not None:

@@ -15,6 +15,8 @@ Signatures the rest of tidal calls:
   ``tidal.rollout.embedded.EmbeddedEngine`` (only the embedded engine runs these), ``samples`` a
   list of ``Sample`` with ``prompt_ids`` set, ``sampling`` the ``SamplingParams``. It must return samples with response ids, log-probs, text and
   status filled (typically by calling ``engine.generate`` on some of them, possibly several times).
+  Tokens it adds that the policy did not generate (tool output) get ``loss_mask`` 0 and a 0.0
+  log-prob placeholder (``tidal.rollout.types.Sample``); they are not trained.
 
 Because engines are Ray actors in other processes, a module path must be importable there too
 (installed, or on ``PYTHONPATH``); a file path must exist at the same location on every host.

@@ -2,6 +2,8 @@
 
 Everything the loss needs is aligned to targets ([B, T-1]); the counts the training loop needs on
 the host are taken while building, from host tensors, so the loop never waits for the device.
+``mask`` holds the trained positions: the response tokens the policy generated (a multi-turn
+sample's ``loss_mask``; tokens supplied by an environment are out of it, and have no engine log-prob).
 """
 
 from __future__ import annotations
@@ -48,7 +50,12 @@ class MicroBatch:
             if n == 0:
                 continue
             # Target position t predicts token t + 1: response tokens p .. p+n-1 are targets p-1 .. p+n-2.
-            flags[0, r, p - 1 : p - 1 + n] = True
+            # Only policy tokens are trained: tokens the environment supplied (loss_mask 0) stay out of the
+            # response mask, so every loss term, estimator and metric that reads ``mask`` skips them.
+            if s.loss_mask:
+                flags[0, r, p - 1 : p - 1 + n] = torch.tensor(s.loss_mask, dtype=torch.bool)
+            else:
+                flags[0, r, p - 1 : p - 1 + n] = True
             if len(s.token_advantages) == n:
                 adv[r, p - 1 : p - 1 + n] = torch.tensor(s.token_advantages, dtype=torch.float32)
             else:
@@ -56,7 +63,7 @@ class MicroBatch:
             rewards[r] = float(s.reward)
             if len(s.response_logprobs) == n:
                 engine_lp[r, p - 1 : p - 1 + n] = torch.tensor(s.response_logprobs, dtype=torch.float32)
-                flags[1, r, p - 1 : p - 1 + n] = True
+                flags[1, r, p - 1 : p - 1 + n] = flags[0, r, p - 1 : p - 1 + n]  # environment tokens have none
         self.tokens = int(lens.sum()) if not self.empty else 0  # real (unpadded) tokens, prompt + response
         self.host_mask = flags[0]
         self.num_response_tokens = int(flags[0].sum())

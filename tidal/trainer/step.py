@@ -58,6 +58,11 @@ def check_samples(samples: list[Sample], *, vocab: int, model_name: str, max_tok
     for s in samples:
         if s.response_ids and not s.prompt_ids:
             raise ValueError(f"sample {s.index} has a response but no prompt tokens (at least a BOS is needed)")
+        if s.loss_mask and (len(s.loss_mask) != len(s.response_ids) or any(m not in (0, 1) for m in s.loss_mask)):
+            raise ValueError(
+                f"sample {s.index} has a loss mask of {len(s.loss_mask)} entries for {len(s.response_ids)} response "
+                "tokens; give one 0/1 per response token (or none)"
+            )
     too_long = oversized([s.total_len for s in samples], max_tokens)
     if too_long and warn:
         log.warning(
