@@ -65,6 +65,27 @@ log = logging.getLogger(__name__)
 _RANK_SEED_STRIDE = 7919
 
 
+def _buffers_out_of_region(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Give every buffer (and tensor attribute aliasing one) its own copy on ``device``, outside any paused region.
+
+    A backend that pauses by region (torch_memory_saver) releases everything allocated inside the
+    ``weights`` region without a host copy, and a weight sync restores only parameters. A buffer
+    such as the rotary ``inv_freq`` left in that region comes back as whatever the fresh pages hold
+    (zeros, usually), and the engine then samples from a different policy than the trainer's. Moved
+    out here, buffers are never released: they are a few KB.
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            moved: dict[int, torch.Tensor] = {}
+            for name, buf in list(module._buffers.items()):
+                if buf is not None:
+                    moved[id(buf)] = module._buffers[name] = buf.to(device, copy=True)
+            for name, value in list(vars(module).items()):
+                if isinstance(value, torch.Tensor) and id(value) in moved:
+                    setattr(module, name, moved[id(value)])  # e.g. rotary ``original_inv_freq``
+    return model
+
+
 class EmbeddedEngine:
     """A transformers model that generates, releases/resumes its memory and takes weight syncs.
 
@@ -145,18 +166,16 @@ class EmbeddedEngine:
         """
         if not self.spec.is_preset:
             with self.backend.region(StateClass.WEIGHTS):
-                return build_model(self.spec, dtype=self.dtype, seed=seed, device=self.device).eval()
+                model = build_model(self.spec, dtype=self.dtype, seed=seed, device=self.device).eval()
+            return _buffers_out_of_region(model, self.device)
         model = build_model(self.spec, dtype=torch.float32, seed=seed, device="cpu").eval()
         if self.dtype == torch.float32 and self.device.type == "cpu":
             return model
         with torch.no_grad(), self.backend.region(StateClass.WEIGHTS):
             for p in model.parameters():
                 p.data = p.data.to(device=self.device, dtype=self.dtype)
-            for module in model.modules():
-                for name, buf in module.named_buffers(recurse=False):
-                    module._buffers[name] = buf.to(self.device)
         model.config.dtype = self.dtype
-        return model
+        return _buffers_out_of_region(model, self.device)
 
     # ------------------------------------------------------------------ generation
 
