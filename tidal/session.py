@@ -55,6 +55,7 @@ class Session:
         from tidal.memory.preload import actor_env
         from tidal.memory.telemetry import MemoryTimeline
         from tidal.model import load_tokenizer, resolve_model
+        from tidal.rollout.agent import make_agent
         from tidal.rollout.rewards import get_reward_fn
 
         cfg = self.cfg
@@ -62,6 +63,7 @@ class Session:
         self.tokenizer = load_tokenizer(spec)
         self.dataset = PromptDataset.build(cfg.data, cfg.rollout, self.tokenizer, seed=cfg.trainer.seed)
         self.reward_fn = get_reward_fn(cfg.data.rm_type, cfg.data.custom_rm_path)
+        self.agent = make_agent(cfg, self.tokenizer)  # multi-turn rollouts; None: one response per prompt
         self.load_path, load_note = self._find_checkpoint()  # before the run folder: a bad --load leaves nothing
         self.run = RunDir(cfg)
         self.timeline = MemoryTimeline()

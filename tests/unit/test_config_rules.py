@@ -744,3 +744,27 @@ def test_resolve_is_idempotent_and_does_not_mutate_its_input():
     assert cfg.memory.offload_train is None  # input untouched
     twice = resolve(once, prov, CPU)
     assert once == twice
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["--task", "guess"], {"env_path": None, "max_turns": 4}),
+        (["--env-path", "my_envs:Maze", "--max-turns", "8"], {"env_path": "my_envs:Maze", "max_turns": 8}),
+        (["--env-path", "my_envs.Maze"], "--env-path my_envs.Maze: expected module:Class or file.py:Class"),
+        (["--env-path", "/no/such/envs.py:Maze"], "--env-path /no/such/envs.py:Maze: no such file /no/such/envs.py"),
+        (["--max-turns", "3"], "--max-turns has no effect without an environment"),
+        (["--agent-reward", "rm"], "--agent-reward has no effect without an environment"),
+        (
+            ["--env-path", "e:E", "--custom-generate-function-path", "g:f"],
+            "--custom-generate-function-path and an environment both decide",
+        ),
+        (
+            ["--task", "guess", "--rollout-max-response-len", "8", "--max-trajectory-tokens", "4"],
+            "--max-trajectory-tokens 4 is below --rollout-max-response-len 8",
+        ),
+        (["--task", "calculator"], "--task calculator asks chat questions; --model tiny has a character tokenizer"),
+    ],
+)
+def test_rule_multi_turn(argv, expect):
+    check(argv, CPU, expect)

@@ -171,6 +171,19 @@ class RolloutConfig:
     rollout_stop: list = opt([], "Stop strings; generation of a sample ends at the first one.")
     rollout_seed: int = opt(42, "Seed of the engines' sampling.")
     custom_generate_function_path: str | None = opt(None, "module:function replacing the engine's generate step.")
+    env_path: str | None = opt(
+        None, "module:Class of the environment answering each policy turn (multi-turn rollouts; docs/multi-turn.md)."
+    )
+    max_turns: int = opt(4, "Policy turns per trajectory at most (multi-turn).", min=1)
+    max_trajectory_tokens: int = opt(
+        1024, "Response tokens per trajectory at most, policy and environment together (multi-turn).", min=1
+    )
+    env_timeout: float = opt(60.0, "Seconds one environment call (reset or step) may take (multi-turn).", min=0.001)
+    agent_reward: str = opt(
+        "env",
+        "A trajectory's reward: the environment's step rewards, the reward function over the whole trajectory, or both.",
+        choices=("env", "rm", "sum"),
+    )
     rollout_engine: str = opt(
         "embedded",
         "embedded: the policy inside each engine actor; sglang: engines are servers speaking SGLang's HTTP protocol.",
@@ -217,7 +230,9 @@ def rollout_compile_default(device: str) -> bool:
 @dataclass
 class DataConfig:
     task: str = opt(
-        "digit-sum", "Built-in task when no --prompt-data is given.", choices=("digit-sum", "arith", "mental-math")
+        "digit-sum",
+        "Built-in task when no --prompt-data is given (guess and calculator are multi-turn).",
+        choices=("digit-sum", "arith", "mental-math", "guess", "calculator"),
     )
     prompt_data: str | None = opt(None, "Prompts as JSONL or Parquet.")
     input_key: str = opt("prompt", "Field of a row that holds the prompt (text or chat messages).")

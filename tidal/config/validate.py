@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tidal.checkpoint.manifest import is_checkpoint, iterations
-from tidal.config import algorithm_rules, memory_rules
+from tidal.config import agent_rules, algorithm_rules, memory_rules
 from tidal.config.args import coerce, fields, flag_of
 from tidal.config.environment import Environment
 from tidal.config.plan import MemoryPlan, ModelShape, build_plan, model_shape
@@ -475,6 +475,14 @@ def _data(ctx: Context) -> None:
             )
         if value is not None and value.split(":")[0].endswith(".py") and not os.path.isfile(value.rsplit(":", 1)[0]):
             raise ConfigError(f"{_f(name)} {value}: no such file {value.rsplit(':', 1)[0]}")
+
+
+rule(
+    "multi-turn",
+    "`--env-path` is `module:Class` or `file.py:Class`; the multi-turn flags need an environment (`--env-path` or a "
+    "multi-turn `--task`), which excludes a custom generate function; a turn must fit `--max-trajectory-tokens`; "
+    "`--task calculator` needs a chat model.",
+)(agent_rules.multi_turn)
 
 
 @rule("output-dir", "`--output-dir` defaults to runs/<YYYYmmdd-HHMMSS>-<model>.")

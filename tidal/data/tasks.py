@@ -40,6 +40,16 @@ digits, scored by the ``exact`` reward (the response must be the answer and then
     accuracy starts near 0.08 (0.47 with the model's own default system message and 16 tokens):
     room to improve on questions it can answer.
 
+``guess`` (multi-turn, for the tiny presets; its environment is ``tidal.rollout.envs.GuessEnv``)
+    The prompt ``guess:`` and a hidden digit 0, 1 or 2 as the label, each digit equally often;
+    the policy guesses one character per turn and the environment answers higher / lower. The
+    eval split is each digit once.
+
+``calculator`` (multi-turn, for instruct models with a chat template: ``tidal.rollout.envs.CalculatorEnv``)
+    ``What is a times b?`` with two-digit operands, under a system message that offers a
+    ``calculator`` tool in the Hermes/Qwen ``<tool_call>`` format; the label is the product. One
+    question in ten, by a hash of its text, is held out (at most ``eval_size`` evaluated).
+
 The seed decides the order of the train split (the dataset reshuffles it every epoch from the seed
 as well) and which held-out prompts are evaluated when ``eval_size`` caps them; the same ``(name,
 seed)`` always gives the same rows.
@@ -117,7 +127,37 @@ def mental_math() -> TaskSplits:
     return TaskSplits(train=train, eval=held)
 
 
-TASKS: dict[str, Callable[[], TaskSplits]] = {"digit-sum": digit_sum, "arith": arith, "mental-math": mental_math}
+def guess() -> TaskSplits:
+    rows = [("guess:", str(h)) for h in range(3)]
+    return TaskSplits(train=rows * 60, eval=rows)
+
+
+CALCULATOR_SYSTEM = (
+    "You can use a calculator. To use it, write\n"
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>\n'
+    "and wait for the result. Then answer with only the number."
+)
+
+
+def calculator() -> TaskSplits:
+    questions = {f"What is {a} times {b}?": str(a * b) for a in range(11, 100, 4) for b in range(12, 100, 5)}
+
+    def chat(q: str) -> list[dict]:
+        return [{"role": "system", "content": CALCULATOR_SYSTEM}, {"role": "user", "content": q}]
+
+    train = [(chat(q), lab) for q, lab in questions.items() if not _held_out(q, 10)]
+    held = [(chat(q), lab) for q, lab in questions.items() if _held_out(q, 10)]
+    return TaskSplits(train=train, eval=held)
+
+
+TASKS: dict[str, Callable[[], TaskSplits]] = {
+    "digit-sum": digit_sum,
+    "arith": arith,
+    "mental-math": mental_math,
+    "guess": guess,
+    "calculator": calculator,
+}
+MULTI_TURN_TASKS = ("guess", "calculator")  # answered turn by turn by an environment (tidal.rollout.envs)
 
 
 def task_rows(name: str, seed: int, eval_size: int | None = DEFAULT_EVAL_SIZE) -> TaskSplits:
