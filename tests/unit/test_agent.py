@@ -227,6 +227,7 @@ def test_chat_frame_matches_the_chat_template():
     assert make_agent(resolve(cfg, prov), tok).env_cls is BUILTIN_ENVS["calculator"]
 
 
+@pytest.mark.slow
 def test_env_that_raises_stops_the_run_in_one_line(ray_cluster, tmp_path):
     """In the real loop (the CLI turns this UserError into its one line and exit code 2, see test_cli)."""
     from tidal.driver import train
@@ -258,6 +259,7 @@ class _Reached(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_guess_task_learns_in_the_real_loop(ray_cluster, tmp_path):
     """The built-in multi-turn task: the 3-rollout mean reward rises by 0.3 (stopped as soon as it has)."""
     cfg, prov = parse(["--task", "guess", "--device", "cpu", "--no-progress", "--output-dir", str(tmp_path / "run")])
