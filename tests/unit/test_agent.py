@@ -284,3 +284,56 @@ def test_guess_task_learns_in_the_real_loop(ray_cluster, tmp_path):
     with open(os.path.join(cfg.logging.output_dir, "samples.jsonl")) as f:
         record = json.loads(f.readline())
     assert record["prompt"] == "guess:"
+
+
+def test_prefix_reuse_gives_the_same_trajectories(engine):
+    """The fast path with stored prompt prefixes: the same tokens and log-probs as prefilling every turn whole,
+    with the earlier turns' prefill skipped (counted), and nothing kept after a flush."""
+    reuse = EmbeddedEngine(ModelConfig(model="tiny"), RolloutConfig(rollout_prefix_cache_mb=16), MemoryConfig())
+    loop = _loop(engine, f"{PLUGINS}:NeverDone", rollout_max_response_len=3, max_turns=4)
+    sp = SamplingParams(max_new_tokens=3, temperature=0.0)
+    prompts = ["12+3=", "7*8=", "what is 9-4? ", "5"]
+    tok = engine.tokenizer
+
+    def batch():
+        return [Sample(index=i, group=i, prompt=p, prompt_ids=tok.encode(p)) for i, p in enumerate(prompts * 2)]
+
+    plain = loop.run(engine.generate, batch(), sp)
+    reused = loop.run(reuse.generate, batch(), sp)
+    store = reuse._fast_decoder.prefixes
+    assert engine._fast_decoder.prefixes is None
+    for a, b in zip(plain, reused):
+        assert a.response_ids == b.response_ids and a.loss_mask == b.loss_mask
+        torch.testing.assert_close(
+            torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs), atol=1e-5, rtol=0
+        )
+    stats = store.stats()
+    # turns 2-4 reuse every earlier prompt: all but the last response and reply of each context
+    assert (
+        stats["prefix/hits"] == 3 * len(plain) and stats["prefix/reused_tokens"] > stats["prefix/prefilled_tokens"] / 2
+    )
+    reuse.flush_cache()
+    assert len(store) == 0 and store.bytes == 0
+
+
+def test_prefix_store_plan_and_budget():
+    from tidal.rollout.fast.prefix import PrefixStore, prefill_plan
+
+    # rows of 6 and 4 tokens in width 6: the first has 5 reusable, the second none -> compute from column 2
+    assert prefill_plan([6, 4], [5, 0], 6) == (2, [2, 0])
+    assert prefill_plan([6, 6], [5, 3], 6) == (3, [3, 3])
+    kv = torch.zeros(1, 2, 1, 4, 2)  # 4 tokens, 64 bytes
+    store = PrefixStore(budget_bytes=150)
+    store.put([1, 2, 3, 4], kv)
+    store.put([1, 2, 9, 9], kv)
+    assert store.lookup([1, 2, 3, 4, 5])[0] == 4 and store.lookup([1, 2, 3, 4])[0] == 3  # one token left to compute
+    assert store.lookup([1, 2, 3])[0] == 0
+    store.put([7, 7, 7, 7], kv)  # over budget: the one already used goes first ([1, 2, 3, 4])
+    assert store.lookup([1, 2, 3, 4, 5])[0] == 0 and store.lookup([1, 2, 9, 9, 0])[0] == 4 and store.bytes == 128
+
+
+def test_multiturn_benchmark_runs():
+    from tidal.bench.multiturn import main
+
+    argv = ["--trajectories", "4", "--turns", "2", "--prompt-len", "8", "--obs-len", "4", "--new-tokens", "2"]
+    assert main([*argv, "--repeats", "1", "--threads", "1"]) == 0

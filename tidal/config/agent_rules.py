@@ -22,6 +22,7 @@ _MULTI_TURN_FLAGS = ("max_turns", "max_trajectory_tokens", "env_timeout", "agent
 _CHAT_TASKS = ("calculator",)
 # The built-in tasks an environment answers (tidal.data.tasks.MULTI_TURN_TASKS; a test checks they agree).
 MULTI_TURN_TASKS = ("guess", "calculator")
+_PREFIX_CACHE_MB = 1024  # --rollout-prefix-cache-mb with an environment
 
 
 def multi_turn(ctx: Context) -> None:
@@ -35,6 +36,9 @@ def multi_turn(ctx: Context) -> None:
         if file.endswith(".py") and not os.path.isfile(file):
             raise ConfigError(f"--env-path {r.env_path}: no such file {file}")
     multi = r.env_path is not None or (d.prompt_data is None and d.task in MULTI_TURN_TASKS)
+    if r.rollout_prefix_cache_mb is None:
+        why = "an environment: turns extend earlier requests" if multi else "single-turn: no request extends another"
+        ctx.derive("rollout_prefix_cache_mb", _PREFIX_CACHE_MB if multi else 0, "multi-turn", why)
     if not multi:
         for name in _MULTI_TURN_FLAGS:
             if ctx.explicit(name):

@@ -220,6 +220,12 @@ class RolloutConfig:
     rollout_compile: bool | None = opt(
         None, "torch.compile the decode step (attention stays eager); default: on with CUDA, off on CPU."
     )
+    rollout_prefix_cache_mb: int | None = opt(
+        None,
+        "Prompt KV the fast decode path keeps between calls, reused when a request extends an earlier one "
+        "(multi-turn); default: 1024 with an environment, else 0 (off).",
+        min=0,
+    )
 
 
 def rollout_compile_default(device: str) -> bool:

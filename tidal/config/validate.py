@@ -481,7 +481,7 @@ rule(
     "multi-turn",
     "`--env-path` is `module:Class` or `file.py:Class`; the multi-turn flags need an environment (`--env-path` or a "
     "multi-turn `--task`), which excludes a custom generate function; a turn must fit `--max-trajectory-tokens`; "
-    "`--task calculator` needs a chat model.",
+    "`--task calculator` needs a chat model; `--rollout-prefix-cache-mb` defaults to 1024 with an environment, else 0.",
 )(agent_rules.multi_turn)
 
 
@@ -538,7 +538,7 @@ def unresolved_fields(cfg: TidalConfig) -> list[str]:
     derived = {
         "device", "param_dtype", "memory_backend", "rollout_num_gpus", "offload_train", "offload_rollout",
         "update_weight_transport", "global_batch_size", "eps_clip_high", "output_dir",
-        "rollout_compile", "use_critic", "offload_host_memory",
+        "rollout_compile", "use_critic", "offload_host_memory", "rollout_prefix_cache_mb",
     }  # fmt: skip
     out = []
     for info in fields():

@@ -64,8 +64,10 @@ def make_agent(cfg, tokenizer) -> AgentLoop | None:
     from tidal.model.load import model_config, resolve_model
 
     spec = resolve_model(cfg.model.model, cfg.model.tokenizer, cfg.model.trust_remote_code)
-    positions = getattr(model_config(spec).get_text_config(), "max_position_embeddings", None)
-    return AgentLoop(found[0], found[1], cfg, tokenizer, positions)
+    text = model_config(spec).get_text_config()
+    return AgentLoop(
+        found[0], found[1], cfg, tokenizer, getattr(text, "max_position_embeddings", None), text.vocab_size
+    )
 
 
 class ChatFrame:
@@ -141,6 +143,7 @@ class AgentLoop:
     cfg: Any  # the run's TidalConfig
     tokenizer: Any
     positions: int | None = None  # the model's max positions (None: no limit)
+    vocab_size: int | None = None  # the model's vocabulary (None: the tokenizer's)
     figures: dict = field(default_factory=dict)
 
     def run(self, generate: Callable, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
@@ -148,7 +151,7 @@ class AgentLoop:
 
     async def _run(self, generate: Callable, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
         r = self.cfg.rollout
-        caller = EnvCaller(self.name, r.env_timeout, len(self.tokenizer))
+        caller = EnvCaller(self.name, r.env_timeout, self.vocab_size or len(self.tokenizer))
         chat = self.cfg.data.apply_chat_template and getattr(self.tokenizer, "chat_template", None)
         role = getattr(self.env_cls, "role", "tool")
         frame = ChatFrame(self.tokenizer, role) if chat else None

@@ -331,14 +331,18 @@ class EmbeddedEngine:
         return new.cpu().tolist(), logprobs.cpu().tolist()
 
     def flush_cache(self) -> None:
-        """On CUDA: ``gc.collect()`` then ``torch.cuda.empty_cache()``, returning the caching allocator's
-        free blocks to the driver (before a release or a sync); on CPU: nothing.
+        """Drop the stored prefixes of multi-turn requests, then on CUDA ``gc.collect()`` and
+        ``torch.cuda.empty_cache()``, returning the caching allocator's free blocks to the driver
+        (before a release or a sync).
 
-        It flushes no cache despite SGLang's name: no KV contents outlive a ``generate`` call here (the
-        generate path allocates its cache per call; the fast path zeroes its static cache at the start
-        of each call), so there is no prefix state to drop; what remains are the allocator's free
-        blocks, which a colocated trainer needs.
+        The only KV contents that outlive a ``generate`` call are the fast path's stored prompt
+        prefixes (``--rollout-prefix-cache-mb``, ``tidal.rollout.fast.prefix``); they were computed
+        with the weights before the sync, so they go (as SGLang's flush drops its radix cache). The
+        generate path allocates its cache per call; the fast path zeroes its static cache per call.
         """
+        dec = self._fast_decoder
+        if dec is not None and not isinstance(dec, str) and dec.prefixes is not None:
+            dec.prefixes.clear()
         if self.device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()

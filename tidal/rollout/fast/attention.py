@@ -6,8 +6,9 @@ with the layer's query, key and value after RoPE. The decoder registers ``fast_a
 calls the model without a transformers cache. The function then owns the KV cache:
 
 - prefill (``ctx.decode`` false): writes the prompt's keys/values into cache rows
-  ``[ctx.row0, ctx.row0 + rows)``, columns ``[0, width)``, and attends with transformers' own SDPA
-  function over the 4-D mask the decoder built;
+  ``[ctx.row0, ctx.row0 + rows)``, columns ``[ctx.prefill_from, width)``, and attends with
+  transformers' own SDPA function over the 4-D mask the decoder built (over the cache's columns
+  ``[0, width)`` when an earlier part of the prompt was reused from ``tidal.rollout.fast.prefix``);
 - decode: writes the one new key/value of every row at cache column ``ctx.cpos`` (a device tensor,
   so a captured graph reads the current column at replay) and attends over the first
   ``ctx.kv_len`` columns of the batch's rows. Grouped-query heads are folded into the query
@@ -46,6 +47,7 @@ class AttnContext:
     row0: int = 0  # first cache row (prefill chunks)
     cpos: torch.Tensor | None = None  # [1] int64, the cache column decode writes
     kv_len: int = 0  # columns decode attends to (a static bucket >= cpos + 1)
+    prefill_from: int = 0  # prefill: first cache column of this pass (earlier ones hold a reused prefix)
 
 
 class _Active:
@@ -72,9 +74,13 @@ def fast_attention(
         raise RuntimeError("fast decode: sliding-window attention layers are not supported")
     layer = module.layer_idx
     if not ctx.decode:
-        width = key.shape[2]
-        ctx.cache.keys(layer)[ctx.row0 : ctx.row0 + ctx.rows, :, :width].copy_(key)
-        ctx.cache.values(layer)[ctx.row0 : ctx.row0 + ctx.rows, :, :width].copy_(value)
+        lo, end = ctx.prefill_from, ctx.prefill_from + key.shape[2]
+        keys = ctx.cache.keys(layer)[ctx.row0 : ctx.row0 + ctx.rows]
+        values = ctx.cache.values(layer)[ctx.row0 : ctx.row0 + ctx.rows]
+        keys[:, :, lo:end].copy_(key)
+        values[:, :, lo:end].copy_(value)
+        if lo:  # attend to the reused prefix in the cache as well
+            key, value = keys[:, :, :end], values[:, :, :end]
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling)
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]

@@ -46,6 +46,7 @@ import torch
 from tidal.errors import UserError
 from tidal.rollout.fast import attention
 from tidal.rollout.fast.graphs import GraphSet
+from tidal.rollout.fast.prefix import PrefixStore, fill_prefix, prefill_plan, take_prompt
 from tidal.rollout.fast.sampling import SamplingMode, plain_core, sample, sampling_mode
 from tidal.rollout.fast.static_cache import (
     StaticKVCache,
@@ -118,6 +119,7 @@ class FastDecoder:
         rehearse_graphs: bool = False,
         compile: bool = False,
         graphs_in_region: bool = False,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         reason = attention.check_supported(model)
         if reason is not None:
@@ -168,6 +170,8 @@ class FastDecoder:
             self.graphs.enabled = False
             self.graphs.fallback_reason = "turned off"
         self.last_stats: dict = {}
+        # Prompt KV kept between calls for requests that extend an earlier one (multi-turn); None: off.
+        self.prefixes = PrefixStore(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
 
     # ------------------------------------------------------------------ memory
 
@@ -259,8 +263,10 @@ class FastDecoder:
         ]
 
     def release(self) -> None:
-        """Free the cache, the state buffers and every graph; ``generate`` re-allocates."""
+        """Free the cache, the state buffers, every graph and the stored prefixes; ``generate`` re-allocates."""
         self.graphs.clear()
+        if self.prefixes is not None:
+            self.prefixes.clear()
         self.cache = None
         for name in [n for n in vars(self) if n.startswith("s_")]:
             delattr(self, name)
@@ -471,20 +477,26 @@ class FastDecoder:
         return out_tok, out_lp
 
     def _prefill(self, prompts: list[Sequence[int]], row0: int, width: int, mode: SamplingMode) -> None:
-        """One eager forward over a chunk of left-padded prompts; samples each row's first token."""
+        """One eager forward over a chunk of left-padded prompts; samples each row's first token.
+
+        With stored prefixes (``tidal.rollout.fast.prefix``) the forward covers only the columns
+        ``[from_col, width)`` and attends to the reused columns before them in the cache.
+        """
         dev = self.device
         m = len(prompts)
-        ids = torch.full((m, width), self.pad_id, dtype=torch.long)
+        from_col = self._reuse_prefixes(prompts, row0, width)
+        ids = torch.full((m, width - from_col), self.pad_id, dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+            tail = list(p)[max(0, from_col - (width - len(p))) :]
+            ids[i, ids.shape[1] - len(tail) :] = torch.as_tensor(tail, dtype=torch.long)
         ids = ids.to(dev)
         start = self.s_start[row0 : row0 + m]
         col = self.s_cols[:width]
-        q, k = col[:, None], col[None, :]
+        q, k = col[from_col:, None], col[None, :]
         real = k[None] >= start[:, None, None]
-        mask = ((real & (k <= q)[None]) | (k == q)[None]).unsqueeze(1)  # [m, 1, width, width]
-        pos = (col[None, :] - start[:, None]).clamp(min=0)
-        ctx = attention.AttnContext(cache=self.cache, decode=False, rows=m, row0=row0)
+        mask = ((real & (k <= q)[None]) | (k == q)[None]).unsqueeze(1)  # [m, 1, width - from_col, width]
+        pos = (col[None, from_col:] - start[:, None]).clamp(min=0)
+        ctx = attention.AttnContext(cache=self.cache, decode=False, rows=m, row0=row0, prefill_from=from_col)
         with attention.active(self.model, ctx):
             logits = self.model(
                 input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=1
@@ -493,6 +505,22 @@ class FastDecoder:
         self.s_tok[row0 : row0 + m] = tok
         self.s_out_tok[row0 : row0 + m, 0] = tok
         self.s_out_lp[row0 : row0 + m, 0] = lp
+        if self.prefixes is not None:
+            for i, p in enumerate(prompts):
+                self.prefixes.put(p, take_prompt(self.cache, row0 + i, width - len(p), width))
+
+    def _reuse_prefixes(self, prompts: list[Sequence[int]], row0: int, width: int) -> int:
+        """Copy each row's stored prefix KV into its cache row; returns the chunk's first column to compute."""
+        if self.prefixes is None:
+            return 0
+        found = [self.prefixes.lookup(p) for p in prompts]
+        lens = [len(p) for p in prompts]
+        from_col, reused = prefill_plan(lens, [n for n, _ in found], width)
+        for i, ((_, kv), count) in enumerate(zip(found, reused)):
+            fill_prefix(self.cache, row0 + i, width - lens[i], kv, count)
+        self.prefixes.reused_tokens += sum(reused)
+        self.prefixes.prefilled_tokens += sum(lens) - sum(reused)
+        return from_col
 
     def _step(self, bs: int, kv_len: int, mode: SamplingMode) -> None:
         """One decode step of slots ``[0, bs)`` attending to ``kv_len`` columns; static buffers only."""

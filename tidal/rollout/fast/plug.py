@@ -21,6 +21,7 @@ Settings, read from the engine's ``RolloutConfig`` when it has them (defaults ot
     rollout_max_batch     int    512    rows decoded together (the cache holds at most this many)
     rollout_kv_block      int    256    attention length granularity of a decode step
     rollout_compile       bool   CUDA   torch.compile the decode step (attention stays eager); on with CUDA
+    rollout_prefix_cache_mb int  0      prompt KV kept between calls for multi-turn requests (tidal.rollout.fast.prefix)
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def build_decoder(model, cfg, *, device_type: str, pad_id: int, backend, name: s
             compile=cfg.rollout_compile if cfg.rollout_compile is not None else rollout_compile_default(device_type),
             pad_id=pad_id,
             region=lambda: backend.region(StateClass.KV_CACHE),
+            prefix_cache_bytes=int(getattr(cfg, "rollout_prefix_cache_mb", None) or 0) << 20,
         )
     except UserError as exc:
         log.warning("%s: transformers generate instead of fast decode (%s)", name, exc)

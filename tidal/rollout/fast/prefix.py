@@ -1,0 +1,112 @@
+"""Prefix reuse of the fast decode path: a prompt's keys and values kept between generate calls.
+
+A multi-turn trajectory sends the engine its whole context every turn, and each turn's context
+starts with the previous turn's request (token in, token out: the same ids). ``PrefixStore`` keeps
+the KV of every request's *prompt*, copied out of the static cache right after its prefill (before
+any decode step or compaction moves rows), by the prompt's ids. When a later request's ids start
+with a stored prompt, the decoder copies that KV into the row's cache columns and prefills only
+the rest: the previous turn's response and the environment's observation. Response tokens are
+prefilled again rather than kept from decoding (a row's decode-time KV is gone once compaction
+drops the row), so what is saved is the prefill of everything before the last turn.
+
+Contents are valid only for the weights they were computed with: the engine clears the store on
+every weight update and on every memory release (``EmbeddedEngine.flush_cache``), and the store
+holds at most ``budget_bytes``: entries already used by a later request are dropped first (their
+trajectory has stored a longer one), then the oldest. A request whose stored prefix is its
+whole prompt reuses all but the last token (a forward pass needs at least one).
+
+``prefill_plan`` is the per-chunk arithmetic: a chunk of left-padded rows runs one forward pass
+over the columns ``[from_col, width)``; rows whose stored prefix covers fewer columns recompute
+the difference, rows without one prefill whole (the chunk's ``from_col`` is the smallest cover).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+
+class PrefixStore:
+    """Prompt KV by prompt ids, on the decoder's device, at most ``budget_bytes`` (used, then oldest, dropped)."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget = int(budget_bytes)
+        self._entries: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
+        self._lengths: dict[int, int] = {}  # stored prompt length -> entries of that length
+        self.bytes = 0
+        self.hits = self.lookups = self.reused_tokens = self.prefilled_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, ids: Sequence[int]) -> tuple[int, torch.Tensor | None]:
+        """(tokens reusable, KV ``[layers, 2, kv_heads, stored_len, dim]``) of the longest stored prefix of ``ids``."""
+        self.lookups += 1
+        for length in sorted(self._lengths, reverse=True):
+            if length > len(ids):
+                continue
+            kv = self._entries.get(tuple(ids[:length]))
+            if kv is not None:
+                self.hits += 1
+                # A used prefix is the first to go: its trajectory has moved on and stores a longer one.
+                self._entries.move_to_end(tuple(ids[:length]), last=False)
+                return min(length, len(ids) - 1), kv
+        return 0, None
+
+    def put(self, ids: Sequence[int], kv: torch.Tensor) -> None:
+        key = tuple(ids)
+        size = kv.numel() * kv.element_size()
+        if size > self.budget or key in self._entries:
+            return
+        self._entries[key] = kv
+        self._lengths[len(key)] = self._lengths.get(len(key), 0) + 1
+        self.bytes += size
+        while self.bytes > self.budget:
+            old, dropped = self._entries.popitem(last=False)
+            self._forget(old, dropped)
+
+    def _forget(self, key: tuple[int, ...], kv: torch.Tensor) -> None:
+        self.bytes -= kv.numel() * kv.element_size()
+        self._lengths[len(key)] -= 1
+        if not self._lengths[len(key)]:
+            del self._lengths[len(key)]
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._lengths.clear()
+        self.bytes = 0
+
+    def stats(self) -> dict[str, float]:
+        total = self.reused_tokens + self.prefilled_tokens
+        return {
+            "prefix/hits": self.hits,
+            "prefix/lookups": self.lookups,
+            "prefix/reused_tokens": self.reused_tokens,
+            "prefix/prefilled_tokens": self.prefilled_tokens,
+            "prefix/reused_frac": self.reused_tokens / total if total else 0.0,
+            "prefix/bytes": self.bytes,
+        }
+
+
+def prefill_plan(lens: Sequence[int], reusable: Sequence[int], width: int) -> tuple[int, list[int]]:
+    """(from_col, tokens reused per row) of one prefill chunk of left-padded rows of length ``lens``.
+
+    Row ``i`` occupies columns ``[width - lens[i], width)``; its first ``reusable[i]`` tokens have
+    stored KV. The forward pass covers ``[from_col, width)`` with ``from_col`` the smallest column
+    every row can start computing from; row ``i`` reuses ``from_col - (width - lens[i])`` tokens.
+    """
+    from_col = min(width - n + r for n, r in zip(lens, reusable))
+    return from_col, [max(0, from_col - (width - n)) for n in lens]
+
+
+def fill_prefix(cache, row: int, start: int, kv: torch.Tensor, count: int) -> None:
+    """Copy the first ``count`` stored tokens into cache row ``row``, columns ``[start, start + count)``."""
+    if count:
+        cache.buf[:, :, row, :, start : start + count].copy_(kv[:, :, :, :count])
+
+
+def take_prompt(cache, row: int, start: int, width: int) -> torch.Tensor:
+    """A copy of cache row ``row``'s prompt KV, columns ``[start, width)``: ``[layers, 2, kv_heads, len, dim]``."""
+    return cache.buf[:, :, row, :, start:width].clone()
