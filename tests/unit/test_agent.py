@@ -283,7 +283,8 @@ def test_guess_task_learns_in_the_real_loop(ray_cluster, tmp_path):
     assert rows[-1]["agent/env_tokens_mean"] > 0
     with open(os.path.join(cfg.logging.output_dir, "samples.jsonl")) as f:
         record = json.loads(f.readline())
-    assert record["prompt"] == "guess:"
+    assert record["prompt"] == "guess:" and record["turns"][0] == ["assistant", 1]
+    assert record["policy_tokens"] == sum(n for role, n in record["turns"] if role == "assistant")
 
 
 def test_prefix_reuse_gives_the_same_trajectories(engine):
@@ -337,3 +338,36 @@ def test_multiturn_benchmark_runs():
 
     argv = ["--trajectories", "4", "--turns", "2", "--prompt-len", "8", "--obs-len", "4", "--new-tokens", "2"]
     assert main([*argv, "--repeats", "1", "--threads", "1"]) == 0
+
+
+def test_multi_turn_over_http_is_the_same_as_in_process(engine, tmp_path):
+    """Each turn a /generate request with input_ids to a real ``tidal serve`` (with prefix reuse on): the same
+    trajectories as the in-process engine built from the same seed (greedy), ids kept as the server sent them."""
+    from serve_process import serve_process
+
+    from tidal.config.schema import WeightSyncConfig
+    from tidal.rollout.http_engine import HttpEngineActor
+
+    args = ["--model", "tiny", "--device", "cpu", "--rollout-prefix-cache-mb", "16"]
+    with serve_process(args, str(tmp_path / "serve.log"), key="k") as client:
+        addr = str(client.base_url).removeprefix("http://").rstrip("/")
+        rollout = RolloutConfig(rollout_engine="sglang", rollout_engine_api_key="k")
+        http = HttpEngineActor(
+            0, model=ModelConfig(model="tiny"), rollout=rollout, memory=MemoryConfig(), weight_sync=WeightSyncConfig(),
+            device="cpu", address=addr,
+        )  # fmt: skip
+        http.init()
+        loop = _loop(engine, f"{PLUGINS}:Countdown", rollout_max_response_len=3)
+        sp = SamplingParams(max_new_tokens=3, temperature=0.0)
+        rec = Recorder(http)
+        remote = loop.run(rec, _samples(engine), sp)
+    local = loop.run(engine.generate, _samples(engine), sp)
+    assert [x.response_ids for x in remote] == [x.response_ids for x in local]
+    assert [x.loss_mask for x in remote] == [x.loss_mask for x in local]
+    for a, b in zip(remote, local):
+        torch.testing.assert_close(
+            torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs), atol=1e-5, rtol=0
+        )
+        for k, span in enumerate(t for t in a.turns if t.role == "assistant"):
+            sent, got, _ = rec.turns[k][a.index]
+            assert sent == a.prompt_ids + a.response_ids[: span.start] and a.response_ids[span.start : span.end] == got

@@ -46,7 +46,7 @@ digits, scored by the ``exact`` reward (the response must be the answer and then
     eval split is each digit once.
 
 ``calculator`` (multi-turn, for instruct models with a chat template: ``tidal.rollout.envs.CalculatorEnv``)
-    ``What is a times b?`` with two-digit operands, under a system message that offers a
+    ``What is a times b?`` (a in 3..9, b in 11..59), under a system message that offers a
     ``calculator`` tool in the Hermes/Qwen ``<tool_call>`` format; the label is the product. One
     question in ten, by a hash of its text, is held out (at most ``eval_size`` evaluated).
 
@@ -133,14 +133,16 @@ def guess() -> TaskSplits:
 
 
 CALCULATOR_SYSTEM = (
-    "You can use a calculator. To use it, write\n"
+    "You have one tool, a calculator. To use it, reply with exactly\n"
     '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>\n'
-    "and wait for the result. Then answer with only the number."
+    "(with your own expression). The result comes back in <tool_response> tags. "
+    "Then reply with only the number."
 )
 
 
 def calculator() -> TaskSplits:
-    questions = {f"What is {a} times {b}?": str(a * b) for a in range(11, 100, 4) for b in range(12, 100, 5)}
+    # Some products a small model knows by heart (a start for the reward), most it does not: the tool helps.
+    questions = {f"What is {a} times {b}?": str(a * b) for a in range(3, 10) for b in range(11, 60)}
 
     def chat(q: str) -> list[dict]:
         return [{"role": "system", "content": CALCULATOR_SYSTEM}, {"role": "user", "content": q}]

@@ -11,7 +11,9 @@ second ones), so a step's lines show different prompts rather than N answers to 
 the dataset's prompt (text, or chat messages before the template). ``finish_reason``
 is ``stop`` (an end token or stop string ended it) or ``length`` (the response budget ran out), as in
 OpenAI's and SGLang's APIs. ``--show-samples`` also prints the first chosen sample of each step on the
-console, one line, shortened to fit.
+console, one line, shortened to fit. A multi-turn sample (docs/multi-turn.md) also has ``turns``,
+``[role, tokens]`` per span in order (``assistant`` spans are the policy's), and ``policy_tokens``;
+its ``response`` is every turn decoded.
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ def sample_record(step: int, s: Sample) -> dict:
         "weight_version": int(s.weight_version),
         "finish_reason": FINISH_REASON.get(s.status, s.status),
         "response_length": len(s.response_ids),
+        # multi-turn: who wrote which span (role, tokens); the policy's tokens are the trained ones
+        **(
+            {"turns": [[t.role, t.end - t.start] for t in s.turns], "policy_tokens": s.num_policy_tokens}
+            if s.turns
+            else {}
+        ),
     }
 
 
