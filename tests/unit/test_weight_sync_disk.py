@@ -365,10 +365,10 @@ def test_multithreaded_compression_of_a_large_diff_is_still_one_frame_with_its_s
 
 @pytest.mark.parametrize("encoding", ["xor", "overwrite"])
 def test_large_tensors_diffed_span_by_span_give_the_same_stream(tmp_path, monkeypatch, encoding):
-    from tidal.weight_sync import disk
+    from tidal.weight_sync import disk_codec
 
-    monkeypatch.setattr(disk, "_SPLIT_FROM", 2048)
-    monkeypatch.setattr(disk, "_SPLIT", 1000)  # not a multiple of 8: spans end inside words
+    monkeypatch.setattr(disk_codec, "LARGE", 2048)
+    monkeypatch.setattr(disk_codec, "SPAN", 1000)  # not a multiple of 8: spans end inside words
     w0 = _weights()
     base = _base(tmp_path, w0)
     s = DiskStrategy(_cfg(tmp_path, update_weight_delta_encoding=encoding), [], base_dir=base)
@@ -419,3 +419,53 @@ def test_blake3_without_its_package_is_one_clear_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "blake3", None)  # import blake3 -> ImportError
     with pytest.raises(UserError, match=r"blake3 needs the blake3 package: pip install 'tidal\[blake3\]'"):
         fmt.checksum("blake3", b"abc")
+
+
+@pytest.mark.parametrize("cut", ["truncated", "flipped"])
+def test_a_frame_corrupt_midway_leaves_the_tensor_as_it_was(monkeypatch, cut):
+    from tidal.weight_sync import disk_codec
+
+    monkeypatch.setattr(disk_codec, "SPAN", 4096)  # several spans are patched before the damage is reached
+    rng = np.random.default_rng(0)
+    old = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    new = old.copy()
+    new[rng.integers(0, old.size, 3000)] ^= 0x55
+    blob = disk_codec.encode_tensor("w", new, old.copy(), "xor", "xxh3-128").blob.copy()
+    if cut == "truncated":
+        blob = blob[: blob.size * 3 // 4]
+    else:
+        blob[blob.size * 3 // 4] ^= 0xFF
+    region = old.copy()
+    try:
+        _, digest = disk_codec.patch(region, blob, "xor", "w", "xxh3-128")
+    except WeightSyncError:
+        assert np.array_equal(region, old)  # refused: the spans already patched were reverted
+    else:  # the damage decoded without a zstd error: the checksum tells, and unpatch restores
+        assert digest != fmt.checksum("xxh3-128", new)
+        disk_codec.unpatch(region, blob, "xor", "w", None)
+        assert np.array_equal(region, old)
+
+
+@pytest.mark.parametrize("encoding", ["xor", "overwrite"])
+def test_spans_and_pool_give_what_the_one_shot_rules_give(monkeypatch, encoding):
+    from tidal.weight_sync import disk_codec
+    from tidal.weight_sync.delta import pool
+
+    monkeypatch.setattr(disk_codec, "SPAN", 1000)  # not a multiple of 8
+    monkeypatch.setattr(disk_codec, "LARGE", 20_000)
+    rng = np.random.default_rng(1)
+    for n in (0, 5, 999, 1000, 4099, 50_001):
+        old = rng.integers(0, 256, n, dtype=np.uint8)
+        new = old.copy()
+        new[rng.integers(0, max(n, 1), n // 20)] ^= 3
+        snap = old.copy()
+        e = disk_codec.submit_encode(pool(), "w", new, snap, encoding, "adler32").result()
+        assert np.array_equal(snap, new)
+        _, d = fmt.diff(new, old, encoding)
+        if d is None:
+            assert e.blob is None and e.changed == 0
+            continue
+        assert np.array_equal(fmt.decompress(e.blob, "w"), d) and e.digest == fmt.checksum("adler32", new)
+        region = old.copy()
+        _, digest = disk_codec.patch(region, e.blob, encoding, "w", "adler32")
+        assert np.array_equal(region, new) and digest == e.digest

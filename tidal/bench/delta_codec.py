@@ -35,6 +35,7 @@ import importlib
 import json
 import os
 import statistics
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -189,7 +190,8 @@ def run(args, disk: bool = False) -> dict:
         }
     snap = np.empty_like(old)
     target = np.empty_like(old)
-    enc_s, app_s = [], []
+    enc_s, app_s, file_s = [], [], []
+    file_dir = (args.disk_dir or tempfile.gettempdir()) if args.format == "both" else None
     sent = changed = 0
     equal = True
     for _ in range(args.reps):
@@ -204,7 +206,14 @@ def run(args, disk: bool = False) -> dict:
         equal &= bool(np.array_equal(snap, new))
         changed = sum(r[0] for r in results)
         sent = sum(len(p) for r in results for p in r[2])
-        items = [(target[a : a + n], b"".join(r[2]), r[1], codec.CHUNK) for (a, n), r in zip(spans, results) if r[0]]
+        blobs = [b"".join(r[2]) for r in results if r[0]]
+        if file_dir:
+            blobs, wr, rd = _file_roundtrip(file_dir, blobs)
+            file_s.append((wr, rd))
+        items = [
+            (target[a : a + n], b, r[1], codec.CHUNK)
+            for (a, n), r, b in zip(spans, [r for r in results if r[0]], blobs)
+        ]
         np.copyto(target, old)
         t0 = time.perf_counter()
         sums = codec.apply_many(items, args.encoding, args.compression, "xxh3-128")
@@ -229,8 +238,48 @@ def run(args, disk: bool = False) -> dict:
         "encode_s": [round(s, 4) for s in enc_s],
         "apply_s": [round(s, 4) for s in app_s],
         "memcpy_gbps": {k: round(v, 2) for k, v in limit.items()},
+        **_file_figures(file_s, total, enc_s, app_s),
         "bitwise_equal": equal,
         "build_s": round(build_s, 1),
+    }
+
+
+def _file_roundtrip(folder: str, blobs: list[bytes]) -> tuple[list[memoryview], float, float]:
+    """The encoded entries written to one file (fsynced) and read back, as a disk transport would:
+    (the entries read back, write seconds, read seconds)."""
+    fd, path = tempfile.mkstemp(prefix="tidal-bench-codec-", dir=folder)
+    try:
+        t0 = time.perf_counter()
+        with os.fdopen(fd, "wb") as f:
+            for b in blobs:
+                f.write(b)
+            f.flush()
+            os.fsync(f.fileno())
+        wr = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with open(path, "rb") as f:
+            data = memoryview(f.read())
+        rd = time.perf_counter() - t0
+    finally:
+        os.remove(path)
+    out, pos = [], 0
+    for b in blobs:
+        out.append(data[pos : pos + len(b)])
+        pos += len(b)
+    return out, wr, rd
+
+
+def _file_figures(file_s: list, total: int, enc_s: list, app_s: list) -> dict:
+    """tidal's layout through a file: encode + write and read + apply, comparable with the disk stream's."""
+    if not file_s:
+        return {}
+    wr, rd = (statistics.median(f[i] for f in file_s) for i in range(2))
+    enc, app = statistics.median(enc_s), statistics.median(app_s)
+    return {
+        "file_write_s": round(wr, 4),
+        "file_read_s": round(rd, 4),
+        "encode_write_gbps": round(total / (enc + wr) / 1e9, 3),
+        "read_apply_gbps": round(total / (rd + app) / 1e9, 3),
     }
 
 
@@ -269,21 +318,32 @@ def run_disk(args, old: np.ndarray, new: np.ndarray, spans: list, threads: int, 
             s = DiskStrategy(cfg, [], base_dir=base)
             s.write(tensors(old), 1)  # first sync: seeds the snapshot from the base, publishes nothing
             pull(cfg.update_weight_local_checkpoint_dir, s.disk_dir, 0, base_dir=base)  # version 0 on the host
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             folder = s.write(tensors(new), 2)
-            write_total = time.perf_counter() - t0
+            write_total, write_cpu = time.perf_counter() - t0, time.process_time() - c0
             on_disk = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             pull(cfg.update_weight_local_checkpoint_dir, s.disk_dir, 1, base_dir=base)
-            apply_s = time.perf_counter() - t0
+            apply_s, apply_cpu = time.perf_counter() - t0, time.process_time() - c0
             with open(os.path.join(cfg.update_weight_local_checkpoint_dir, "model.safetensors"), "rb") as f:
                 (n,) = np.frombuffer(f.read(8), "<u8")
                 f.seek(8 + int(n))
                 equal = bool(np.array_equal(np.frombuffer(f.read(), np.uint8), _packed(new, spans)))
-            rows.append((write_total - s.last_write_s, s.last_write_s, apply_s, on_disk, equal))
+            rows.append(
+                (
+                    write_total - s.last_blocked_s,
+                    s.last_blocked_s,
+                    apply_s,
+                    write_cpu,
+                    apply_cpu,
+                    s.last_write_s,
+                    on_disk,
+                    equal,
+                )
+            )
             shutil.rmtree(s.disk_dir)
         total = sum(n for _, n in spans)
-        enc, wr, app = (statistics.median(r[i] for r in rows) for i in range(3))
+        enc, wr, app, enc_cpu, app_cpu, wr_all = (statistics.median(r[i] for r in rows) for i in range(6))
         return {
             "bench": "delta_codec",
             "format": "disk (slime)",
@@ -292,19 +352,52 @@ def run_disk(args, old: np.ndarray, new: np.ndarray, spans: list, threads: int, 
             "threads": threads,
             "tensors": len(spans),
             "bytes_total": total,
-            "bytes_on_disk": rows[-1][3],
-            "disk_fraction": round(rows[-1][3] / total, 5),
+            "bytes_on_disk": rows[-1][6],
+            "disk_fraction": round(rows[-1][6] / total, 5),
             "density": round(density, 5),
             "encode_s": round(enc, 4),
             "write_s": round(wr, 4),
+            "write_background_s": round(wr_all, 4),
             "apply_s": round(app, 4),
             "encode_gbps": round(total / enc / 1e9, 3),
             "encode_write_gbps": round(total / (enc + wr) / 1e9, 3),
             "apply_gbps": round(total / app / 1e9, 3),
-            "bitwise_equal": all(r[4] for r in rows),
+            "encode_write_cpu_s": round(enc_cpu, 4),
+            "apply_cpu_s": round(app_cpu, 4),
+            **zstd_limit(old, new, spans, args.encoding, threads),
+            "bitwise_equal": all(r[7] for r in rows),
         }
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def zstd_limit(old: np.ndarray, new: np.ndarray, spans: list, encoding: str, threads: int) -> dict[str, float]:
+    """zstd alone on the same diffs (level 1, one-shot, one frame per tensor, the tensors over a pool of
+    ``threads``): the compression and decompression speed the disk stream's encode and apply work
+    against, in GB/s of full tensor bytes like theirs."""
+    import zstandard
+
+    from tidal.weight_sync import disk_format as fmt
+
+    total = sum(n for _, n in spans)
+    diffs = [d for d in (fmt.diff(new[a : a + n], old[a : a + n], encoding)[1] for a, n in spans) if d is not None]
+    local = __import__("threading").local()
+
+    def compress(d):
+        c = local.__dict__.setdefault("c", zstandard.ZstdCompressor(level=1))
+        return c.compress(d)
+
+    def decompress(f):
+        return local.__dict__.setdefault("d", zstandard.ZstdDecompressor()).decompress(f)
+
+    with ThreadPoolExecutor(threads) as ex:
+        t0 = time.perf_counter()
+        frames = list(ex.map(compress, diffs))
+        comp = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        list(ex.map(decompress, frames))
+        decomp = time.perf_counter() - t0
+    return {"zstd_compress_gbps": round(total / comp / 1e9, 3), "zstd_decompress_gbps": round(total / decomp / 1e9, 3)}
 
 
 def _packed(buf: np.ndarray, spans: list) -> np.ndarray:

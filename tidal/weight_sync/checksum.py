@@ -67,5 +67,34 @@ def _blake3(buf) -> str:
     return h.hexdigest()
 
 
+class Hasher:
+    """A checksum fed piece by piece; ``hexdigest()`` equals ``checksum_bytes`` of the pieces joined."""
+
+    def __init__(self, algo: str = "xxh3-128"):
+        self.algo = algo
+        if algo == "xxh3-128":
+            self._h = xxhash.xxh3_128()
+        elif algo == "blake3":
+            checksum_bytes(b"", "blake3")  # the clear error when the package is missing
+            import blake3
+
+            self._h = blake3.blake3()
+        elif algo == "adler32":
+            self._adler = 1
+        elif algo != "none":
+            raise ValueError(f"unknown checksum {algo!r}; use xxh3-128, blake3, adler32 or none")
+
+    def update(self, buf) -> None:
+        if self.algo == "adler32":
+            self._adler = zlib.adler32(buf, self._adler)
+        elif self.algo != "none":
+            self._h.update(buf)
+
+    def hexdigest(self) -> str:
+        if self.algo == "adler32":
+            return f"{self._adler & 0xFFFFFFFF:08x}"
+        return self._h.hexdigest() if self.algo != "none" else ""
+
+
 def tensor_checksum(t: torch.Tensor, algo: str = "xxh3-128") -> str:
     return checksum_bytes(tensor_bytes(t), algo)

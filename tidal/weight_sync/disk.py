@@ -20,9 +20,9 @@ its new full bytes. Engines then ``pull_weights`` to that version and reload the
 The trainer's weight version (what engines report) and the stream's version are counted apart: the
 stream starts at 0 with the strategy's first sync, whatever the trainer's version then.
 
-Encoding runs on a thread pool over tensors, pipelined with the trainer's stream (numpy, zstd and
-the checksums release the GIL); tensors of 64 MiB or more are diffed in 16 MiB spans across the
-pool, and diffs of 32 MiB or more compress on several zstd threads, which still writes one frame.
+Encoding (``disk_codec``) runs on a thread pool over tensors, pipelined with the trainer's stream
+(numpy, zstd and the checksums release the GIL), each tensor in cache-sized spans; the shards
+(about 32 MiB each) are serialised and written on a background thread while the next ones encode.
 
 Atomic publication: a version is written into ``.tmp-weight_v...-<pid>`` (every file fsynced), then
 renamed to its final name, so a killed writer leaves only a ``.tmp-`` folder that no reader ever
@@ -53,6 +53,7 @@ import shutil
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import ray
@@ -62,6 +63,7 @@ from safetensors.torch import save as save_torch
 
 from tidal.atomic import publish_dir
 from tidal.errors import ConfigError, WeightSyncError, last_line
+from tidal.weight_sync import disk_codec as codec
 from tidal.weight_sync import disk_format as fmt
 from tidal.weight_sync.base import NamedTensors, SyncReport, WeightSyncStrategy
 from tidal.weight_sync.bucket import as_numpy_u8, dtype_name, plan_buckets
@@ -71,15 +73,25 @@ log = logging.getLogger(__name__)
 INDEX = fmt.INDEX
 version_dir = fmt.version_dir
 _ST_CODE = {v: k for k, v in fmt.ST_DTYPES.items()}
-_ZSTD_THREADS_FROM = 32 << 20  # diffs this large compress on several zstd threads (still one frame)
 CHAIN_FULLS = 4  # a chain of deltas weighing this many full versions is closed by a full version
-_SPLIT_FROM, _SPLIT = 64 << 20, 16 << 20  # tensors this large are diffed in spans of _SPLIT bytes on the pool
+_SHARD = 32 << 20  # delta shards of about this many bytes (at most --update-weight-buffer-size), so writes overlap
 
 
 class VersionWriter:
-    """Writes one version folder into a temporary folder, shard by shard, then publishes it by a rename."""
+    """Writes one version folder into a temporary folder, shard by shard, then publishes it by a rename.
 
-    def __init__(self, disk_dir: str, version: int, hook: Callable[[int, str], None] | None = None, first: int = 1):
+    ``shard`` may hand the serialising and writing to a background thread (``background=True``), so
+    the next shard encodes while the last one is written; ``publish`` waits for every write.
+    """
+
+    def __init__(
+        self,
+        disk_dir: str,
+        version: int,
+        hook: Callable[[int, str], None] | None = None,
+        first: int = 1,
+        background: bool = False,
+    ):
         self.final = fmt.version_dir(disk_dir, version)
         self.tmp = os.path.join(disk_dir, f".tmp-weight_v{version:06d}-{os.getpid()}")
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -88,19 +100,53 @@ class VersionWriter:
         self.shards: list[list[str]] = []
         self.hook = hook
         self.bytes = 0
-        self.write_s = 0.0  # time spent writing and fsyncing files
+        self.write_s = 0.0  # time spent serialising, writing and fsyncing files (on any thread)
+        self.blocked_s = 0.0  # of which the caller waited for (all of it without a background writer)
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tidal-shard") if background else None
+        self._pending: list = []
 
-    def shard(self, blob: bytes, names: list[str]) -> None:
-        path = os.path.join(self.tmp, f"part-{len(self.shards):05d}")
-        t0 = time.perf_counter()
-        fmt.atomic_write(path, blob)
-        self.write_s += time.perf_counter() - t0
-        self.bytes += len(blob)
-        if self.hook is not None:
-            self.hook(len(self.shards), path)
+    def shard(self, blob: bytes | Callable[[], bytes], names: list[str]) -> None:
+        """Write one shard: its bytes, or a function that makes them (called on the writer thread)."""
+        index = len(self.shards)
         self.shards.append(names)
+        t0 = time.perf_counter()
+        if self._writer is None:
+            self._write(index, blob)
+        else:
+            while len(self._pending) > 1:  # at most one shard written while the next one fills
+                self._pending.pop(0).result()
+            self._pending.append(self._writer.submit(self._write, index, blob))
+        self.blocked_s += time.perf_counter() - t0
 
-    def publish(self, metadata: dict, weight_map_extra: dict | None = None) -> str:
+    def _write(self, index: int, blob) -> None:
+        path = os.path.join(self.tmp, f"part-{index:05d}")
+        t0 = time.perf_counter()
+        data = blob() if callable(blob) else blob
+        fmt.atomic_write(path, data)
+        self.write_s += time.perf_counter() - t0
+        self.bytes += len(data)
+        if self.hook is not None:
+            self.hook(index, path)
+
+    def wait(self) -> None:
+        """Every shard written (a write's error is raised here)."""
+        t0 = time.perf_counter()
+        try:
+            for f in self._pending:
+                f.result()
+        finally:
+            self._pending = []
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
+            self.blocked_s += time.perf_counter() - t0
+
+    def discard(self) -> None:
+        self.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def publish(self, metadata: dict) -> str:
+        self.wait()
         n = len(self.shards)
         weight_map = {}
         for i, names in enumerate(self.shards):
@@ -111,6 +157,7 @@ class VersionWriter:
         fmt.write_index(self.tmp, {"metadata": metadata, "weight_map": weight_map})
         publish_dir(self.tmp, self.final)  # a retry replaces the folder whole
         self.write_s += time.perf_counter() - t0
+        self.blocked_s += time.perf_counter() - t0
         return self.final
 
 
@@ -127,51 +174,6 @@ def write_full(
         w.shard(save_torch(shard, metadata={"format": "pt", **meta}), list(shard))
     path = w.publish({"total_size": total, "checksum_format": algo})
     return path, w
-
-
-def _encode_one(name: str, new: np.ndarray, old: np.ndarray, encoding: str, algo: str):
-    """(name, changed bytes, compressed diff or None, checksum of new); copies ``new`` into ``old`` (the snapshot)."""
-    changed, d = fmt.diff(new, old, encoding, name)
-    if not changed:
-        return name, 0, None, None
-    np.copyto(old, new)
-    threads = -1 if d.size >= _ZSTD_THREADS_FROM else 0
-    return name, changed, fmt.compress(d, threads), fmt.checksum(algo, new)
-
-
-def _diff_part(new: np.ndarray, old: np.ndarray, encoding: str, a: int, b: int, out: np.ndarray | None):
-    """One span of a large tensor's diff: (changed bytes, None (xor: written into ``out``) | (positions, values))."""
-    if encoding == "xor":
-        np.bitwise_xor(new[a:b], old[a:b], out=out[a:b])
-        return int(np.count_nonzero(out[a:b])), None
-    pos, vals = fmt.changed_bytes(new[a:b], old[a:b])
-    return int(pos.size), (pos + np.uint32(a), vals)
-
-
-def _join_parts(name: str, new: np.ndarray, old: np.ndarray, encoding: str, algo: str, parts: list, out):
-    """``_encode_one``'s result for a tensor whose diff was computed span by span on the pool."""
-    done = [f.result() for f in parts]  # queued before this job, so they are never behind it
-    changed = sum(c for c, _ in done)
-    if not changed:
-        return name, 0, None, None
-    if encoding == "xor":
-        d = out
-    else:
-        d = fmt.overwrite_bytes(np.concatenate([p for _, (p, _) in done]), np.concatenate([v for _, (_, v) in done]))
-    np.copyto(old, new)
-    return name, changed, fmt.compress(d, -1), fmt.checksum(algo, new)
-
-
-def _submit_encode(workers, name: str, new: np.ndarray, old: np.ndarray, encoding: str, algo: str):
-    """Encode one tensor on the pool: one job, or (``_SPLIT_FROM`` bytes and up) one job per span plus a join."""
-    if new.size < _SPLIT_FROM or new.size != old.size:
-        return workers.submit(_encode_one, name, new, old, encoding, algo)
-    if encoding == "overwrite":
-        fmt.check_overwrite_size(name, new.size)
-    out = np.empty(new.size, np.uint8) if encoding == "xor" else None
-    spans = [(a, min(a + _SPLIT, new.size)) for a in range(0, new.size, _SPLIT)]
-    parts = [workers.submit(_diff_part, new, old, encoding, a, b, out) for a, b in spans]
-    return workers.submit(_join_parts, name, new, old, encoding, algo, parts, out)
 
 
 class DiskStrategy(WeightSyncStrategy):
@@ -200,6 +202,7 @@ class DiskStrategy(WeightSyncStrategy):
         self.full_version = 0  # newest full version of the stream (0: the base)
         self.chain_bytes = 0  # bytes of the deltas since it
         self.last_write_s = 0.0  # file-writing seconds of the last ``write`` (benchmarks)
+        self.last_blocked_s = 0.0  # of which encoding waited for
         self.fault_hook: Callable[[int, int, object], None] | None = None
         self._attempt = 0
 
@@ -228,7 +231,7 @@ class DiskStrategy(WeightSyncStrategy):
         """
         report = report if report is not None else SyncReport(mode=self.mode, transport=self.transport, version=version)
         os.makedirs(self.disk_dir, exist_ok=True)
-        self.last_write_s = 0.0
+        self.last_write_s = self.last_blocked_s = 0.0
         stream = timed_stream(tensors, report, dtype=dtype)
         if self.mode == "full":
             t0 = time.perf_counter()
@@ -315,44 +318,18 @@ class DiskStrategy(WeightSyncStrategy):
                 np.copyto(old, new)
             self.stream_version = version
             return self._write_full_version(version, report)
-        from tidal.weight_sync.delta import pool
-
-        w = VersionWriter(self.disk_dir, version, self._hook(), first=0)
-        shard: dict[str, np.ndarray] = {}
-        sums: dict[str, str] = {}
-        size = 0
-        inflight: deque = deque()
-        workers = pool()
-
-        def collect(fut) -> None:
-            nonlocal shard, sums, size
-            name, changed, blob, digest = fut.result()
-            report.changed_bytes += changed
-            if blob is None:
-                return
-            shard[name], sums[name] = blob, digest
-            size += blob.size
-            if size >= self.limit:
-                w.shard(save_numpy(shard, metadata=sums), list(shard))
-                shard, sums, size = {}, {}, 0
-
+        w = VersionWriter(self.disk_dir, version, self._hook(), first=0, background=True)
         t_gather = report.gather_s
         t0 = time.perf_counter()
-        for name, t in stream:
-            if name not in self.snapshot:
-                raise WeightSyncError(f"delta over disk: {name} was not in the first sync; restart the stream")
-            inflight.append(
-                _submit_encode(workers, name, as_numpy_u8(t), self.snapshot[name], self.encoding, self.algo)
-            )
-            while len(inflight) >= 2 * workers._max_workers:
-                collect(inflight.popleft())
-        while inflight:
-            collect(inflight.popleft())
-        if shard:
-            w.shard(save_numpy(shard, metadata=sums), list(shard))
+        try:
+            self._encode_into(w, stream, report)
+        except BaseException:
+            w.discard()
+            raise
+        w.wait()
         if w.bytes >= report.bytes_total > 0:
             # Denser than the weights themselves (overwrite spends 5 bytes per changed byte): write it full.
-            shutil.rmtree(w.tmp, ignore_errors=True)
+            w.discard()
             self.stream_version = version
             return self._write_full_version(version, report)
         index = fmt.delta_index(version, self.encoding, self.algo, {})["metadata"]
@@ -362,12 +339,55 @@ class DiskStrategy(WeightSyncStrategy):
         self.chain_bytes += w.bytes
         return path
 
+    def _encode_into(self, w: VersionWriter, stream: Iterator[tuple[str, torch.Tensor]], report: SyncReport) -> None:
+        """Encode the stream's tensors on the pool, in order, into shards of about ``_SHARD`` bytes that
+        the writer thread writes while the next ones encode."""
+        from tidal.weight_sync.delta import pool
+
+        shard: dict[str, np.ndarray] = {}
+        sums: dict[str, str] = {}
+        size = 0
+        inflight: deque = deque()
+        workers = pool()
+        limit = min(self.limit, _SHARD)
+
+        def flush() -> None:
+            nonlocal shard, sums, size
+            w.shard(lambda s=shard, m=sums: save_numpy(s, metadata=m), list(shard))
+            shard, sums, size = {}, {}, 0
+
+        def collect(fut) -> None:
+            nonlocal size
+            e = fut.result()
+            report.changed_bytes += e.changed
+            if e.blob is None:
+                return
+            shard[e.name], sums[e.name] = e.blob, e.digest
+            size += e.blob.size
+            if size >= limit:
+                flush()
+
+        for name, t in stream:
+            if name not in self.snapshot:
+                raise WeightSyncError(f"delta over disk: {name} was not in the first sync; restart the stream")
+            inflight.append(
+                codec.submit_encode(workers, name, as_numpy_u8(t), self.snapshot[name], self.encoding, self.algo)
+            )
+            while len(inflight) >= 2 * workers._max_workers:
+                collect(inflight.popleft())
+        while inflight:
+            collect(inflight.popleft())
+        if shard:
+            flush()
+
     def _written(self, w: VersionWriter, report: SyncReport, seconds: float) -> None:
-        """Account a written version: file writes are transport time (``send_s``), the rest encoding."""
+        """Account a written version: waiting for file writes is transport time (``send_s``), the rest
+        encoding (writes on the background thread overlap encoding and are not counted twice)."""
         report.bytes_sent += w.bytes
-        report.send_s += w.write_s
-        report.encode_s += max(seconds - w.write_s, 0.0)
+        report.send_s += w.blocked_s
+        report.encode_s += max(seconds - w.blocked_s, 0.0)
         self.last_write_s += w.write_s
+        self.last_blocked_s += w.blocked_s
 
     # ------------------------------------------------------------------ engines
 

@@ -204,17 +204,22 @@ def changed_bytes(new: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndar
 
     Compared as 8-byte words first: an RL update changes ~23 % of the words of bf16 weights, so the
     byte-level work runs on those only (the bytes on the wire are the same as a byte-wise compare's).
+    ``flatnonzero`` runs on boolean masks, where numpy has a fast path (4x a uint8 array's).
     """
     words = new.size // 8
     nw, ow = new[: words * 8].view("<u8"), old[: words * 8].view("<u8")
-    idx = np.flatnonzero(nw != ow).astype("<u4")  # < 2**29 words: positions fit u32 (tensors < 4 GiB)
-    changed = nw[idx]
-    j = np.flatnonzero((changed ^ ow[idx]).view(np.uint8)).astype("<u4")  # changed bytes within those words
-    pos = idx[j >> 3] * np.uint32(8) + (j & np.uint32(7))
+    idx = np.flatnonzero(nw != ow)
+    changed = np.take(nw, idx)
+    j = np.flatnonzero((changed ^ np.take(ow, idx)).view(np.uint8) != 0)  # changed bytes within those words
     vals = changed.view(np.uint8)[j]
-    tail = np.flatnonzero(new[words * 8 :] != old[words * 8 :]).astype("<u4")
+    pos = np.take(idx, j >> 3)
+    pos <<= 3
+    j &= 7
+    pos |= j
+    pos = pos.astype("<u4")  # tensors < 4 GiB (check_overwrite_size): positions fit u32
+    tail = np.flatnonzero(new[words * 8 :] != old[words * 8 :])
     if tail.size:
-        pos = np.concatenate([pos, tail + np.uint32(words * 8)])
+        pos = np.concatenate([pos, (tail + words * 8).astype("<u4")])
         vals = np.concatenate([vals, new[words * 8 :][tail]])
     return pos, vals
 

@@ -27,15 +27,21 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import mmap
 import os
 import shutil
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tidal.errors import UserError, WeightSyncError
+from tidal.weight_sync import disk_codec as codec
 from tidal.weight_sync import disk_format as fmt
+
+if TYPE_CHECKING:
+    import torch
 
 SYNC_DIR = ".weight_sync"
 
@@ -165,15 +171,19 @@ def _verify_full(folder: str, algo: str) -> None:
         raise WeightSyncError(f"{folder}: checksum mismatch for {len(bad)} tensors: {bad[:5]}")
 
 
-def _delta_entries(version_dir: str, locations: dict[str, fmt.TensorLocation]) -> list[tuple]:
-    """(name, encoded bytes, local location, wanted checksum) of every entry, shards in sorted order."""
+def _delta_entries(version_dir: str, locations: dict[str, fmt.TensorLocation], maps: dict) -> list[tuple]:
+    """(name, encoded bytes, local location, wanted checksum) of every entry, shards in sorted order.
+
+    The encoded bytes are views of the shard files mapped read-only into ``maps`` (path -> (file, map)):
+    nothing is read until a worker decodes it."""
     items = []
     for shard in sorted(f for f in os.listdir(version_dir) if f.endswith(".safetensors")):
         path = os.path.join(version_dir, shard)
         start, header = fmt.safetensors_header(path)
         want = header.get("__metadata__") or {}
-        with open(path, "rb") as f:
-            data = memoryview(f.read())
+        f = open(path, "rb")  # noqa: SIM115 - closed with its map by the caller
+        maps[path] = (f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        data = memoryview(maps[path][1])
         for name, info in header.items():
             if name == "__metadata__":
                 continue
@@ -186,43 +196,14 @@ def _delta_entries(version_dir: str, locations: dict[str, fmt.TensorLocation]) -
     return items
 
 
-def _patch(region: np.ndarray, blob, encoding: str, name: str) -> np.ndarray | None:
-    """Apply one diff in place (decoded and checked before the first byte is written). Returns what
-    ``_unpatch`` needs: the overwritten bytes (``overwrite``), or None (``xor``: applying again reverts)."""
-    if encoding == "overwrite":
-        pos, vals = fmt.overwrite_parts(fmt.decompress(blob, name), region.size, name)
-        old = region[pos]
-        region[pos] = vals
-        return old
-    fmt.apply(region, blob, encoding, name, inplace=True)
-    return None
-
-
-def _unpatch(region: np.ndarray, blob, encoding: str, name: str, old: np.ndarray | None) -> None:
-    if encoding == "overwrite":
-        pos, _ = fmt.overwrite_parts(fmt.decompress(blob, name), region.size, name)
-        region[pos] = old
-    else:
-        fmt.apply(region, blob, encoding, name, inplace=True)
-
-
-def _apply_delta(local: str, version_dir: str) -> int:
-    """Apply one delta version to the local copy in place; returns the number of changed tensors.
-
-    Every tensor is patched through a shared memory map on the pool and checked against its
-    checksum; if any fails, every patched tensor is reverted (``overwrite``: its old bytes, kept while
-    patching; ``xor``: the same diff once more), so nothing is applied and the state stays.
-    """
-    import mmap
-
-    from tidal.weight_sync.delta import pool
-
+def _check_delta_meta(local: str, version_dir: str) -> tuple[int, int, str, str] | None:
+    """(version, applied, encoding, checksum format) of a delta that applies next; None if it is applied."""
     meta = fmt.index_metadata(version_dir) or {}
     fmt.check_not_old_tidal(version_dir, meta)
     version, base = int(meta["version"]), int(meta["base_version"])
     applied = read_applied(local)
     if applied == version:
-        return 0
+        return None
     if applied != base:
         raise WeightSyncError(f"out-of-order delta {version_dir}: local at {applied}, the delta builds on {base}")
     if meta["compression_format"] != fmt.COMPRESSION:
@@ -230,9 +211,33 @@ def _apply_delta(local: str, version_dir: str) -> int:
     encoding, algo = meta["delta_encoding"], meta["checksum_format"]
     if encoding not in fmt.ENCODINGS:
         raise WeightSyncError(f"{version_dir}: delta_encoding {encoding!r} is not one of {', '.join(fmt.ENCODINGS)}")
-    items = _delta_entries(version_dir, fmt.tensor_locations(local))
+    return version, applied, encoding, algo
+
+
+def _close_maps(maps: dict) -> None:
+    for f, m in maps.values():
+        with contextlib.suppress(BufferError):  # a view still held by a traceback: the map closes when freed
+            m.close()
+        f.close()
+
+
+def _apply_delta(local: str, version_dir: str) -> int:
+    """Apply one delta version to the local copy in place; returns the number of changed tensors.
+
+    Every tensor is patched through a shared memory map on the pool (``disk_codec.patch``, largest
+    first) and checked against its checksum; if any fails, every patched tensor is reverted
+    (``overwrite``: its old bytes, kept while patching; ``xor``: the same diff once more), so nothing
+    is applied and the state stays.
+    """
+    from tidal.weight_sync.delta import pool
+
+    checked = _check_delta_meta(local, version_dir)
+    if checked is None:
+        return 0
+    version, applied, encoding, algo = checked
     maps: dict[str, tuple] = {}
     try:
+        items = _delta_entries(version_dir, fmt.tensor_locations(local), maps)
         for _, _, loc, _ in items:
             if loc.path not in maps:
                 f = open(loc.path, "r+b")  # noqa: SIM115 - closed below, with its map
@@ -244,30 +249,32 @@ def _apply_delta(local: str, version_dir: str) -> int:
         def patch(item) -> tuple[bool, object, bool]:
             name, blob, loc, want = item
             try:
-                undo = _patch(region(loc), blob, encoding, name)
+                undo, got = codec.patch(region(loc), blob, encoding, name, algo)
             except WeightSyncError:
-                return False, None, False  # refused before writing
-            return True, undo, fmt.checksum(algo, region(loc)) == want
+                return False, None, False  # refused, nothing written
+            return True, undo, got == want
 
         _forget_applied(local)  # while patching: a killed process leaves a fresh host, which resets
-        results = list(pool().map(patch, items))
+        sizes = [loc.nbytes for _, _, loc, _ in items]
+        order = sorted(range(len(items)), key=lambda i: -sizes[i])  # the longest jobs first
+        done = dict(zip(order, pool().map(patch, [items[i] for i in order])))
+        results = [done[i] for i in range(len(items))]
         bad = sorted(item[0] for item, (_, _, ok) in zip(items, results) if not ok)
         if bad:
             for item, (patched, undo, _) in zip(items, results):
                 if patched:
-                    _unpatch(region(item[2]), item[1], encoding, item[0], undo)
+                    codec.unpatch(region(item[2]), item[1], encoding, item[0], undo)
             _write_applied(local, applied)
             raise WeightSyncError(
                 f"checksum mismatch for {len(bad)} tensors after applying {version_dir}: {bad[:20]}; "
                 f"nothing applied, the local checkpoint stays at v{applied}"
             )
+        n_items = len(items)
+        del items, results, done
     finally:
-        for f, m in maps.values():
-            with contextlib.suppress(BufferError):  # a view still held by a traceback: the map closes when freed
-                m.close()
-            f.close()
+        _close_maps(maps)
     _write_applied(local, version)
-    return len(items)
+    return n_items
 
 
 def newest_version(source_dir: str) -> int:
@@ -290,8 +297,6 @@ def load_folder(receiver, path: str) -> dict:
     version folder (its shards' checksums are verified before each shard is applied). A delta
     folder cannot be loaded as it is: engines pull it into their local checkpoint first.
     """
-    from safetensors import safe_open
-
     t0 = time.perf_counter()
     path = os.path.abspath(path)
     if is_local_checkpoint(path):
@@ -309,9 +314,7 @@ def load_folder(receiver, path: str) -> dict:
         algo = (meta or {}).get("checksum_format")
     total = 0
     for shard in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
-        with safe_open(os.path.join(path, shard), framework="pt") as f:
-            want = f.metadata() or {}
-            pairs = [(name, f.get_tensor(name)) for name in f.keys()]
+        want, pairs = shard_views(os.path.join(path, shard))
         if algo in fmt.CHECKSUMS:
             from tidal.weight_sync.checksum import tensor_checksum
 
@@ -322,5 +325,32 @@ def load_folder(receiver, path: str) -> dict:
                 )
         receiver.load(pairs)
         total += sum(t.numel() * t.element_size() for _, t in pairs)
+        del pairs  # the views go before the next shard is mapped
     receiver._loaded = set()
     return {"apply_s": time.perf_counter() - t0, "bytes": total, "complete": True}
+
+
+def shard_views(path: str) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
+    """(``__metadata__``, (name, tensor) pairs) of a safetensors file, the tensors viewing a private
+    memory map of it: the engine copies them into its weights straight from the page cache, with no
+    intermediate copy (the file's pages are shared, never written)."""
+    import torch
+
+    start, header = fmt.safetensors_header(path)
+    if any(k != "__metadata__" and v["dtype"] not in fmt.ST_DTYPES for k, v in header.items()):
+        from safetensors import safe_open  # a dtype outside the table: safetensors reads it (a copy)
+
+        with safe_open(path, framework="pt") as f:
+            return f.metadata() or {}, [(name, f.get_tensor(name)) for name in f.keys()]
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if os.fstat(f.fileno()).st_size else None
+    raw = np.frombuffer(m, dtype=np.uint8) if m is not None else np.empty(0, np.uint8)
+    pairs = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = info["data_offsets"]
+        dtype = getattr(torch, fmt.ST_DTYPES[info["dtype"]])
+        t = torch.from_numpy(raw[start + a : start + b]) if b > a else torch.empty(0, dtype=torch.uint8)
+        pairs.append((name, t.view(dtype).view(info["shape"])))
+    return header.get("__metadata__") or {}, pairs
