@@ -25,7 +25,12 @@ the old bytes are the engines' base checkpoint (version 0, one safetensors file)
 ``DiskStrategy.write`` of the new weights as version 1 (diff, one zstd frame per tensor, checksum,
 shard files fsynced: ``write_s`` is the file writing within it), apply is ``pull`` of version 1
 into a host-local copy of the base (decode, verify, patch in place). It reports the bytes on disk
-against the full bytes and checks the patched copy bitwise against the new bytes.
+against the full bytes and checks the patched copy bitwise against the new bytes. Its limits,
+measured in the same run: memcpy, and zstd alone on the same diffs (``zstd_compress_gbps``,
+``zstd_decompress_gbps``: level 1, one frame per tensor, tensors over the same number of threads);
+``*_cpu_s`` are the process's CPU seconds (meaningful on a shared host, where wall time is not).
+With ``--format both`` the tidal row also writes its encoded entries to one fsynced file and reads
+them back (``file_write_s``, ``file_read_s``): tidal's layout through a disk, next to slime's.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@
     python -m tidal.bench.weight_sync --model qwen2.5-0.5b-shape --modes full,delta --transports tensor
 
 Prints one JSON line per (mode, transport, model): mode, transport, bytes_total, bytes_sent,
-density, seconds, gbps, phase seconds, limit_gbps and bitwise_equal. ``limit_gbps`` is measured in
+density, seconds, gbps, phase seconds, limit_gbps and bitwise_equal; the disk transport adds
+``write_s`` (file writing, partly overlapped with encoding), ``pull_s`` (engines patching their
+local checkpoint) and ``load_s`` (engines reloading it), the two parts of its ``apply_s``. ``limit_gbps`` is measured in
 the same run on the same buffer size: a plain memcpy on CPU, a device-to-device copy for colocated
 GPU syncs whose source is on the device, and a pinned host-to-device copy when the source is the
 trainer's host backup (our case: the trainer feeds host tensors).
@@ -144,7 +146,12 @@ class SyncSource:
     def sync(self) -> dict:
         self.version += 1
         report = self.strategy.sync(self.named_tensors(), self.version, self.engine_dtype)
-        extra = {"sync/write_s": self.strategy.last_write_s} if hasattr(self.strategy, "last_write_s") else {}
+        st = self.strategy
+        extra = (
+            {"sync/write_s": st.last_write_s, "sync/pull_s": st.last_pull_s, "sync/load_s": st.last_load_s}
+            if hasattr(st, "last_write_s")
+            else {}
+        )
         return {**report.metrics(), **extra, "version": self.version}
 
     def checksums(self) -> dict[str, str]:
@@ -306,7 +313,7 @@ def run_case(
         "encode_s": round(rep["sync/encode_s"], 4),
         "send_s": round(rep["sync/send_s"], 4),
         "apply_s": round(rep["sync/apply_s"], 4),
-        **({"write_s": round(rep["sync/write_s"], 4)} if "sync/write_s" in rep else {}),
+        **{k: round(rep[f"sync/{k}"], 4) for k in ("write_s", "pull_s", "load_s") if f"sync/{k}" in rep},
         "gbps": round(rep["sync/gbps"], 3),
         "limit_gbps": round(limit, 3),
         "source_bytes": src_bytes or rep["sync/bytes_total"],

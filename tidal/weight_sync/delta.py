@@ -98,7 +98,8 @@ def _cctx() -> zstandard.ZstdCompressor:
     return c
 
 
-def _dctx() -> zstandard.ZstdDecompressor:
+def thread_decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's zstd decompressor (shared by the disk codec; decompressors are not thread safe)."""
     d = getattr(_local, "dctx", None)
     if d is None:
         d = _local.dctx = zstandard.ZstdDecompressor()
@@ -114,7 +115,7 @@ def _compress(buf: np.ndarray, compression: str) -> bytes:
 def _decompress(blob, n: int, compression: str, what: str) -> np.ndarray:
     if compression == "zstd":
         try:
-            out = _dctx().decompress(blob, max_output_size=n)
+            out = thread_decompressor().decompress(blob, max_output_size=n)
         except zstandard.ZstdError as e:
             raise WeightSyncError(f"delta chunk {what} do not decompress ({e}); the payload is corrupt") from None
         arr = np.frombuffer(out, dtype=np.uint8)

@@ -203,6 +203,7 @@ class DiskStrategy(WeightSyncStrategy):
         self.chain_bytes = 0  # bytes of the deltas since it
         self.last_write_s = 0.0  # file-writing seconds of the last ``write`` (benchmarks)
         self.last_blocked_s = 0.0  # of which encoding waited for
+        self.last_pull_s = self.last_load_s = 0.0  # engines' apply: patching their local copy, reloading it
         self.fault_hook: Callable[[int, int, object], None] | None = None
         self._attempt = 0
 
@@ -418,8 +419,10 @@ class DiskStrategy(WeightSyncStrategy):
             )
             apply_s += max((p.seconds for p in pulled), default=0.0)
             path = self.local_dir
+        self.last_pull_s = apply_s
         stats = self._gather([e.update_weights_from_disk.remote(path, version) for e in self.engines])
-        apply_s += max((s.apply_s for s in stats), default=0.0)
+        self.last_load_s = max((s.apply_s for s in stats), default=0.0)
+        apply_s += self.last_load_s
         report.apply_s += apply_s
         report.send_s += max(time.perf_counter() - t0 - apply_s, 0.0)
         bad = [i for i, s in enumerate(stats) if s.engine_version != version]

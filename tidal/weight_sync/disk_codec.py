@@ -36,6 +36,7 @@ import zstandard
 from tidal.errors import WeightSyncError
 from tidal.weight_sync import disk_format as fmt
 from tidal.weight_sync.checksum import Hasher
+from tidal.weight_sync.delta import thread_decompressor
 
 SPAN = 4 << 20  # bytes diffed, compressed and hashed at a time (stays in cache)
 LARGE = 64 << 20  # tensors this large are diffed span by span across the pool
@@ -59,13 +60,6 @@ def _cctx(threads: int = 0) -> zstandard.ZstdCompressor:
     if c is None:
         c = cache[threads] = zstandard.ZstdCompressor(level=1, threads=threads, write_content_size=True)
     return c
-
-
-def _dctx() -> zstandard.ZstdDecompressor:
-    d = getattr(_local, "dctx", None)
-    if d is None:
-        d = _local.dctx = zstandard.ZstdDecompressor()
-    return d
 
 
 def _scratch(n: int) -> np.ndarray:
@@ -200,7 +194,7 @@ def _xor_stream(region: np.ndarray, blob, name: str, algo: str | None, upto: int
     end = region.size if upto is None else upto
     done = 0
     try:
-        with _dctx().stream_reader(memoryview(blob), read_across_frames=False) as reader:
+        with thread_decompressor().stream_reader(memoryview(blob), read_across_frames=False) as reader:
             while done < end:
                 buf = _scratch(min(SPAN, end - done))
                 k = reader.readinto(buf)
