@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tidal.algos import LossInputs, entropy_from_logits, grpo_loss, token_logprobs
+from tidal.algos import RLInputs, entropy_from_logits, rl_loss, token_logprobs
 from tidal.config.schema import AlgorithmConfig
 
 pytestmark = pytest.mark.gpu
@@ -85,8 +85,8 @@ def test_entropy_and_loss_on_gpu_match_cpu():
     adv = torch.tensor([1.0, -0.5], device="cuda")
     cfg = AlgorithmConfig(entropy_coef=0.01)
     old = logp.detach() + 0.05
-    loss_gpu, m_gpu = grpo_loss(LossInputs(logp, old, adv, mask, entropy=ent), cfg)
-    loss_cpu, m_cpu = grpo_loss(LossInputs(logp.cpu(), old.cpu(), adv.cpu(), mask.cpu(), entropy=ent.cpu()), cfg)
+    loss_gpu, m_gpu = rl_loss(RLInputs(logp, old, adv, mask, entropy=ent), cfg)
+    loss_cpu, m_cpu = rl_loss(RLInputs(logp.cpu(), old.cpu(), adv.cpu(), mask.cpu(), entropy=ent.cpu()), cfg)
     assert abs(loss_gpu.item() - loss_cpu.item()) < 1e-5
     assert abs(m_gpu["clipfrac"].item() - m_cpu["clipfrac"].item()) < 1e-6
     loss_gpu.backward()

@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from tidal.algos import (
-    LossInputs,
+    RLInputs,
     aggregate_sum,
     dynamic_sampling_keep,
     entropy_from_logits,
     grpo_advantages,
-    grpo_loss,
     kl_penalty,
     loss_normalizer,
     masked_mean,
     policy_loss,
+    rl_loss,
     token_logprobs,
     zero_variance_groups,
 )
@@ -109,7 +109,7 @@ def test_masked_tokens_contribute_nothing():
     assert logp.grad[0, 2] == 0 and (logp.grad[1] == 0).all()
     ent = torch.tensor([[0.3, 0.3, float("nan")], [float("inf")] * 3])
     cfg = AlgorithmConfig(entropy_coef=0.1)
-    loss, m = grpo_loss(LossInputs(logp.detach(), old, adv, mask, entropy=ent), cfg)
+    loss, m = rl_loss(RLInputs(logp.detach(), old, adv, mask, entropy=ent), cfg)
     # -1.1 - 0.1 * 0.3
     assert close(loss, -1.13) and close(m["entropy"], 0.3) and m["num_tokens"] == 2 and m["num_seqs"] == 1
 
@@ -140,38 +140,37 @@ def test_global_normalizer_over_micro_batches(agg):
     mask = torch.rand(b, t) > 0.3
     mask[2] = False  # an empty row counts for nothing in either mode
     cfg = AlgorithmConfig(loss_agg_mode=agg)
-    full, _ = grpo_loss(LossInputs(logp, old, adv, mask), cfg)
+    full, _ = rl_loss(RLInputs(logp, old, adv, mask), cfg)
     (g_full,) = torch.autograd.grad(full, logp)
     norm = loss_normalizer(mask[:2], agg) + loss_normalizer(mask[2:], agg)
     parts = [
-        grpo_loss(LossInputs(logp[s], old[s], adv[s], mask[s]), cfg, normalizer=norm)[0]
-        for s in (slice(0, 2), slice(2, 6))
+        rl_loss(RLInputs(logp[s], old[s], adv[s], mask[s]), cfg, normalizer=norm)[0] for s in (slice(0, 2), slice(2, 6))
     ]
     (g_parts,) = torch.autograd.grad(parts[0] + parts[1], logp)
     assert close(parts[0] + parts[1], full, 1e-6) and close(g_parts, g_full, 1e-6)
     # per-micro-batch means averaged would differ whenever the micro-batches differ in size
-    naive = sum(grpo_loss(LossInputs(logp[s], old[s], adv[s], mask[s]), cfg)[0] for s in (slice(0, 2), slice(2, 6))) / 2
+    naive = sum(rl_loss(RLInputs(logp[s], old[s], adv[s], mask[s]), cfg)[0] for s in (slice(0, 2), slice(2, 6))) / 2
     assert not close(naive, full, 1e-4)
 
 
-def test_grpo_loss_combines_kl_and_entropy():
+def test_rl_loss_combines_kl_and_entropy():
     # ratio 1, A = 1 -> pg = -1 per token. k1 with logp - ref = [0.5, -0.1]; entropy [1, 2].
     # kl_coef 0.1, entropy_coef 0.01: t0 = -1 + 0.05 - 0.01 = -0.96; t1 = -1 - 0.01 - 0.02 = -1.03
     # sum -1.99, token-mean -0.995
     logp = torch.zeros(1, 2)
     ref = torch.tensor([[-0.5, 0.1]])
     cfg = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k1", entropy_coef=0.01)
-    inputs = LossInputs(
+    inputs = RLInputs(
         logp, logp, torch.tensor([1.0]), torch.ones(1, 2), ref_logprobs=ref, entropy=torch.tensor([[1.0, 2.0]])
     )
-    loss, m = grpo_loss(inputs, cfg)
+    loss, m = rl_loss(inputs, cfg)
     assert close(loss, -0.995) and close(m["loss_sum"], -1.99) and close(m["normalizer"], 2)
     assert close(m["kl"], 0.2) and close(m["entropy"], 1.5) and close(m["pg_loss"], -1.0)
     # KL is reported even when not in the loss; a KL loss without reference log-probs is a bug
-    loss2, m2 = grpo_loss(inputs, AlgorithmConfig(kl_loss_type="k1"))
+    loss2, m2 = rl_loss(inputs, AlgorithmConfig(kl_loss_type="k1"))
     assert close(loss2, -1.0) and close(m2["kl"], 0.2)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        grpo_loss(LossInputs(logp, logp, torch.tensor([1.0]), torch.ones(1, 2)), cfg)
+        rl_loss(RLInputs(logp, logp, torch.tensor([1.0]), torch.ones(1, 2)), cfg)
 
 
 def test_kl_estimators():
@@ -261,9 +260,7 @@ def _bandit(sign: float, std_normalize: bool, agg: str, steps: int = 60) -> floa
         rewards = (act[:, 0] == right[ctx]).float()
         adv = sign * grpo_advantages(rewards, n, std_normalize=std_normalize)
         logp = token_logprobs(logits_table[ctx].unsqueeze(1), act)  # [B, T=1]
-        loss, _ = grpo_loss(
-            LossInputs(logp, logp.detach(), adv, torch.ones_like(act)), AlgorithmConfig(loss_agg_mode=agg)
-        )
+        loss, _ = rl_loss(RLInputs(logp, logp.detach(), adv, torch.ones_like(act)), AlgorithmConfig(loss_agg_mode=agg))
         opt.zero_grad()
         loss.backward()
         opt.step()

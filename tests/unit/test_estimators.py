@@ -241,6 +241,6 @@ def test_rl_loss_applies_correction_weights_and_drops():
     assert close(loss, -1.0) and m["num_tokens"] == 2
     loss.backward()
     assert close(logp.grad, [[-1.0, 0.0]])
-    # without a correction it is the PPO-clip loss of grpo_loss
+    # without a correction it is the plain PPO-clip loss
     loss, _ = rl_loss(RLInputs(logp, logp.detach(), torch.tensor([1.0]), torch.ones(1, 2)), AlgorithmConfig())
     assert close(loss, -1.0)

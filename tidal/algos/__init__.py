@@ -17,21 +17,12 @@ from tidal.algos.estimators import (
     sample_advantages,
 )
 from tidal.algos.logprobs import entropy_from_logits, token_logprobs, token_logprobs_and_entropy
-from tidal.algos.losses import (
-    LossInputs,
-    aggregate_sum,
-    grpo_loss,
-    kl_penalty,
-    loss_normalizer,
-    masked_mean,
-    policy_loss,
-)
-from tidal.algos.objectives import RLInputs, overlong_penalty, policy_terms, rl_loss, value_loss
+from tidal.algos.losses import aggregate_sum, kl_penalty, loss_normalizer, masked_mean
+from tidal.algos.objectives import RLInputs, overlong_penalty, policy_loss, policy_terms, rl_loss, value_loss
 
 __all__ = [
     "Correction",
     "CorrectionInputs",
-    "LossInputs",
     "RLInputs",
     "aggregate_sum",
     "apply_correction",
@@ -39,7 +30,6 @@ __all__ = [
     "entropy_from_logits",
     "gae",
     "grpo_advantages",
-    "grpo_loss",
     "kl_penalty",
     "loss_normalizer",
     "masked_mean",

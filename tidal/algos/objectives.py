@@ -2,8 +2,9 @@
 
 ``rl_loss`` is the trainer's loss for every estimator: a per-token policy term chosen by
 ``cfg.advantage_estimator``, times the behaviour-policy correction's weights (``tidal.algos.correction``),
-plus the KL penalty and the entropy bonus of ``tidal.algos.losses.grpo_loss``, aggregated the same way
-(with an external normaliser across micro-batches and ranks, see that module's docstring).
+plus the KL penalty and the entropy bonus, aggregated by ``--loss-agg-mode`` with an external
+normaliser across micro-batches and ranks (``tidal.algos.losses``' docstring says how to choose it).
+``policy_loss`` is the PPO-clip term alone, normalised within its batch.
 
 Policy terms, per token ``t`` of sequence ``i`` with ``r_t = exp(logp_t - old_t)``:
 
@@ -70,6 +71,35 @@ def policy_terms(
     return torch.maximum(unclipped, clipped), (clipped > unclipped) & m, ratio
 
 
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_clip: float = 0.2,
+    eps_clip_high: float | None = None,
+    agg: str = "token-mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO-clip loss (scalar, normalised within this batch) and metrics (detached scalars).
+
+    logprobs, old_logprobs, mask: [B, T]; advantages: [B] (per sequence) or [B, T].
+    Per token: ``max(-A * r, -A * clip(r, 1 - eps_clip, 1 + eps_clip_high))`` with
+    ``r = exp(logp - old_logp)``, aggregated by ``agg``. Metrics: ``clipfrac`` (fraction of valid
+    tokens where the clip was active), ``approx_kl`` (mean of old_logp - logp), ``ratio_mean``.
+    """
+    m = mask.to(torch.bool)
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    loss_tok, was_clipped, ratio = policy_terms("ppo-clip", logprobs, old_logprobs, advantages, m, eps_clip, high)
+    loss = aggregate_sum(loss_tok, m, agg) / loss_normalizer(m, agg).clamp(min=1)
+    with torch.no_grad():
+        metrics = {
+            "clipfrac": masked_mean(was_clipped.float(), m),
+            "approx_kl": masked_mean(_clean(old_logprobs.float(), m) - _clean(logprobs.float(), m), m),
+            "ratio_mean": masked_mean(ratio, m),
+        }
+    return loss, metrics
+
+
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, value_clip: float | None) -> Tensor:
     """Per-token clipped value loss[B, T] (PPO2 as in OpenAI baselines; slime's ``--value-clip``).
 
@@ -100,8 +130,14 @@ def overlong_penalty(response_lens: Tensor, max_len: int, buffer_len: int, facto
 
 @dataclass
 class RLInputs:
-    """One micro-batch for ``rl_loss``; all [B, T] tensors share positions (see ``LossInputs``).
+    """One micro-batch for ``rl_loss``. All [B, T] tensors share the same positions.
 
+    logprobs:      [B, T] float, current policy, requires grad (from ``token_logprobs``)
+    old_logprobs:  [B, T] float, policy that generated the samples (no grad)
+    advantages:    [B] or [B, T] float
+    mask:          [B, T] bool/0-1, response tokens to train on
+    ref_logprobs:  [B, T] float or None, frozen reference policy (needed when use_kl_loss)
+    entropy:       [B, T] float or None, from ``entropy_from_logits`` (with grad for a bonus)
     weights: [B, T] or None, the correction's per-token loss weights (detached)
     keep:    [B, T] bool or None, False where the correction drops a token
     """
@@ -121,7 +157,9 @@ def rl_loss(inputs: RLInputs, cfg: Any, normalizer: Tensor | float | None = None
 
     ``cfg`` is an ``AlgorithmConfig``. Tokens the correction drops (``keep`` False) leave the loss
     but still count in the normaliser, so dropping a token never up-weights the others. Metrics
-    match ``grpo_loss``'s (means over this batch's valid tokens, plus the sums for reduction).
+    are detached means over this batch's valid tokens (``pg_loss``, ``clipfrac``, ``approx_kl``,
+    ``ratio_mean``, ``kl``, ``entropy``), plus ``num_tokens``, ``num_seqs``, ``loss_sum`` and
+    ``normalizer`` for weighted reduction across micro-batches and ranks.
     """
     agg = cfg.loss_agg_mode
     m = inputs.mask.to(torch.bool)
@@ -168,6 +206,7 @@ __all__ = [
     "RLInputs",
     "overlong_penalty",
     "policy_kind",
+    "policy_loss",
     "policy_terms",
     "rl_loss",
     "value_loss",
