@@ -9,15 +9,14 @@ and transport rules.
 from __future__ import annotations
 
 import os
-import re
 from typing import TYPE_CHECKING
 
+from tidal.config.run_rules import PLUGIN_PATH
 from tidal.errors import ConfigError
 
 if TYPE_CHECKING:
     from tidal.config.validate import Context
 
-_PATH = re.compile(r"^(?:[A-Za-z_][\w.]*|.+\.py):[A-Za-z_][\w.]*$")
 _MULTI_TURN_FLAGS = ("max_turns", "max_trajectory_tokens", "env_timeout", "agent_reward")
 _CHAT_TASKS = ("calculator",)
 # The built-in tasks an environment answers (tidal.data.tasks.MULTI_TURN_TASKS; a test checks they agree).
@@ -30,7 +29,7 @@ def multi_turn(ctx: Context) -> None:
     from tidal.model.load import PRESETS  # presets without --tokenizer use the character tokenizer
 
     if r.env_path is not None:
-        if not _PATH.match(r.env_path):
+        if not PLUGIN_PATH.match(r.env_path):
             raise ConfigError(f"--env-path {r.env_path}: expected module:Class or file.py:Class, e.g. my_envs:Maze")
         file = r.env_path.rsplit(":", 1)[0]
         if file.endswith(".py") and not os.path.isfile(file):

@@ -9,9 +9,9 @@ cluster, memory and transport rules.
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING
 
+from tidal.config.run_rules import PLUGIN_PATH
 from tidal.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 
 # Estimators whose returns are discounted by --gamma, and the one that learns a value baseline.
 _DISCOUNTED = ("ppo", "reinforce_plus_plus")
-_HOOK = re.compile(r"^(?:[A-Za-z_][\w.]*|.+\.py):[A-Za-z_][\w.]*$")
 
 
 def _unused(ctx: Context, names: tuple[str, ...], why: str, fix: str) -> None:
@@ -87,7 +86,7 @@ def tis(ctx: Context) -> None:
             "agree (ratio 1); choose bounds around 1 such as --tis-clip-low 0.5 --tis-clip 2"
         )
     path = a.custom_tis_function_path
-    if path is not None and not _HOOK.match(path):
+    if path is not None and not PLUGIN_PATH.match(path):
         raise ConfigError(
             f"--custom-tis-function-path {path}: expected module:function or file.py:function, e.g. my_pkg.mis:weights"
         )

@@ -17,14 +17,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tidal.checkpoint.manifest import is_checkpoint, iterations
-from tidal.config import agent_rules, algorithm_rules, memory_rules
+from tidal.config import agent_rules, algorithm_rules, memory_rules, run_rules
 from tidal.config.args import coerce, fields, flag_of
 from tidal.config.environment import Environment
 from tidal.config.plan import MemoryPlan, ModelShape, build_plan, model_shape
@@ -428,54 +424,16 @@ def _lr(ctx: Context) -> None:
         raise ConfigError(f"--min-lr {t.min_lr} is above --lr {t.lr}; lower --min-lr")
 
 
-@rule(
+rule(
     "checkpoint",
     "`--save-interval` and `--keep-checkpoints` need `--save`. `--load DIR` must exist and hold a checkpoint (a folder "
     "of `iter_*` or one of them), except when it is the `--save` folder: then a missing or empty folder starts fresh.",
-)
-def _checkpoint(ctx: Context) -> None:
-    ck = ctx.cfg.checkpoint
-    for name in ("save_interval", "keep_checkpoints"):
-        if ctx.get(name) and not ck.save:
-            raise ConfigError(f"{_f(name)} {ctx.get(name)} needs --save DIR (where checkpoints go)")
-    if not ck.load:
-        return
-    if ck.save and os.path.abspath(ck.load) == os.path.abspath(ck.save):
-        return  # the auto-resume idiom: nothing there yet means a fresh start (said at start-up)
-    if not os.path.isdir(ck.load):
-        raise ConfigError(
-            f"--load {ck.load}: no such directory; check the path, or pass the same folder to --save and --load "
-            "to start fresh and resume from it later"
-        )
-    if not is_checkpoint(ck.load) and not iterations(ck.load):
-        raise ConfigError(
-            f"--load {ck.load}: holds no checkpoint (no iter_* folder with a meta.json); point it at the folder given to --save"
-        )
+)(run_rules.checkpoint)
 
-
-_HOOK = re.compile(r"^(?:[A-Za-z_][\w.]*|.+\.py):[A-Za-z_][\w.]*$")
-
-
-@rule(
+rule(
     "data",
     "`--prompt-data` must be an existing .jsonl or .parquet file; plug-in paths are `module:function` or `file.py:function`.",
-)
-def _data(ctx: Context) -> None:
-    d = ctx.cfg.data
-    if d.prompt_data is not None:
-        if not d.prompt_data.endswith((".jsonl", ".parquet")):
-            raise ConfigError(f"--prompt-data {d.prompt_data}: expected a .jsonl or .parquet file")
-        if not os.path.isfile(d.prompt_data):
-            raise ConfigError(f"--prompt-data {d.prompt_data}: no such file")
-    for name in ("custom_rm_path", "custom_generate_function_path"):
-        value = ctx.get(name)
-        if value is not None and not _HOOK.match(value):
-            raise ConfigError(
-                f"{_f(name)} {value}: expected module:function or file.py:function, e.g. my_pkg.rewards:score"
-            )
-        if value is not None and value.split(":")[0].endswith(".py") and not os.path.isfile(value.rsplit(":", 1)[0]):
-            raise ConfigError(f"{_f(name)} {value}: no such file {value.rsplit(':', 1)[0]}")
-
+)(run_rules.data)
 
 rule(
     "multi-turn",
@@ -484,41 +442,13 @@ rule(
     "`--task calculator` needs a chat model; `--rollout-prefix-cache-mb` defaults to 1024 with an environment, else 0.",
 )(agent_rules.multi_turn)
 
+rule("output-dir", "`--output-dir` defaults to runs/<YYYYmmdd-HHMMSS>-<model>.")(run_rules.output_dir)
 
-@rule("output-dir", "`--output-dir` defaults to runs/<YYYYmmdd-HHMMSS>-<model>.")
-def _output_dir(ctx: Context) -> None:
-    if ctx.cfg.logging.output_dir is None:
-        name = re.sub(r"[^\w.-]+", "-", ctx.shape().name)
-        ctx.derive(
-            "output_dir",
-            os.path.join("runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"),
-            "output-dir",
-            "a fresh run folder",
-        )
-
-
-@rule(
+rule(
     "memory-history",
     "`--record-memory-history` needs CUDA; its snapshots go to `--memory-snapshot-dir` (default <output-dir>/memory-snapshots), "
     "which is only used with it.",
-)
-def _memory_history(ctx: Context) -> None:
-    m = ctx.cfg.memory
-    if not m.record_memory_history:
-        if m.memory_snapshot_dir is not None:
-            raise ConfigError(
-                "--memory-snapshot-dir is only used with --record-memory-history; add that flag or drop the folder"
-            )
-        return
-    if ctx.cfg.cluster.device != "cuda":
-        raise ConfigError("--record-memory-history needs CUDA (it records the CUDA allocator); drop it on this CPU run")
-    if m.memory_snapshot_dir is None:
-        ctx.derive(
-            "memory_snapshot_dir",
-            os.path.join(ctx.cfg.logging.output_dir, "memory-snapshots"),
-            "memory-history",
-            "under the run folder",
-        )
+)(run_rules.memory_history)
 
 
 def resolve(cfg: TidalConfig, prov: Provenance | None = None, env: Environment | None = None) -> TidalConfig:

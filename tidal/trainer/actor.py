@@ -4,7 +4,8 @@ One ``TrainerActor`` per device (process on CPU), implementing ``tidal.trainer.b
 contract, and what every backend shares: weight sync, checksums, save/load/export). The cluster
 code wraps the class with ``ray.remote`` and calls every method on all ranks at once; rank 0
 returns the reduced result (other ranks return ``{}`` where a result only makes sense once). Its
-state surface for checkpoints and export is ``tidal.trainer.fsdp_state.FSDPState``.
+state surface for checkpoints and export is ``tidal.trainer.fsdp_state.FSDPState``; its models are
+built and sharded by ``tidal.trainer.sharding``.
 
 Per rollout, ``train(samples, rollout_id)``:
 
@@ -56,7 +57,8 @@ from tidal.trainer.microbatch import MicroBatch
 from tidal.trainer.objective import RolloutObjective
 from tidal.trainer.packing import plan_rollout
 from tidal.trainer.schedule import LRSchedule
-from tidal.trainer.step import RolloutSums, check_samples, token_stats
+from tidal.trainer.sharding import build_sharded, mixed_precision, shard
+from tidal.trainer.step import RolloutSums, check_samples, rollout_metrics, token_stats
 from tidal.trainer.weights import iter_full_tensors, local_shard
 
 _CLASSES = (StateClass.WEIGHTS, StateClass.OPTIMIZER, StateClass.GRADS)
@@ -108,8 +110,6 @@ class TrainerActor(Trainer):
     # ---- setup ------------------------------------------------------------------------------
     def init(self) -> dict:
         """Process groups, model (same seed on every rank), FSDP2, AdamW, schedule, memory backend."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
         from tidal.memory.history import MemoryHistory
 
         # Started first, so the snapshot shows every allocation of the actor's life.
@@ -131,9 +131,7 @@ class TrainerActor(Trainer):
             param_dtype = default_dtype_name(self.device_type)
         self.compute_dtype = as_dtype(param_dtype)
         # fp32 master parameters always; bf16 is only the compute copy FSDP all-gathers.
-        self.mp = None
-        if self.compute_dtype != torch.float32:
-            self.mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        self.mp = mixed_precision(self.compute_dtype)
 
         self.memory = make_backend(self.memory_cfg, device=self.device_type, role="trainer", offload_train=self.offload)
         with self.memory.region(StateClass.WEIGHTS):
@@ -208,34 +206,17 @@ class TrainerActor(Trainer):
         )
 
     def _build_sharded(self, build_model, *, trainable: bool) -> torch.nn.Module:
-        """Build on the host from the shared seed, then shard: every decoder layer, then the root."""
-        model = build_model(self.spec, dtype=torch.float32, seed=self.cfg.seed, device="cpu")
-        model.config.use_cache = False
-        if trainable and self.cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if not trainable:
-            model.requires_grad_(False)
-            model.eval()
-        return self._shard(model)
+        return build_sharded(
+            build_model,
+            self.spec,
+            self._shard,
+            seed=self.cfg.seed,
+            trainable=trainable,
+            gradient_checkpointing=self.cfg.gradient_checkpointing,
+        )
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
-        """FSDP2 on a host model: every decoder layer, then the root (policy, reference and critic alike)."""
-        from torch.distributed.fsdp import fully_shard
-
-        kw = {"mesh": self.groups.mesh}
-        if self.mp is not None:
-            kw["mp_policy"] = self.mp
-        layer_classes = set(getattr(model, "_no_split_modules", None) or [])
-        layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
-        if not layers:
-            raise ConfigError(
-                f"--model {self.model_cfg.model}: found no decoder layers to shard (_no_split_modules is empty); "
-                "use a transformers causal LM"
-            )
-        for layer in layers:
-            fully_shard(layer, **kw)
-        fully_shard(model, **kw)  # moves the remaining (root) parameters onto the device too
-        return model
+        return shard(model, self.groups.mesh, self.mp, self.model_cfg.model)
 
     # ---- tensors per state class (called by the memory backend at every pause) -----------------
     def _weight_tensors(self):
@@ -316,29 +297,18 @@ class TrainerActor(Trainer):
         self.last_rollout_id = rollout_id
         if self.rank != 0:
             return {}
-        denom = max(red["response_tokens"], 1.0)
-        out = {
-            "loss": red["loss_sum"] / max(1, len(steps)),
-            "pg_loss": red["pg_loss"] / denom,
-            "entropy": red["entropy"] / denom,
-            "clipfrac": red["clipfrac"] / denom,
-            "ratio_mean": red["ratio_mean"] / denom,
-            "grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
-            "lr": lr,
-            "tokens": red["tokens"],
-            "response_tokens": red["response_tokens"],
-            "optimizer_steps": len(steps),
-            "tokens_per_s": red["tokens"] / train_s if train_s > 0 else 0.0,
-            "train_s": train_s,
-            "logprob_recompute_s": recompute_s,
-            "logprob_recomputed": 0.0 if old_from_train_pass else 1.0,
-            "optimizer_s": optimizer_s,
-            "logprob_diff": red["lp_abs_diff"] / red["lp_count"] if red["lp_count"] else 0.0,
-        }
-        # Without a reference model there is no KL term; 0 keeps the metric schema the same.
-        out["kl"] = red["kl"] / denom if self.ref_model is not None else 0.0
-        out.update(extra)
-        return out
+        return rollout_metrics(
+            red,
+            grad_norms,
+            steps=len(steps),
+            lr=lr,
+            train_s=train_s,
+            recompute_s=recompute_s,
+            optimizer_s=optimizer_s,
+            recomputed=not old_from_train_pass,
+            with_kl=self.ref_model is not None,
+            extra=extra,
+        )
 
     def _old_logprobs(
         self, steps: list[list[MicroBatch]], sums: RolloutSums, objective: RolloutObjective, *, recompute: bool

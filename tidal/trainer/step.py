@@ -3,7 +3,8 @@
 ``TrainerActor.train`` plans the rollout, runs the old-log-prob pass and the optimizer steps with
 these. ``token_stats`` is the one model call of the trainer (log-probs, and the entropy from the
 same pass over the logits); ``RolloutSums`` keeps every metric sum on the device until one transfer
-at the end of the rollout, so the loop never waits for the device.
+at the end of the rollout, so the loop never waits for the device; ``rollout_metrics`` turns the
+reduced sums into rank 0's metrics.
 """
 
 from __future__ import annotations
@@ -123,3 +124,42 @@ class RolloutSums:
         values = [*host[:n], float(self.response_tokens), float(self.tokens), host[n], float(self.lp_count)]
         names = ("loss_sum", *LOSS_KEYS, "response_tokens", "tokens", "lp_abs_diff", "lp_count")
         return dict(zip(names, groups.all_reduce_host(values))), host[n + 1 :]
+
+
+def rollout_metrics(
+    red: dict[str, float],
+    grad_norms: list[float],
+    *,
+    steps: int,
+    lr: float,
+    train_s: float,
+    recompute_s: float,
+    optimizer_s: float,
+    recomputed: bool,
+    with_kl: bool,
+    extra: dict,
+) -> dict:
+    """Rank 0's metrics of one rollout from ``RolloutSums.reduce``'s sums (token-weighted means)."""
+    denom = max(red["response_tokens"], 1.0)
+    out = {
+        "loss": red["loss_sum"] / max(1, steps),
+        "pg_loss": red["pg_loss"] / denom,
+        "entropy": red["entropy"] / denom,
+        "clipfrac": red["clipfrac"] / denom,
+        "ratio_mean": red["ratio_mean"] / denom,
+        "grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
+        "lr": lr,
+        "tokens": red["tokens"],
+        "response_tokens": red["response_tokens"],
+        "optimizer_steps": steps,
+        "tokens_per_s": red["tokens"] / train_s if train_s > 0 else 0.0,
+        "train_s": train_s,
+        "logprob_recompute_s": recompute_s,
+        "logprob_recomputed": 1.0 if recomputed else 0.0,
+        "optimizer_s": optimizer_s,
+        "logprob_diff": red["lp_abs_diff"] / red["lp_count"] if red["lp_count"] else 0.0,
+    }
+    # Without a reference model there is no KL term; 0 keeps the metric schema the same.
+    out["kl"] = red["kl"] / denom if with_kl else 0.0
+    out.update(extra)
+    return out

@@ -39,49 +39,20 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from tidal.errors import UserError
 from tidal.rollout.fast import attention
 from tidal.rollout.fast.graphs import GraphSet
-from tidal.rollout.fast.prefix import PrefixStore, fill_prefix, prefill_plan, take_prompt
+from tidal.rollout.fast.prefix import PrefixStore, reuse_prefixes, take_prompt
+from tidal.rollout.fast.request import DecodeResult, batch_buckets, check_request, cut_at_stops
 from tidal.rollout.fast.sampling import SamplingMode, plain_core, sample, sampling_mode
-from tidal.rollout.fast.static_cache import (
-    StaticKVCache,
-    kv_shape,
-    plan_rows,
-    prefill_workspace_bytes,
-    workspace_bytes_per_row,
-)
+from tidal.rollout.fast.static_cache import StaticKVCache, kv_shape, plan_cache
 
 log = logging.getLogger(__name__)
 
 _CPU_DEFAULT_BUDGET = 1 << 30
-
-
-def batch_buckets(rows: int) -> list[int]:
-    """Batch sizes graphs are captured for: 1, 2, 4, 8, then powers of two and their 1.5x, up to ``rows``."""
-    out, b = [], 1
-    while b < rows:
-        out.append(b)
-        if b >= 8 and b + b // 2 < rows:
-            out.append(b + b // 2)
-        b *= 2
-    out.append(rows)
-    return sorted(set(out))
-
-
-@dataclass
-class DecodeResult:
-    """Per row, in input order: generated token ids (cut after a stop id or the row's limit), their
-    raw-policy log-probs, and whether a stop id ended the row (else its length limit did)."""
-
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-    stopped: list[bool]
-    stats: dict = field(default_factory=dict)
 
 
 class FastDecoder:
@@ -188,24 +159,9 @@ class FastDecoder:
     def plan(self, max_seq_len: int | None = None) -> dict:
         """How the budget splits: rows, cache bytes, workspace estimate (no allocation)."""
         max_len = max_seq_len or self.max_seq_len
-        budget = self.budget_bytes()
-        per_row_ws = workspace_bytes_per_row(self.config, self.dtype, max_len)
-        fixed = prefill_workspace_bytes(self.config, self.dtype, self.prefill_tokens)
-        rows = plan_rows(
-            budget_bytes=budget,
-            shape=self.shape,
-            max_len=max_len,
-            per_row_workspace=per_row_ws,
-            fixed_bytes=fixed,
-            max_batch=self.max_batch,
+        return plan_cache(
+            self.config, self.dtype, self.shape, self.budget_bytes(), max_len, self.prefill_tokens, self.max_batch
         )
-        return {
-            "budget_bytes": budget,
-            "rows": rows,
-            "max_seq_len": max_len,
-            "kv_bytes": rows * max_len * self.shape.bytes_per_token,
-            "workspace_bytes": rows * per_row_ws + fixed,
-        }
 
     def allocate(self) -> None:
         """Allocate the cache and the step's state buffers for the current ``max_seq_len``."""
@@ -311,7 +267,7 @@ class FastDecoder:
         """
         t_start = time.perf_counter()
         n = len(prompts)
-        limits, stops = self._checked(prompts, max_new_tokens, stop_ids, temperature, top_p, top_k)
+        limits, stops = check_request(prompts, max_new_tokens, stop_ids, temperature, top_p, top_k, self.max_stop_ids)
         if n == 0:
             return DecodeResult([], [], [], {})
         self._make_ready(max(len(p) for p in prompts) + max(limits))
@@ -326,16 +282,9 @@ class FastDecoder:
         for lo in range(0, n, self.rows):
             idx = list(range(lo, min(n, lo + self.rows)))
             out_tok, out_lp = self._wave([prompts[i] for i in idx], [limits[i] for i in idx], mode, stats)
-            all_tok, all_lp = out_tok.tolist(), out_lp.tolist()
-            for j, i in enumerate(idx):
-                row = all_tok[j][: limits[i]]
-                cut = limits[i]
-                for k, tok in enumerate(row):
-                    if tok in stop_set:
-                        cut, stopped[i] = k + 1, True
-                        break
-                tokens[i] = row[:cut]
-                logprobs[i] = all_lp[j][:cut]
+            rows = cut_at_stops(out_tok.tolist(), out_lp.tolist(), [limits[i] for i in idx], stop_set)
+            for i, (tok, lp, hit) in zip(idx, rows):
+                tokens[i], logprobs[i], stopped[i] = tok, lp, hit
             stats["waves"] += 1
         stats.update(
             rows=self.rows,
@@ -353,25 +302,6 @@ class FastDecoder:
         )
         self.last_stats = stats
         return DecodeResult(tokens=tokens, logprobs=logprobs, stopped=stopped, stats=stats)
-
-    def _checked(self, prompts, max_new_tokens, stop_ids, temperature: float, top_p: float, top_k: int):
-        """The per-row limits and the distinct stop ids of a request, or a ``UserError`` naming what is wrong."""
-        n = len(prompts)
-        limits = [int(max_new_tokens)] * n if isinstance(max_new_tokens, int) else [int(x) for x in max_new_tokens]
-        if len(limits) != n:
-            raise UserError(f"fast decode: {len(limits)} max_new_tokens for {n} prompts; give one or one per prompt")
-        if any(x < 1 for x in limits):
-            raise UserError("fast decode: max_new_tokens must be at least 1 for every prompt")
-        if any(len(p) == 0 for p in prompts):
-            raise UserError("fast decode: every prompt needs at least one token")
-        stops = list(dict.fromkeys(int(s) for s in stop_ids))
-        if len(stops) > self.max_stop_ids:
-            raise UserError(f"fast decode: {len(stops)} stop token ids, at most {self.max_stop_ids} are supported")
-        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-            raise UserError(
-                f"fast decode: temperature={temperature}, top_p={top_p}, top_k={top_k}: need T >= 0, 0 < top_p <= 1, top_k >= 0"
-            )
-        return limits, stops
 
     def _make_ready(self, need: int) -> None:
         """A cache and graphs that fit ``need`` positions (reallocated when longer than before)."""
@@ -511,16 +441,7 @@ class FastDecoder:
 
     def _reuse_prefixes(self, prompts: list[Sequence[int]], row0: int, width: int) -> int:
         """Copy each row's stored prefix KV into its cache row; returns the chunk's first column to compute."""
-        if self.prefixes is None:
-            return 0
-        found = [self.prefixes.lookup(p) for p in prompts]
-        lens = [len(p) for p in prompts]
-        from_col, reused = prefill_plan(lens, [n for n, _ in found], width)
-        for i, ((_, kv), count) in enumerate(zip(found, reused)):
-            fill_prefix(self.cache, row0 + i, width - lens[i], kv, count)
-        self.prefixes.reused_tokens += sum(reused)
-        self.prefixes.prefilled_tokens += sum(lens) - sum(reused)
-        return from_col
+        return 0 if self.prefixes is None else reuse_prefixes(self.prefixes, self.cache, prompts, row0, width)
 
     def _step(self, bs: int, kv_len: int, mode: SamplingMode) -> None:
         """One decode step of slots ``[0, bs)`` attending to ``kv_len`` columns; static buffers only."""

@@ -107,6 +107,19 @@ def fill_prefix(cache, row: int, start: int, kv: torch.Tensor, count: int) -> No
         cache.buf[:, :, row, :, start : start + count].copy_(kv[:, :, :, :count])
 
 
+def reuse_prefixes(store: PrefixStore, cache, prompts: Sequence[Sequence[int]], row0: int, width: int) -> int:
+    """Copy each row's stored prefix KV into its cache row (rows ``row0 + i``, left-padded to ``width``);
+    returns the first column the prefill must compute for the chunk."""
+    found = [store.lookup(p) for p in prompts]
+    lens = [len(p) for p in prompts]
+    from_col, reused = prefill_plan(lens, [n for n, _ in found], width)
+    for i, ((_, kv), count) in enumerate(zip(found, reused)):
+        fill_prefix(cache, row0 + i, width - lens[i], kv, count)
+    store.reused_tokens += sum(reused)
+    store.prefilled_tokens += sum(lens) - sum(reused)
+    return from_col
+
+
 def take_prompt(cache, row: int, start: int, width: int) -> torch.Tensor:
     """A copy of cache row ``row``'s prompt KV, columns ``[start, width)``: ``[layers, 2, kv_heads, len, dim]``."""
     return cache.buf[:, :, row, :, start:width].clone()

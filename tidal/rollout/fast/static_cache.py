@@ -135,3 +135,24 @@ class StaticKVCache:
         for layer in range(self.shape.layers):
             part = self.buf[layer, :, :, :, :upto]
             part[:, :n].copy_(part.index_select(1, index))
+
+
+def plan_cache(config, dtype, shape, budget: int, max_len: int, prefill_tokens: int, max_batch: int) -> dict:
+    """How a decoder's budget of ``budget`` bytes splits: rows, cache bytes, workspace estimate."""
+    per_row_ws = workspace_bytes_per_row(config, dtype, max_len)
+    fixed = prefill_workspace_bytes(config, dtype, prefill_tokens)
+    rows = plan_rows(
+        budget_bytes=budget,
+        shape=shape,
+        max_len=max_len,
+        per_row_workspace=per_row_ws,
+        fixed_bytes=fixed,
+        max_batch=max_batch,
+    )
+    return {
+        "budget_bytes": budget,
+        "rows": rows,
+        "max_seq_len": max_len,
+        "kv_bytes": rows * max_len * shape.bytes_per_token,
+        "workspace_bytes": rows * per_row_ws + fixed,
+    }

@@ -1,0 +1,97 @@
+"""Resolution rules of the run's files: checkpoints to save and load, prompt data and plug-in paths,
+the output folder, the memory-history snapshots.
+
+Plain functions over ``tidal.config.validate.Context``; ``validate`` registers them last in its
+ordered rule list, so they run in the one resolve pass and appear in docs/configuration.md with
+their ids and summaries. Each raises ``ConfigError`` with one line: the flags involved and the fix.
+Kept apart from ``validate`` so that module stays the pass itself and the device, cluster and batch
+rules.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import TYPE_CHECKING
+
+from tidal.checkpoint.manifest import is_checkpoint, iterations
+from tidal.config.args import flag_of
+from tidal.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tidal.config.validate import Context
+
+# A plug-in path: ``module:function`` or ``file.py:function`` (also read by ``algorithm_rules``).
+PLUGIN_PATH = re.compile(r"^(?:[A-Za-z_][\w.]*|.+\.py):[A-Za-z_][\w.]*$")
+
+
+def _f(name: str) -> str:
+    return flag_of(name)
+
+
+def checkpoint(ctx: Context) -> None:
+    ck = ctx.cfg.checkpoint
+    for name in ("save_interval", "keep_checkpoints"):
+        if ctx.get(name) and not ck.save:
+            raise ConfigError(f"{_f(name)} {ctx.get(name)} needs --save DIR (where checkpoints go)")
+    if not ck.load:
+        return
+    if ck.save and os.path.abspath(ck.load) == os.path.abspath(ck.save):
+        return  # the auto-resume idiom: nothing there yet means a fresh start (said at start-up)
+    if not os.path.isdir(ck.load):
+        raise ConfigError(
+            f"--load {ck.load}: no such directory; check the path, or pass the same folder to --save and --load "
+            "to start fresh and resume from it later"
+        )
+    if not is_checkpoint(ck.load) and not iterations(ck.load):
+        raise ConfigError(
+            f"--load {ck.load}: holds no checkpoint (no iter_* folder with a meta.json); point it at the folder given to --save"
+        )
+
+
+def data(ctx: Context) -> None:
+    d = ctx.cfg.data
+    if d.prompt_data is not None:
+        if not d.prompt_data.endswith((".jsonl", ".parquet")):
+            raise ConfigError(f"--prompt-data {d.prompt_data}: expected a .jsonl or .parquet file")
+        if not os.path.isfile(d.prompt_data):
+            raise ConfigError(f"--prompt-data {d.prompt_data}: no such file")
+    for name in ("custom_rm_path", "custom_generate_function_path"):
+        value = ctx.get(name)
+        if value is not None and not PLUGIN_PATH.match(value):
+            raise ConfigError(
+                f"{_f(name)} {value}: expected module:function or file.py:function, e.g. my_pkg.rewards:score"
+            )
+        if value is not None and value.split(":")[0].endswith(".py") and not os.path.isfile(value.rsplit(":", 1)[0]):
+            raise ConfigError(f"{_f(name)} {value}: no such file {value.rsplit(':', 1)[0]}")
+
+
+def output_dir(ctx: Context) -> None:
+    if ctx.cfg.logging.output_dir is None:
+        name = re.sub(r"[^\w.-]+", "-", ctx.shape().name)
+        ctx.derive(
+            "output_dir",
+            os.path.join("runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"),
+            "output-dir",
+            "a fresh run folder",
+        )
+
+
+def memory_history(ctx: Context) -> None:
+    m = ctx.cfg.memory
+    if not m.record_memory_history:
+        if m.memory_snapshot_dir is not None:
+            raise ConfigError(
+                "--memory-snapshot-dir is only used with --record-memory-history; add that flag or drop the folder"
+            )
+        return
+    if ctx.cfg.cluster.device != "cuda":
+        raise ConfigError("--record-memory-history needs CUDA (it records the CUDA allocator); drop it on this CPU run")
+    if m.memory_snapshot_dir is None:
+        ctx.derive(
+            "memory_snapshot_dir",
+            os.path.join(ctx.cfg.logging.output_dir, "memory-snapshots"),
+            "memory-history",
+            "under the run folder",
+        )

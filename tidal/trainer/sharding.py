@@ -1,0 +1,64 @@
+"""Building and sharding the FSDP2 models of a trainer rank: the policy, the reference and the critic.
+
+Every rank builds the model on the host from the same seed (so the shards agree without a
+broadcast), then ``fully_shard`` wraps every decoder layer and the root over the rank's mesh, with
+fp32 master parameters and, when the compute dtype is lower, a mixed-precision policy whose
+all-gathered copy is in that dtype (gradients reduced in fp32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tidal.errors import ConfigError
+
+
+def mixed_precision(compute_dtype: torch.dtype):
+    """FSDP2's policy for a compute dtype: None for fp32, else that dtype gathered and fp32 reduced."""
+    if compute_dtype == torch.float32:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
+def shard(model: torch.nn.Module, mesh, mp, model_name: str) -> torch.nn.Module:
+    """FSDP2 on a host model: every decoder layer, then the root (policy, reference and critic alike)."""
+    from torch.distributed.fsdp import fully_shard
+
+    kw = {"mesh": mesh}
+    if mp is not None:
+        kw["mp_policy"] = mp
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ConfigError(
+            f"--model {model_name}: found no decoder layers to shard (_no_split_modules is empty); "
+            "use a transformers causal LM"
+        )
+    for layer in layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)  # moves the remaining (root) parameters onto the device too
+    return model
+
+
+def build_sharded(
+    build_model: Callable,
+    spec,
+    shard_fn: Callable[[torch.nn.Module], torch.nn.Module],
+    *,
+    seed: int,
+    trainable: bool,
+    gradient_checkpointing: bool,
+) -> torch.nn.Module:
+    """Build on the host from the shared seed, then shard with ``shard_fn``; a frozen model is in eval mode."""
+    model = build_model(spec, dtype=torch.float32, seed=seed, device="cpu")
+    model.config.use_cache = False
+    if trainable and gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+    return shard_fn(model)
