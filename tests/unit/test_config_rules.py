@@ -764,7 +764,23 @@ def test_resolve_is_idempotent_and_does_not_mutate_its_input():
             "--max-trajectory-tokens 4 is below --rollout-max-response-len 8",
         ),
         (["--task", "calculator"], "--task calculator asks chat questions; --model tiny has a character tokenizer"),
+        (["--task", "guess"], {"rollout_prefix_cache_mb": 1024}),
+        (["--task", "guess", "--rollout-prefix-cache-mb", "0"], {"rollout_prefix_cache_mb": 0}),
+        ([], {"rollout_prefix_cache_mb": 0}),
+        # the batch rule counts a whole trajectory: 512 prompt + 1024 trajectory tokens
+        (["--task", "guess", "--max-tokens-per-gpu", "1000"], "below the longest sample (512 prompt + 1024 trajectory"),
     ],
 )
 def test_rule_multi_turn(argv, expect):
     check(argv, CPU, expect)
+
+
+def test_memory_plan_counts_trajectories_and_stored_prefixes():
+    from tidal.config.plan import build_plan, model_shape
+
+    single, _ = run([])
+    multi, _ = run(["--task", "guess"])
+    plans = [build_plan(c, model_shape(c), CPU) for c in (single, multi)]
+    assert "prefix_cache" not in plans[0].engine and plans[1].engine["prefix_cache"] > 0
+    # the engine KV of a trajectory: 512 + 1024 tokens against 512 + 1
+    assert plans[1].engine["kv_cache"] == plans[0].engine["kv_cache"] * (512 + 1024) // (512 + 1)

@@ -1,5 +1,9 @@
 """Resolution rule of multi-turn rollouts: the environment, its budgets and what they exclude.
 
+Also the sizes other rules need (``longest_sample``: a trajectory is longer than one response;
+``prefix_cache_bytes``: the engine's stored prefixes), so the memory plan and the batch checks
+count a multi-turn run's real lengths.
+
 A plain function over ``tidal.config.validate.Context``, registered in ``validate``'s rule list as
 ``multi-turn`` (after ``data``), so it runs in the one resolve pass and appears in
 docs/configuration.md. Kept apart from ``validate`` so that module stays about the cluster, memory
@@ -24,6 +28,29 @@ MULTI_TURN_TASKS = ("guess", "calculator")
 _PREFIX_CACHE_MB = 1024  # --rollout-prefix-cache-mb with an environment
 
 
+def is_multi_turn(cfg) -> bool:
+    """Whether an environment answers the policy's turns: ``--env-path``, or a multi-turn built-in task."""
+    d = cfg.data
+    return cfg.rollout.env_path is not None or (d.prompt_data is None and d.task in MULTI_TURN_TASKS)
+
+
+def longest_sample(cfg) -> int:
+    """Tokens of the longest sample: the prompt and one response, or a whole trajectory with an environment."""
+    r = cfg.rollout
+    response = (
+        max(r.rollout_max_response_len, r.max_trajectory_tokens) if is_multi_turn(cfg) else r.rollout_max_response_len
+    )
+    return r.rollout_max_prompt_len + response
+
+
+def prefix_cache_bytes(cfg) -> int:
+    """Bytes each engine may keep for stored prefixes (``--rollout-prefix-cache-mb`` or its default)."""
+    mb = cfg.rollout.rollout_prefix_cache_mb
+    if mb is None:
+        mb = _PREFIX_CACHE_MB if is_multi_turn(cfg) else 0
+    return int(mb) << 20
+
+
 def multi_turn(ctx: Context) -> None:
     r, d, m = ctx.cfg.rollout, ctx.cfg.data, ctx.cfg.model
     from tidal.model.load import PRESETS  # presets without --tokenizer use the character tokenizer
@@ -34,7 +61,7 @@ def multi_turn(ctx: Context) -> None:
         file = r.env_path.rsplit(":", 1)[0]
         if file.endswith(".py") and not os.path.isfile(file):
             raise ConfigError(f"--env-path {r.env_path}: no such file {file}")
-    multi = r.env_path is not None or (d.prompt_data is None and d.task in MULTI_TURN_TASKS)
+    multi = is_multi_turn(ctx.cfg)
     if r.rollout_prefix_cache_mb is None:
         why = "an environment: turns extend earlier requests" if multi else "single-turn: no request extends another"
         ctx.derive("rollout_prefix_cache_mb", _PREFIX_CACHE_MB if multi else 0, "multi-turn", why)

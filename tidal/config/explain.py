@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 
+from tidal.config.agent_rules import longest_sample
 from tidal.config.args import fields, parse
 from tidal.config.environment import Environment, format_bytes, split_assumptions
 from tidal.config.plan import MemoryPlan, ModelShape, build_plan, describe_combo, model_shape
@@ -44,7 +45,7 @@ def derived_quantities(cfg: TidalConfig, shape: ModelShape) -> list[tuple[str, s
     samples = r.rollout_batch_size * r.n_samples_per_prompt
     gbs = t.global_batch_size
     per_rank = gbs // ranks
-    longest = r.rollout_max_prompt_len + r.rollout_max_response_len
+    longest = longest_sample(cfg)
     per_micro = max(1, t.max_tokens_per_gpu // longest)
     micro = math.ceil(per_rank / per_micro)
     engine_b = 2 if c.device == "cuda" else 4
@@ -116,7 +117,7 @@ def _memory_table(cfg: TidalConfig, plan: MemoryPlan) -> list[str]:
         else:
             rows.append(line(f"    {cls}", active, 0 if cls == "activations" else active, 0))
     rows.append(f"  engine ({'offload-rollout' if m.offload_rollout else 'never released'}):")
-    for cls in ("weights", "kv_cache", "sync_buffer"):
+    for cls in [c for c in ("weights", "kv_cache", "prefix_cache", "sync_buffer") if c in plan.engine]:
         active = plan.engine[cls]
         kept = 0 if (m.offload_rollout or cls == "sync_buffer") else active
         rows.append(line(f"    {cls}", active, kept, 0))

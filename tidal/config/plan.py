@@ -33,6 +33,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from tidal.config.agent_rules import longest_sample, prefix_cache_bytes
 from tidal.config.environment import Environment, format_bytes
 
 GIB = 1024**3
@@ -127,7 +128,8 @@ class MemoryPlan:
 
     @property
     def engine_static(self) -> int:
-        return self.engine["weights"] + self.engine["kv_cache"]
+        # Stored prefixes stay until the next sync's flush, through training when not released.
+        return self.engine["weights"] + self.engine["kv_cache"] + self.engine.get("prefix_cache", 0)
 
     @property
     def engine_peak(self) -> int:
@@ -189,13 +191,15 @@ def build_plan(cfg, shape: ModelShape, env: Environment) -> MemoryPlan:
         "activations": activations,
     }
     samples_per_engine = math.ceil(r.rollout_batch_size * r.n_samples_per_prompt / engines)
-    seq = r.rollout_max_prompt_len + r.rollout_max_response_len
+    seq = longest_sample(cfg)  # a whole trajectory with an environment
     kv = samples_per_engine * seq * shape.layers * 2 * shape.kv_heads * shape.head_dim * engine_b
     engine = {
         "weights": P * engine_b,
         "kv_cache": kv,
         "sync_buffer": min(cfg.weight_sync.update_weight_buffer_size, P * engine_b),
     }
+    if prefix_cache_bytes(cfg):  # multi-turn: prompt KV stored between turns, at most this much
+        engine["prefix_cache"] = min(prefix_cache_bytes(cfg), kv)
     capacity, budget = _budget(device, env)
     if device == "cuda":
         trainer_per_device, engines_per_device = 1, 1

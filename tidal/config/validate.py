@@ -376,11 +376,16 @@ def _batch(ctx: Context) -> None:
         raise ConfigError(
             f"--global-batch-size {gbs} is not a multiple of the {ranks} trainer ranks; use a multiple of {ranks}"
         )
-    longest = r.rollout_max_prompt_len + r.rollout_max_response_len
+    longest = agent_rules.longest_sample(ctx.cfg)
     if longest > t.max_tokens_per_gpu:
+        what, knob = (
+            ("trajectory", "--max-trajectory-tokens")
+            if agent_rules.is_multi_turn(ctx.cfg)
+            else ("response", "--rollout-max-response-len")
+        )
         raise ConfigError(
             f"--max-tokens-per-gpu {t.max_tokens_per_gpu} is below the longest sample ({r.rollout_max_prompt_len} prompt + "
-            f"{r.rollout_max_response_len} response tokens); raise it to at least {longest} or lower --rollout-max-prompt-len/--rollout-max-response-len"
+            f"{longest - r.rollout_max_prompt_len} {what} tokens); raise it to at least {longest} or lower --rollout-max-prompt-len/{knob}"
         )
 
 
