@@ -1,0 +1,205 @@
+"""The HF <-> Megatron-core layout: pure mapping round trips, the vocab-parallel log-softmax, and the
+real ``GPTModel`` built on CPU (one rank, and TP = 2 over gloo) — see ``tests/megatron_cpu_rank.py``."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tidal.errors import UserError
+from tidal.trainer.megatron import mapping
+from tidal.trainer.megatron.model import megatron_available
+from tidal.trainer.megatron.vocab import finish, shard_max, shard_sums
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+needs_megatron = pytest.mark.skipif(
+    not megatron_available(), reason="megatron-core is not installed (pip install 'tidal[megatron]')"
+)
+
+
+@functools.cache
+def _tiny_cached(model_type: str, items: tuple):
+    return _build_tiny(model_type, **dict(items))
+
+
+def _tiny(model_type: str, **kw):
+    return _tiny_cached(model_type, tuple(sorted(kw.items(), key=str)))
+
+
+def _build_tiny(model_type: str, **kw):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[model_type]
+    base = dict(
+        vocab_size=37,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    base.update(kw)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cls(**base), dtype=torch.float32)
+
+
+ARCHS = [
+    ("llama", {"tie_word_embeddings": False}),
+    ("qwen2", {"tie_word_embeddings": True}),
+    ("qwen3", {"tie_word_embeddings": False, "head_dim": 16}),
+]
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("model_type,kw", ARCHS)
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (2, 2), (1, 4)])
+def test_mapping_round_trip_is_bit_exact(model_type, kw, tp, pp):
+    hf = _tiny(model_type, **kw)
+    arch = mapping.arch_from_hf(hf.config)
+    assert arch.qkv_bias == (model_type == "qwen2") and arch.qk_norm == (model_type == "qwen3")
+    full = {n: p.detach() for n, p in hf.named_parameters()}
+    back = {}
+    for stage in range(pp):
+        for e in mapping.entries(arch, pp_rank=stage, pp_size=pp):
+            shards = [mapping.to_megatron(e, full.__getitem__, arch, r, tp) for r in range(tp)]
+            if e.kind == "vocab":
+                assert shards[0].shape[0] == arch.padded_vocab(tp) // tp
+            for name, t in mapping.to_hf(e, shards, arch):
+                assert name not in back
+                back[name] = t
+    assert sorted(back) == sorted(full)
+    assert all(_bits(back[n]) == _bits(full[n]) for n in full)
+
+
+def test_qkv_layout_follows_megatrons_grouped_rows():
+    """Megatron's rule, written out here: per query group, its h/g query heads, then one key, then one value head."""
+    hf = _tiny("qwen2", tie_word_embeddings=False)
+    arch = mapping.arch_from_hf(hf.config)
+    attn = hf.model.layers[0].self_attn
+    e = next(e for e in mapping.entries(arch) if e.megatron.endswith("linear_qkv.bias"))
+    get = {n: p.detach() for n, p in hf.named_parameters()}.__getitem__
+    d, per = arch.head_dim, arch.num_heads // arch.num_kv_heads
+    for tp in (1, 2):
+        for r in range(tp):
+            shard = mapping.to_megatron(e, get, arch, r, tp)
+            rows = []
+            for g in range(r * arch.num_kv_heads // tp, (r + 1) * arch.num_kv_heads // tp):
+                rows += [attn.q_proj.bias[(g * per + h) * d : (g * per + h + 1) * d] for h in range(per)]
+                rows += [attn.k_proj.bias[g * d : (g + 1) * d], attn.v_proj.bias[g * d : (g + 1) * d]]
+            assert torch.equal(shard, torch.cat(rows).detach())
+
+
+def test_fc1_shards_hold_gate_then_up():
+    hf = _tiny("llama")
+    arch = mapping.arch_from_hf(hf.config)
+    mlp = hf.model.layers[1].mlp
+    e = next(e for e in mapping.entries(arch) if e.megatron == "decoder.layers.1.mlp.linear_fc1.weight")
+    get = {n: p.detach() for n, p in hf.named_parameters()}.__getitem__
+    half = arch.ffn_hidden_size // 2
+    shard = mapping.to_megatron(e, get, arch, 1, 2)
+    assert torch.equal(shard[:half], mlp.gate_proj.weight[half:].detach())
+    assert torch.equal(shard[half:], mlp.up_proj.weight[half:].detach())
+
+
+@pytest.mark.parametrize(
+    "change,tp,pp,match",
+    [
+        ({"model_type": "gpt2"}, 1, 1, "not supported"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, 1, 1, "rope scaling"),
+        ({}, 4, 1, "--tensor-model-parallel-size 4"),
+        ({}, 1, 3, "--pipeline-model-parallel-size 3"),
+    ],
+)
+def test_unsupported_models_and_splits_are_refused(change, tp, pp, match):
+    config = copy.deepcopy(_tiny("llama").config)
+    for k, v in change.items():
+        setattr(config, k, v)
+    with pytest.raises(UserError, match=match):
+        mapping.check_parallel(mapping.arch_from_hf(config), tp, pp)
+
+
+@pytest.mark.parametrize("tp,vocab", [(1, 50), (2, 50), (4, 50), (4, 49)])
+def test_vocab_parallel_logprobs_entropy_match_full_softmax(tp, vocab):
+    """Shards of a simulated TP group, each reduced on its own, summed like the all-reduce: equal to the
+    full log-softmax and entropy, and so are the gradients (through every shard)."""
+    torch.manual_seed(0)
+    padded = -(-vocab // tp) * tp
+    leaf = torch.randn(3, 5, padded, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, vocab, (3, 5))
+    per = padded // tp
+    shards = [leaf[..., r * per : (r + 1) * per] for r in range(tp)]
+    m = torch.stack([shard_max(s, r * per, vocab) for r, s in enumerate(shards)]).amax(0)
+    sums = torch.stack([shard_sums(s, targets, m, r * per, vocab) for r, s in enumerate(shards)]).sum(0)
+    lp, ent = finish(sums, m)
+    (lp.sum() + 0.3 * ent.sum()).backward()
+    got_grad = leaf.grad.clone()
+    leaf.grad = None
+    logp = torch.log_softmax(leaf[..., :vocab], -1)
+    ref_lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(logp.exp() * logp).sum(-1)
+    (ref_lp.sum() + 0.3 * ref_ent.sum()).backward()
+    torch.testing.assert_close(lp, ref_lp)
+    torch.testing.assert_close(ent, ref_ent)
+    torch.testing.assert_close(got_grad, leaf.grad)
+    assert torch.all(got_grad[..., vocab:] == 0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(tmp_path, world: int, tp: int, pp: int, archs: str) -> dict:
+    out, port = tmp_path / "result.json", str(_free_port())
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                os.path.join(ROOT, "tests", "megatron_cpu_rank.py"),
+                str(r),
+                str(world),
+                str(tp),
+                str(pp),
+                port,
+                str(out),
+                archs,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    return json.loads(out.read_text())
+
+
+@needs_megatron
+@pytest.mark.parametrize("tp,archs", [(1, "qwen3"), (2, "llama,qwen2,qwen3")])
+def test_megatron_gpt_model_on_cpu_matches_hf(tmp_path, tp, archs):
+    """Megatron's own GPTModel (local spec, CPU init): HF -> Megatron -> HF bit for bit, logits equal to the
+    HF model's, vocab-parallel log-probs/entropy and their gradients equal to the full-vocabulary ones.
+    One rank (the weight source's no-gather path) for one architecture; TP = 2 for all three."""
+    results = _run_ranks(tmp_path, world=tp, tp=tp, pp=1, archs=archs)
+    assert sorted(results) == sorted(archs.split(","))
+    for name, r in results.items():
+        assert r["names_equal"] and r["bitwise"], name
+        assert r["logits_max_abs_diff"] < 1e-5, (name, r)
+        assert r["logprob_max_abs_diff"] < 1e-5 and r["entropy_max_abs_diff"] < 1e-5, (name, r)
+        assert r["grad_max_abs_diff"] < 1e-6, (name, r)
