@@ -784,3 +784,141 @@ def test_memory_plan_counts_trajectories_and_stored_prefixes():
     assert "prefix_cache" not in plans[0].engine and plans[1].engine["prefix_cache"] > 0
     # the engine KV of a trajectory: 512 + 1024 tokens against 512 + 1
     assert plans[1].engine["kv_cache"] == plans[0].engine["kv_cache"] * (512 + 1024) // (512 + 1)
+
+
+GPU2_MEGATRON = Environment(
+    cuda_available=True,
+    device_count=2,
+    device_memory=80 * GIB,
+    host_memory=256 * GIB,
+    tms_available=True,
+    megatron_available=True,
+)
+MEGATRON = ["--model", "tiny", "--device", "cuda", "--train-backend", "megatron"]
+
+
+@pytest.mark.parametrize(
+    "argv,env,expect",
+    [
+        (MEGATRON, GPU2_MEGATRON, {"train_backend": "megatron", "tensor_model_parallel_size": 1}),
+        (
+            [*MEGATRON, "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+            GPU2_MEGATRON,
+            {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+        ),
+        (
+            [*MEGATRON, "--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2"],
+            GPU2_MEGATRON,
+            {"pipeline_model_parallel_size": 2},
+        ),
+        (["--model", "tiny", "--train-backend", "megatron"], CPU, "--train-backend megatron needs CUDA"),
+        (MEGATRON, GPU1, "megatron-core is not installed; pip install 'tidal[megatron]'"),
+        (
+            ["--model", "tiny", "--tensor-model-parallel-size", "2"],
+            CPU,
+            "--tensor-model-parallel-size is a Megatron option",
+        ),
+        (["--model", "tiny", "--use-distributed-optimizer"], CPU, "--use-distributed-optimizer is a Megatron option"),
+        (["--model", "tiny", "--use-nccl-ub"], CPU, "--use-nccl-ub is a Megatron option"),
+        ([*MEGATRON, "--context-parallel-size", "2"], GPU2_MEGATRON, "--context-parallel-size 2"),
+        ([*MEGATRON, "--sequence-parallel"], GPU2_MEGATRON, "--sequence-parallel splits over tensor-parallel ranks"),
+        ([*MEGATRON, "--tensor-model-parallel-size", "2"], GPU2_MEGATRON, "does not divide the 1 trainer ranks"),
+        (
+            [
+                *MEGATRON,
+                "--actor-num-gpus-per-node",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--model",
+                "qwen2.5-7b-shape",
+                "--no-check-memory-plan",
+            ],
+            GPU2_MEGATRON,
+            {"tensor_model_parallel_size": 2},
+        ),
+        (
+            [
+                *MEGATRON,
+                "--actor-num-gpus-per-node",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--model",
+                "qwen2.5-7b-shape",
+                "--no-check-memory-plan",
+            ],
+            GPU2_MEGATRON,
+            {"pipeline_model_parallel_size": 2},
+        ),
+        ([*MEGATRON, "--advantage-estimator", "ppo"], GPU2_MEGATRON, "does not have; use --train-backend fsdp"),
+        (
+            ["--model", "tiny", "--train-backend", "megatron", "--debug-rollout-only"],
+            CPU,
+            {"train_backend": "megatron"},
+        ),
+    ],
+)
+def test_rule_megatron(argv, env, expect):
+    check(argv, env, expect)
+
+
+def test_rule_megatron_splits_follow_the_model():
+    """tiny: 2 key-value heads, 2 layers; 4-way TP or 4 stages do not divide it."""
+    env = Environment(
+        cuda_available=True, device_count=4, device_memory=80 * GIB, host_memory=256 * GIB, megatron_available=True
+    )
+    base = [*MEGATRON, "--actor-num-gpus-per-node", "4"]
+    check([*base, "--tensor-model-parallel-size", "4"], env, "does not divide tiny's 2 key-value heads")
+    check([*base, "--pipeline-model-parallel-size", "4"], env, "does not divide tiny's 2 layers")
+
+
+@pytest.mark.parametrize(
+    "argv,env,expect",
+    [
+        # the seed's derivation, both backends: off without offload-train, on with it
+        (["--model", "tiny", "--no-offload-train"], CPU, {"disable_grad_buffers_cpu_backup": False}),
+        (["--model", "tiny", "--offload-train"], CPU, {"disable_grad_buffers_cpu_backup": True}),
+        ([*TINY_GPU, "--offload"], GPU1, {"disable_grad_buffers_cpu_backup": True, "offload_train": True}),
+        ([*MEGATRON, "--offload-train"], GPU2_MEGATRON, {"disable_grad_buffers_cpu_backup": True}),
+        ([*MEGATRON, "--no-offload-train"], GPU2_MEGATRON, {"disable_grad_buffers_cpu_backup": False}),
+        # a critic forces offload-train when colocated, and with it the derived value
+        (["--model", "tiny", "--advantage-estimator", "ppo"], CPU, {"disable_grad_buffers_cpu_backup": True}),
+        # debug-rollout-only: nothing pauses
+        (["--model", "tiny", "--debug-rollout-only"], CPU, {"disable_grad_buffers_cpu_backup": False}),
+        # explicit values must agree with offload-train
+        (
+            ["--model", "tiny", "--offload-train", "--disable-grad-buffers-cpu-backup"],
+            CPU,
+            {"disable_grad_buffers_cpu_backup": True},
+        ),
+        (
+            ["--model", "tiny", "--offload-train", "--no-disable-grad-buffers-cpu-backup"],
+            CPU,
+            "--no-disable-grad-buffers-cpu-backup contradicts offload-train on",
+        ),
+        (
+            ["--model", "tiny", "--no-offload-train", "--disable-grad-buffers-cpu-backup"],
+            CPU,
+            "--disable-grad-buffers-cpu-backup contradicts offload-train off",
+        ),
+        # NCCL user buffers cannot be paused without backup
+        (
+            [*MEGATRON, "--offload-train", "--use-nccl-ub"],
+            GPU2_MEGATRON,
+            "--use-nccl-ub: NCCL user buffers come from NCCL's pool",
+        ),
+        ([*MEGATRON, "--no-offload-train", "--use-nccl-ub"], GPU2_MEGATRON, {"use_nccl_ub": True}),
+    ],
+)
+def test_rule_grad_buffers(argv, env, expect):
+    prov = check(argv, env, expect)
+    if prov is not None and not prov.explicit("disable_grad_buffers_cpu_backup"):
+        line = next(x for x in explain_text(argv, env).splitlines() if "--disable-grad-buffers-cpu-backup" in x)
+        assert "grad-buffers" in line, line
+
+
+def explain_text(argv, env) -> str:
+    from tidal.config.explain import explain_argv
+
+    return explain_argv(argv, env)

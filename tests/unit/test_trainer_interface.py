@@ -21,8 +21,8 @@ def test_train_backend_flag_and_table_agree():
     assert set(field.metadata["choices"]) == set(BACKENDS)
     assert trainer_class(TrainerConfig().train_backend) is TrainerActor
     assert issubclass(TrainerActor, Trainer)
-    with pytest.raises(ConfigError, match="--train-backend 'megatron'"):
-        trainer_class("megatron")
+    with pytest.raises(ConfigError, match="--train-backend 'deepspeed'"):
+        trainer_class("deepspeed")
 
 
 def test_fsdp_state_speaks_the_checkpoint_and_export_protocols():

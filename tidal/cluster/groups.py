@@ -47,10 +47,10 @@ class TrainerGroup:
     def __init__(self, placement: Placement, *, env_vars: dict, **sections: Any):
         import ray
 
-        from tidal.trainer.actor import TrainerActor
+        from tidal.trainer.base import trainer_class
 
         addr, port = rendezvous_address(placement, placement.trainers[0].bundle)
-        cls = ray.remote(TrainerActor)
+        cls = ray.remote(trainer_class(sections["trainer"].train_backend))
         world = len(placement.trainers)
         self.actors = [
             cls.options(**actor_options(placement, slot, env_vars)).remote(

@@ -57,6 +57,13 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def _has_megatron() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        return False
+
+
 @dataclass(frozen=True)
 class Environment:
     cuda_available: bool = False
@@ -65,6 +72,7 @@ class Environment:
     host_memory: int = 16 * 1024**3  # bytes per node
     cpu_count: int = 2
     tms_available: bool = False  # torch_memory_saver importable
+    megatron_available: bool = False  # megatron-core importable (--train-backend megatron)
     num_nodes: int = 1  # nodes of the cluster (1 for a local cluster)
     assumed: bool = False  # built from --assume-* flags rather than probed
 
@@ -84,6 +92,7 @@ class Environment:
             host_memory=int(psutil.virtual_memory().total),
             cpu_count=os.cpu_count() or 1,
             tms_available=importlib.util.find_spec("torch_memory_saver") is not None,
+            megatron_available=_has_megatron(),
         )
 
     def with_assumptions(
@@ -101,6 +110,7 @@ class Environment:
             changes.update(cuda_available=gpus > 0, device_count=gpus)
             # A GPU host installs the gpu extra, which brings torch_memory_saver.
             changes.setdefault("tms_available", gpus > 0)
+            changes.setdefault("megatron_available", self.megatron_available or gpus > 0)
             if gpus > 0 and gpu_memory is None and not self.device_memory:
                 raise ConfigError("--assume-gpus needs --assume-gpu-memory (e.g. 80GiB) to plan memory")
         if gpu_memory is not None:

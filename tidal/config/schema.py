@@ -56,7 +56,28 @@ class ModelConfig:
 
 @dataclass
 class TrainerConfig:
-    train_backend: str = opt("fsdp", "Training backend: fsdp (PyTorch FSDP2).", choices=("fsdp",))
+    train_backend: str = opt(
+        "fsdp",
+        "Training backend: fsdp (PyTorch FSDP2) or megatron (Megatron-core: tensor and pipeline parallel; "
+        "CUDA only, pip install 'tidal[megatron]').",
+        choices=("fsdp", "megatron"),
+    )
+    tensor_model_parallel_size: int = opt(
+        1, "Megatron: ranks that split each layer's heads, MLP and vocabulary (tensor parallelism).", min=1
+    )
+    pipeline_model_parallel_size: int = opt(1, "Megatron: pipeline stages the layers are split into.", min=1)
+    context_parallel_size: int = opt(
+        1, "Megatron: ranks that split each sequence (only 1: micro-batches are padded rectangles).", min=1
+    )
+    sequence_parallel: bool = opt(
+        False, "Megatron: split norms' and dropouts' activations along the sequence over the tensor-parallel ranks."
+    )
+    use_distributed_optimizer: bool = opt(
+        False, "Megatron: shard the optimizer state over data-parallel ranks (ZeRO-1; reduce-scatter of grads)."
+    )
+    use_nccl_ub: bool = opt(
+        False, "Megatron: register the gradient buffers as NCCL user buffers (not with --offload-train)."
+    )
     lr: float = opt(3e-3, "Peak learning rate of AdamW.", min=0)
     min_lr: float = opt(0.0, "Learning rate at the end of decay (constant after warmup when equal to lr).", min=0)
     lr_warmup_steps: int = opt(2, "Optimizer steps of linear warmup.", min=0)
@@ -254,6 +275,11 @@ class MemoryConfig:
     offload: bool | None = opt(None, "Shorthand: sets both --offload-train and --offload-rollout.")
     offload_train: bool | None = opt(None, "Pause trainer device memory while engines generate.")
     offload_rollout: bool | None = opt(None, "Release engine weights and KV cache while the trainer trains.")
+    disable_grad_buffers_cpu_backup: bool | None = opt(
+        None,
+        "Megatron: gradient buffers live in a torch_memory_saver region without host backup "
+        "(derived: on exactly when --offload-train is; they are zeroed before every step).",
+    )
     memory_backend: str = opt(
         "auto", "Pause/resume implementation: tms on CUDA, portable elsewhere.", choices=("auto", "tms", "portable")
     )

@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tidal.config import agent_rules, algorithm_rules, memory_rules, run_rules
+from tidal.config import agent_rules, algorithm_rules, megatron_rules, memory_rules, run_rules
 from tidal.config.args import coerce, fields, flag_of
 from tidal.config.environment import Environment
 from tidal.config.plan import MemoryPlan, ModelShape, build_plan, model_shape
@@ -312,6 +312,14 @@ def _cluster(ctx: Context) -> None:
 
 
 rule(
+    "megatron",
+    "`--train-backend megatron` needs CUDA and megatron-core; its parallel flags (`--tensor-model-parallel-size`, "
+    "`--pipeline-model-parallel-size`, `--context-parallel-size` (only 1), `--sequence-parallel` (needs TP > 1), "
+    "`--use-distributed-optimizer`, `--use-nccl-ub`) need it; TP x PP divides the trainer ranks, TP the key-value heads "
+    "and MLP width, PP the layers; no critic.",
+)(megatron_rules.megatron)
+
+rule(
     "offload-needs-colocate",
     "Explicit offload-train / offload-rollout need `--colocate` (separate devices have nothing to make room for); "
     "without colocation both resolve to off.",
@@ -329,6 +337,12 @@ rule(
     "trainer's backups per node take at most half of the usable host memory, else release; on CPU, release (the device "
     "is the host). `disk` needs `--offload-disk-dir`; with offload-train the backups per node must fit in host memory.",
 )(memory_rules.host_memory)
+
+rule(
+    "grad-buffers",
+    "`--disable-grad-buffers-cpu-backup` follows from `--offload-train` (slime PR #1924: a paused trainer's gradient "
+    "buffers have no host backup, every step zeroes them); `--use-nccl-ub` with `--offload-train` is refused.",
+)(megatron_rules.grad_buffers)
 
 rule(
     "train-env-vars",
@@ -474,6 +488,7 @@ def unresolved_fields(cfg: TidalConfig) -> list[str]:
         "device", "param_dtype", "memory_backend", "rollout_num_gpus", "offload_train", "offload_rollout",
         "update_weight_transport", "global_batch_size", "eps_clip_high", "output_dir",
         "rollout_compile", "use_critic", "offload_host_memory", "rollout_prefix_cache_mb",
+        "disable_grad_buffers_cpu_backup",
     }  # fmt: skip
     out = []
     for info in fields():

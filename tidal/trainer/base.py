@@ -41,7 +41,7 @@ from tidal.memory.base import MemoryResult
 from tidal.weight_sync.base import SyncReport
 
 # --train-backend value -> "module:class"; imported only when chosen.
-BACKENDS = {"fsdp": "tidal.trainer.actor:TrainerActor"}
+BACKENDS = {"fsdp": "tidal.trainer.actor:TrainerActor", "megatron": "tidal.trainer.megatron.trainer:MegatronTrainer"}
 
 
 def trainer_class(name: str) -> type[Trainer]:

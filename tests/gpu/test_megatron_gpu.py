@@ -1,0 +1,309 @@
+"""The Megatron-core backend on one CUDA GPU (TP = PP = 1), next to the FSDP2 backend.
+
+Run on the GPU host: ``pytest -m gpu -s tests/gpu/test_megatron_gpu.py`` (needs megatron-core).
+Prints the figures it measures; ``/work`` notes name which ones to record.
+
+1. the colocated loop with ``--train-backend megatron`` learns the default task (and, with
+   ``--offload``, syncs weights the engines agree with: ``logprob_diff``);
+2. on identical weights and one batch (Qwen2.5-0.5B shape): log-probs and entropy, gradients of the
+   same loss, and one training step's metrics against the FSDP2 backend (max and mean |diff|), and the
+   step time of each on 64 samples of 32 + 256 tokens;
+3. pause/resume through torch_memory_saver with the gradient buffers unbacked: device memory freed,
+   host RSS while paused (weights + optimizer backups only) next to FSDP2's, state bit-exact after
+   resume, weights read from the backup while paused equal the live ones.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tidal.config.schema import AlgorithmConfig, MemoryConfig, ModelConfig, TrainerConfig, WeightSyncConfig
+from tidal.rollout.types import Sample
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'tidal[megatron]')")
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHAPE = "qwen2.5-0.5b-shape"
+GIB = 1024**3
+# A few tensors of every kind the mapping touches: embedding, fused QKV (weight and Qwen2's bias),
+# attention output, gated fc1 halves, fc2, norms.
+PROBE = (
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.self_attn.k_proj.bias",
+    "model.layers.0.self_attn.v_proj.weight",
+    "model.layers.0.self_attn.o_proj.weight",
+    "model.layers.3.mlp.gate_proj.weight",
+    "model.layers.3.mlp.up_proj.weight",
+    "model.layers.3.mlp.down_proj.weight",
+    "model.layers.5.input_layernorm.weight",
+    "model.norm.weight",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(ray, backend: str, *, model=SHAPE, offload=False, gpus=0.5, **trainer):
+    from tidal.trainer.base import trainer_class
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the probes below run in the actors
+    cls = ray.remote(num_gpus=gpus, num_cpus=1)(trainer_class(backend))
+    kw = dict(lr=1e-5, lr_warmup_steps=1, max_tokens_per_gpu=8192, train_backend=backend)
+    kw.update(trainer)
+    actor = cls.remote(
+        0,
+        1,
+        "127.0.0.1",
+        _free_port(),
+        model=ModelConfig(model=model),
+        trainer=TrainerConfig(**kw),
+        algorithm=AlgorithmConfig(),
+        memory=MemoryConfig(
+            offload_train=offload,
+            disable_grad_buffers_cpu_backup=offload,
+            memory_backend="tms",
+            tms_hook_mode="torch",
+            offload_host_memory="release",
+        ),
+        weight_sync=WeightSyncConfig(),
+        device="cuda",
+    )
+    info = ray.get(actor.init.remote(), timeout=900)
+    return actor, info
+
+
+def _samples(seed: int, n: int = 16, prompt=(32, 200), response=(16, 128)) -> list[Sample]:
+    rng = random.Random(seed)
+    return [
+        Sample(
+            index=i,
+            group=i // 4,
+            prompt="",
+            prompt_ids=[rng.randint(4, 48) for _ in range(rng.randint(*prompt))],
+            response_ids=[rng.randint(4, 48) for _ in range(rng.randint(*response))],
+            advantage=1.0 if i % 2 == 0 else -1.0,
+        )
+        for i in range(n)
+    ]
+
+
+# ---- probes, run inside the actors (``__ray_call__``) -------------------------------------------------
+def _fsdp_probe(self, samples):
+    """FSDP2: per-token log-probs and entropy of one micro-batch, and d(sum of response log-probs)/dW."""
+    import torch
+
+    from tidal.trainer.microbatch import MicroBatch
+    from tidal.trainer.step import token_stats
+
+    mb = MicroBatch(samples, list(range(len(samples))), self.pad_id, self.device)
+    with torch.no_grad():
+        lp, ent = token_stats(self.model, mb, entropy=True, compile=False)
+    lp2, _ = token_stats(self.model, mb, compile=False)
+    (lp2 * mb.mask).sum().backward()
+    grads = {}
+    for n, p in self.model.named_parameters():
+        if n in PROBE:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[n] = g.float().cpu()
+    self.optimizer.zero_grad(set_to_none=True)
+    mask = mb.mask.cpu()
+    return lp.float().cpu()[mask], ent.float().cpu()[mask], grads
+
+
+def _megatron_probe(self, samples):
+    """Megatron: the same, through its schedule; gradients from the DDP buffers, mapped to HF names."""
+    import torch
+
+    from tidal.trainer.megatron import mapping
+    from tidal.trainer.megatron.model import stage_parameters
+    from tidal.trainer.megatron.step import token_stats
+    from tidal.trainer.megatron.trainer import schedule_call
+    from tidal.trainer.microbatch import MicroBatch
+
+    mb = MicroBatch(samples, list(range(len(samples))), self.pad_id, self.device)
+    out = {}
+
+    def stats(mb, logits, width):
+        out["lp"], out["ent"] = token_stats(self, logits, mb, width, entropy=True)
+        return logits.new_zeros(()), {}
+
+    def loss(mb, logits, width):
+        lp, _ = token_stats(self, logits, mb, width)
+        return (lp * mb.mask).sum(), {}
+
+    with torch.no_grad():
+        schedule_call(self, self.ddp, [mb], stats, forward_only=True)
+    self.ddp.zero_grad_buffer()
+    schedule_call(self, self.ddp, [mb], loss, forward_only=False)
+    grads = {}
+    for e, p in stage_parameters(self.stage, self.arch, pp_rank=0, pp_size=1, te=self.te):
+        for name, g in mapping.to_hf(e, [p.main_grad], self.arch):
+            if name in PROBE:
+                grads[name] = g.float().cpu()
+    self.ddp.zero_grad_buffer()
+    mask = mb.mask.cpu()
+    return out["lp"].float().cpu()[mask], out["ent"].float().cpu()[mask], grads
+
+
+def _weights(self, names):
+    import torch
+
+    return {n: t.float().clone() for n, t in self.iter_weights(torch.float32) if n in names}
+
+
+def _diff(a, b) -> tuple[float, float]:
+    d = (a - b).abs()
+    return float(d.max()), float(d.mean())
+
+
+def _rel(a, b) -> float:
+    return float((a - b).norm() / max(float(b.norm()), 1e-12))
+
+
+# ---- 1. the loop ----------------------------------------------------------------------------------------
+def _train_cli(tmp_path, name: str, *args: str) -> list[dict]:
+    out = tmp_path / name
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p))
+    cmd = [sys.executable, "-m", "tidal.cli", "train", "--train-backend", "megatron", "--no-progress"]
+    cmd += ["--output-dir", str(out), *args]
+    t0 = time.time()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    print(f"\n{name}: {len(rows)} rollouts in {time.time() - t0:.0f} s")
+    return rows
+
+
+def test_megatron_loop_learns_the_default_task(tmp_path):
+    rows = _train_cli(tmp_path, "learn", "--num-rollout", "40")
+    rewards = [r["reward_mean"] for r in rows]
+    start, end = sum(rewards[:3]) / 3, max(sum(rewards[i - 2 : i + 1]) / 3 for i in range(2, len(rewards)))
+    diffs = [r.get("logprob_diff", 0.0) for r in rows]
+    print(f"reward start {start:.3f} -> best 3-step {end:.3f}; logprob_diff max {max(diffs):.4f}")
+    print("rewards", " ".join(f"{x:.2f}" for x in rewards))
+    assert end - start >= 0.3, rewards
+    assert max(diffs) < 0.05, diffs
+
+
+def test_megatron_loop_with_offload_syncs_from_backups(tmp_path):
+    rows = _train_cli(tmp_path, "offload", "--num-rollout", "5", "--offload")
+    for r in rows:
+        print(
+            f"step {r['step']}: reward {r['reward_mean']:.3f} logprob_diff {r.get('logprob_diff', 0):.4f} "
+            f"pause {r.get('memory/trainer_pause/total_s', 0):.2f} s resume {r.get('memory/trainer_resume/total_s', 0):.2f} s"
+        )
+    assert all(r.get("logprob_diff", 0.0) < 0.05 for r in rows), [r.get("logprob_diff") for r in rows]
+
+
+# ---- 2. next to FSDP2 on identical weights and batch -----------------------------------------------------
+def test_megatron_matches_fsdp_on_the_same_weights_and_batch(ray_cluster):
+    ray = ray_cluster
+    fsdp, _ = _start(ray, "fsdp")
+    meg, info = _start(ray, "megatron")
+    print(f"\nmegatron init: {info}")
+    w_f = ray.get(fsdp.__ray_call__.remote(_weights, PROBE))
+    w_m = ray.get(meg.__ray_call__.remote(_weights, PROBE))
+    assert sorted(w_f) == sorted(w_m) == sorted(PROBE)
+    assert all(w_f[n].equal(w_m[n]) for n in PROBE), "the two backends start from different weights"
+    batch = _samples(7, n=8)
+    lp_f, ent_f, g_f = ray.get(fsdp.__ray_call__.remote(_fsdp_probe, batch))
+    lp_m, ent_m, g_m = ray.get(meg.__ray_call__.remote(_megatron_probe, batch))
+    lp_max, lp_mean = _diff(lp_m, lp_f)
+    ent_max, ent_mean = _diff(ent_m, ent_f)
+    print(f"log-probs |diff| max {lp_max:.4g} mean {lp_mean:.4g} (mean |lp| {float(lp_f.abs().mean()):.3g})")
+    print(f"entropy   |diff| max {ent_max:.4g} mean {ent_mean:.4g} (mean {float(ent_f.mean()):.3g})")
+    for n in PROBE:
+        gmax, gmean = _diff(g_m[n], g_f[n])
+        print(f"grad {n}: |diff| max {gmax:.3g} mean {gmean:.3g}, rel {_rel(g_m[n], g_f[n]):.3g}")
+    assert lp_mean < 0.02 and ent_mean < 0.02, (lp_mean, ent_mean)
+    assert all(_rel(g_m[n], g_f[n]) < 0.1 for n in PROBE)
+
+    step = _samples(3, n=16)
+    m_f = ray.get(fsdp.train.remote(step, 0))
+    m_m = ray.get(meg.train.remote(step, 0))
+    for k in ("loss", "pg_loss", "entropy", "grad_norm", "tokens", "response_tokens"):
+        print(f"step metric {k}: fsdp {m_f[k]:.6g} megatron {m_m[k]:.6g}")
+    assert m_f["tokens"] == m_m["tokens"] and m_f["response_tokens"] == m_m["response_tokens"]
+    assert abs(m_m["entropy"] - m_f["entropy"]) < 0.02 * max(1.0, abs(m_f["entropy"]))
+    assert abs(m_m["grad_norm"] - m_f["grad_norm"]) < 0.1 * m_f["grad_norm"]
+
+    long = _samples(11, n=64, prompt=(32, 32), response=(256, 256))
+    for name, actor in (("fsdp", fsdp), ("megatron", meg)):
+        ray.get(actor.train.remote(long, 1))  # warm-up (kernels, allocator)
+        t = [ray.get(actor.train.remote(long, 2 + i))["train_s"] for i in range(2)]
+        print(f"0.5B step time, 64 x (32 + 256) tokens: {name} {min(t):.2f} s ({64 * 288 / min(t):.0f} tokens/s)")
+    ray.kill(fsdp)
+    ray.kill(meg)
+
+
+# ---- 3. pause/resume with unbacked gradient buffers -------------------------------------------------------
+def _pause_cycle(ray, backend: str) -> dict:
+    actor, info = _start(ray, backend, offload=True, gpus=1)
+    m = ray.get(actor.train.remote(_samples(0), 0))
+    assert all(math.isfinite(m[k]) for k in ("loss", "pg_loss", "entropy", "grad_norm"))
+    state = ray.get(actor.state_checksums.remote())
+    live = ray.get(actor.weight_checksums.remote("bfloat16"))
+    p = ray.get(actor.pause.remote()).metrics
+    paused_weights = ray.get(actor.weight_checksums.remote("bfloat16"))
+    r = ray.get(actor.resume.remote()).metrics
+    after = ray.get(actor.state_checksums.remote())
+    m2 = ray.get(actor.train.remote(_samples(1), 1))
+    ray.kill(actor)
+    pre = "memory/trainer_pause/"
+    figures = {
+        "backend": backend,
+        "weights_backup": p[pre + "weights/backup_bytes"],
+        "optimizer_backup": p[pre + "optimizer/backup_bytes"],
+        "grads_bytes": p[pre + "grads/bytes"],
+        "grads_backup": p[pre + "grads/backup_bytes"],
+        "rss_before": p[pre + "host_rss_before"],
+        "rss_after": p[pre + "host_rss_after"],
+        "device_before": p[pre + "device_used_before"],
+        "device_after": p[pre + "device_used_after"],
+        "pause_s": p[pre + "total_s"],
+        "resume_s": r["memory/trainer_resume/total_s"],
+    }
+    figures["rss_growth"] = figures["rss_after"] - figures["rss_before"]
+    figures["backups"] = figures["weights_backup"] + figures["optimizer_backup"]
+    print(
+        f"\n{backend}: pause {figures['pause_s']:.2f} s, resume {figures['resume_s']:.2f} s; device "
+        f"{figures['device_before'] / GIB:.2f} -> {figures['device_after'] / GIB:.2f} GiB; host RSS while paused "
+        f"+{figures['rss_growth'] / GIB:.2f} GiB for backups {figures['backups'] / GIB:.2f} GiB "
+        f"(weights {figures['weights_backup'] / GIB:.2f} + optimizer {figures['optimizer_backup'] / GIB:.2f}); "
+        f"grads {figures['grads_bytes'] / GIB:.2f} GiB, backed up {figures['grads_backup'] / GIB:.2f} GiB"
+    )
+    assert after == state, "state after resume differs"
+    assert paused_weights == live, "weights read from the backup differ from the live ones"
+    assert math.isfinite(m2["loss"])
+    return figures
+
+
+def test_megatron_pause_resume_with_unbacked_grad_buffers_next_to_fsdp(ray_cluster):
+    ray = ray_cluster
+    meg = _pause_cycle(ray, "megatron")
+    fsdp = _pause_cycle(ray, "fsdp")
+    # Megatron keeps its gradient buffers between steps (paused without backup); FSDP2 drops its grads.
+    assert meg["grads_bytes"] > 0 and meg["grads_backup"] == 0, meg
+    assert fsdp["grads_backup"] == 0, fsdp
+    for f in (meg, fsdp):
+        assert f["device_before"] - f["device_after"] >= 0.9 * (f["backups"] + f["grads_bytes"]), f
+    # Host memory while paused holds the backups only: the gradient buffers add nothing.
+    assert meg["rss_growth"] <= 1.1 * meg["backups"] + 256 * 1024**2, meg
+    print(
+        f"host RSS growth while paused: megatron {meg['rss_growth'] / GIB:.2f} GiB, fsdp {fsdp['rss_growth'] / GIB:.2f} GiB "
+        f"(grad buffers not backed up: megatron {meg['grads_bytes'] / GIB:.2f} GiB, fsdp {fsdp['grads_bytes'] / GIB:.2f} GiB)"
+    )

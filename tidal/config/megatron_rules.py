@@ -1,0 +1,98 @@
+"""Resolution rules of the Megatron-core backend and of the gradient-buffer backup (the seed's policy).
+
+Plain functions over ``tidal.config.validate.Context``, registered in ``validate``'s ordered rule
+list: ``megatron`` after the cluster rule (it needs the trainer ranks), ``grad_buffers`` after the
+offload rules (it needs ``offload_train``). Each raises ``ConfigError`` with one line.
+
+The gradient-buffer rule is slime's seed PR #1924: under ``--offload-train`` a paused trainer's
+gradient buffers are released without a host backup (``disable_grad_buffers_cpu_backup``), since
+every step zeroes them first; NCCL user buffers (``--use-nccl-ub``) are allocated from NCCL's own
+pool, cannot live in such a region, and are refused together with it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tidal.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tidal.config.validate import Context
+
+_PARALLEL = (
+    ("tensor_model_parallel_size", 1),
+    ("pipeline_model_parallel_size", 1),
+    ("context_parallel_size", 1),
+    ("sequence_parallel", False),
+    ("use_distributed_optimizer", False),
+    ("use_nccl_ub", False),
+)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def megatron(ctx: Context) -> None:
+    t, c = ctx.cfg.trainer, ctx.cfg.cluster
+    if t.train_backend != "megatron":
+        for name, default in _PARALLEL:
+            if getattr(t, name) != default:
+                raise ConfigError(f"{_flag(name)} is a Megatron option; add --train-backend megatron or drop it")
+        return
+    if ctx.cfg.rollout.debug_rollout_only:
+        return  # no trainer is started
+    if c.device != "cuda":
+        raise ConfigError(
+            "--train-backend megatron needs CUDA (Megatron-core's forward and DistributedDataParallel run on GPUs "
+            "only); use --train-backend fsdp on CPU"
+        )
+    if not ctx.env.megatron_available:
+        raise ConfigError("--train-backend megatron: megatron-core is not installed; pip install 'tidal[megatron]'")
+    tp, pp, cp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, t.context_parallel_size
+    if cp != 1:
+        raise ConfigError(
+            f"--context-parallel-size {cp}: the megatron backend packs padded micro-batches and does not split "
+            "sequences yet; use 1 (tensor or pipeline parallelism for long sequences)"
+        )
+    if t.sequence_parallel and tp == 1:
+        raise ConfigError("--sequence-parallel splits over tensor-parallel ranks; add --tensor-model-parallel-size > 1")
+    ranks = c.actor_num_nodes * c.actor_num_gpus_per_node
+    if ranks % (tp * pp):
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} does not divide the {ranks} "
+            "trainer ranks; use sizes whose product divides --actor-num-nodes x --actor-num-gpus-per-node"
+        )
+    if ctx.cfg.algorithm.use_critic:
+        raise ConfigError(
+            "--advantage-estimator ppo trains a critic, which the megatron backend does not have; use --train-backend fsdp"
+        )
+    shape = ctx.shape()
+    if shape.kv_heads % tp or shape.intermediate % tp:
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp} does not divide {shape.name}'s {shape.kv_heads} key-value heads and "
+            f"MLP width {shape.intermediate}; use a divisor of both"
+        )
+    if shape.layers % pp:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {pp} does not divide {shape.name}'s {shape.layers} layers; use a divisor"
+        )
+
+
+def grad_buffers(ctx: Context) -> None:
+    m, t = ctx.cfg.memory, ctx.cfg.trainer
+    offload = bool(m.offload_train)
+    value = m.disable_grad_buffers_cpu_backup
+    if value is None:
+        why = "--offload-train: gradients are zeroed before every step" if offload else "the trainer never pauses"
+        ctx.derive("disable_grad_buffers_cpu_backup", offload, "grad-buffers", why)
+    elif value != offload:
+        raise ConfigError(
+            f"--{'' if value else 'no-'}disable-grad-buffers-cpu-backup contradicts offload-train "
+            f"{'on' if offload else 'off'}: it follows from --offload-train (gradients are zeroed before every step); drop it"
+        )
+    if t.use_nccl_ub and offload:
+        raise ConfigError(
+            "--use-nccl-ub: NCCL user buffers come from NCCL's pool and cannot be paused without backup under "
+            "--offload-train; drop one of the two"
+        )

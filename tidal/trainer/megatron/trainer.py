@@ -1,0 +1,454 @@
+"""The Megatron-core trainer rank (``--train-backend megatron``): TP/PP/DP GPT stages behind the ``Trainer`` interface.
+
+One ``MegatronTrainer`` per GPU, built and called like the FSDP2 backend (``tidal.trainer.base``).
+``init`` starts one process group with two backends (gloo for host tensors, NCCL for device
+tensors; Megatron's groups inherit both), Megatron's parallel state (``--tensor-model-parallel-size``,
+``--pipeline-model-parallel-size``, ``--context-parallel-size``), builds this rank's ``GPTModel``
+stage from the same seeded Hugging Face model the engines build (``tidal.trainer.megatron.model``),
+wraps it in Megatron's ``DistributedDataParallel`` (fp32 main grads in its buffers; reduce-scatter
+with ``--use-distributed-optimizer``) and builds Megatron's optimizer (AdamW over the fp32
+parameters, global-norm clipping across TP/PP, ZeRO-1 with the distributed optimizer).
+
+Per rollout, ``train`` does what the FSDP2 backend does, with the same pieces: the rollout plan
+over the data-parallel ranks (``tidal.trainer.packing``), ``MicroBatch``, ``RolloutObjective``
+(``tidal.algos``' losses, estimators and corrections) and ``RolloutSums``. Micro-batches run
+through Megatron's pipeline schedule (``get_forward_backward_func``), forward under bf16 autocast.
+Log-probs and the entropy come from the vocabulary-sharded logits without gathering the vocabulary
+(``tidal.trainer.megatron.vocab``; with TP = 1 the same fused kernel as FSDP2's). The loss handed to
+the schedule is scaled so that, after the schedule's division by the number of micro-batches and
+DDP's average over data-parallel ranks, each micro-batch contributes its share of the token mean
+over the whole global batch.
+
+Memory: see ``tidal.trainer.megatron.memory`` (parameters and optimizer state backed up, gradient
+buffers in a region without backup under ``--offload-train``). Megatron's NCCL communicators stay
+alive across a pause (they are not in a region).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+
+from tidal.config.schema import AlgorithmConfig, MemoryConfig, ModelConfig, TrainerConfig, WeightSyncConfig
+from tidal.dtypes import as_dtype, default_dtype_name
+from tidal.errors import UserError
+from tidal.memory.base import MemoryResult, StateClass
+from tidal.memory.residency import TrainerResidency
+from tidal.rollout.types import Sample
+from tidal.trainer.base import Trainer
+from tidal.trainer.megatron import mapping
+from tidal.trainer.megatron import model as mm
+from tidal.trainer.megatron.memory import grad_buffers, optimizer_tensors, rehome_grad_buffers
+from tidal.trainer.megatron.state import MegatronState
+from tidal.trainer.megatron.weights import Topology, iter_hf_weights, shard_shapes
+from tidal.trainer.microbatch import MicroBatch
+from tidal.trainer.objective import RolloutObjective
+from tidal.trainer.packing import plan_rollout
+from tidal.trainer.schedule import LRSchedule
+from tidal.trainer.step import RolloutSums, check_samples
+
+_CLASSES = (StateClass.WEIGHTS, StateClass.OPTIMIZER, StateClass.GRADS)
+CPU_REFUSAL = (
+    "--train-backend megatron needs CUDA (Megatron-core's forward and DistributedDataParallel run on GPUs only); "
+    "use --train-backend fsdp on CPU"
+)
+
+
+class HostGroups:
+    """The world group's host side (gloo: counts, metrics, weight gathers) as ``RolloutSums`` expects it."""
+
+    def __init__(self, world_size: int):
+        import torch.distributed as dist
+
+        self.host, self.world_size = dist.group.WORLD, world_size
+
+    def all_reduce_host(self, values: list[float], op=None) -> list[float]:
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.host)
+        return t.tolist()
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.host)
+
+
+class MegatronTrainer(Trainer):
+    """One rank of the Megatron-core trainer; see the module docstring and ``docs/trainer.md``."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        *,
+        model: ModelConfig,
+        trainer: TrainerConfig,
+        algorithm: AlgorithmConfig,
+        memory: MemoryConfig,
+        weight_sync: WeightSyncConfig,
+        device: str,
+        total_steps: int | None = None,
+    ):
+        self.rank, self.world_size = rank, world_size
+        self.master_addr, self.master_port = master_addr, master_port
+        self.model_cfg, self.cfg, self.algo = model, trainer, algorithm
+        self.memory_cfg, self.sync_cfg = memory, weight_sync
+        self.device_type = device
+        self.total_steps = total_steps
+        self.offload = bool(memory.offload_train)
+        # The seed's rule: under --offload-train gradient buffers are paused without a host backup.
+        derived = memory.disable_grad_buffers_cpu_backup
+        self.grads_unbacked = self.offload if derived is None else bool(derived)
+        self.residency = TrainerResidency(f"trainer rank {rank}")
+        self.version = 0
+        self.strategy = None
+        self.connected = False
+        self.engine_dtype: torch.dtype | None = None
+        self.last_rollout_id = -1
+        self.ref_model = None
+        self.custom_correction = None
+        self._warned_oversized = False
+
+    # ---- setup -------------------------------------------------------------------------------------
+    def init(self) -> dict:
+        """Process groups, parallel state, GPT stage(s) loaded from the HF weights, DDP, optimizer, memory."""
+        if self.device_type != "cuda":
+            raise UserError(CPU_REFUSAL)
+        mm.require_megatron()
+        if self.algo.use_critic:
+            raise UserError(
+                "--advantage-estimator ppo trains a critic, which --train-backend megatron does not have; use --train-backend fsdp"
+            )
+        from tidal.memory import make_backend
+        from tidal.memory.history import MemoryHistory
+        from tidal.model.load import build_model, load_tokenizer, resolve_model
+
+        self._history = MemoryHistory(self.memory_cfg, self.device_type, f"trainer-rank{self.rank}")
+        t0 = time.perf_counter()
+        self.par = mm.Parallel.from_trainer(self.cfg)
+        self._place()
+        self.spec = resolve_model(self.model_cfg.model, self.model_cfg.tokenizer, self.model_cfg.trust_remote_code)
+        self.model_path = self.spec.path
+        self.tokenizer = load_tokenizer(self.spec)
+        self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
+        hf = build_model(self.spec, dtype=torch.float32, seed=self.cfg.seed, device="cpu")
+        self.hf_config, self.generation_config = hf.config, getattr(hf, "generation_config", None)
+        self.arch = mapping.arch_from_hf(hf.config)
+        mapping.check_parallel(self.arch, self.par.tp, self.par.pp)
+        full = {n: p.detach() for n, p in hf.named_parameters()}
+        self.hf_shapes = {n: tuple(t.shape) for n, t in full.items()}
+        param_dtype = self.cfg.param_dtype if self.cfg.param_dtype != "auto" else default_dtype_name("cuda")
+        self.compute_dtype = as_dtype(param_dtype)
+        self.te = mm.te_available()
+        self.memory = make_backend(self.memory_cfg, device="cuda", role="trainer", offload_train=self.grads_unbacked)
+        with self.memory.region(StateClass.WEIGHTS):
+            self.stage = self._build_stage(full)
+            self.ddp = self._wrap_ddp(self.stage)
+            if self.algo.use_kl_loss:
+                self.ref_model = self._build_stage(full)
+                self.ref_model.requires_grad_(False)
+        del hf, full
+        self.grad_bytes = rehome_grad_buffers(self.ddp, self.memory.region(StateClass.GRADS))
+        with self.memory.region(StateClass.OPTIMIZER):
+            self._optimizer_and_schedule()
+        self._register()
+        self.local = dict(self.stage.named_parameters())
+        self.shapes = shard_shapes(self.local, self.topo, self.groups.host)
+        gc.collect()
+        gc.freeze()
+        return self._sizes(time.perf_counter() - t0)
+
+    def _sizes(self, init_s: float) -> dict:
+        local_bytes = sum(p.numel() * p.element_size() for p in self.stage.parameters())
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "num_params": sum(int(torch.tensor(s).prod()) for s in self.hf_shapes.values()),
+            "local_param_bytes": local_bytes,
+            "grad_buffer_bytes": self.grad_bytes,
+            "param_dtype": str(self.compute_dtype).removeprefix("torch."),
+            "use_kl_loss": self.ref_model is not None,
+            "critic_params": 0,
+            "layer_spec": "transformer_engine" if self.te else "local",
+            "parallel": {"tp": self.par.tp, "pp": self.par.pp, "cp": self.par.cp, "dp": self.topo.dp},
+            "grad_buffers_cpu_backup": not self.grads_unbacked,
+            "init_s": init_s,
+        }
+
+    def _place(self) -> None:
+        """This rank's GPU, one process group (gloo for host tensors, NCCL for device ones), Megatron's parallel state."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        index = int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        self.device = torch.device("cuda", index)
+        os.environ.update(
+            MASTER_ADDR=str(self.master_addr),
+            MASTER_PORT=str(self.master_port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+        )
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "cpu:gloo,cuda:nccl",
+                init_method="env://",
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timedelta(minutes=self.cfg.dist_timeout_min),
+            )
+        model_ranks = self.par.tp * self.par.pp * self.par.cp
+        if self.world_size % model_ranks:
+            raise UserError(
+                f"{self.world_size} trainer ranks do not split into tensor {self.par.tp} x pipeline {self.par.pp} x "
+                f"context {self.par.cp} parallel groups; use sizes whose product divides the trainer ranks"
+            )
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=self.par.tp,
+                pipeline_model_parallel_size=self.par.pp,
+                context_parallel_size=self.par.cp,
+            )
+        model_parallel_cuda_manual_seed(self.cfg.seed)
+        self.topo = Topology(
+            rank=self.rank, tp=self.par.tp, cp=self.par.cp, dp=self.world_size // model_ranks, pp=self.par.pp
+        )
+        self.tp_rank, _, self.dp_rank, self.pp_rank = self.topo.coords()
+        if (self.tp_rank, self.pp_rank) != (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()):
+            raise RuntimeError(
+                "Megatron's rank order differs from tidal's (tp-cp-dp-pp); the weight source would be wrong"
+            )
+        self.groups = HostGroups(self.world_size)
+        # Metrics are counted once per model replica: on TP rank 0 of the last stage.
+        self.reports = self.tp_rank == 0 and self.pp_rank == self.par.pp - 1
+
+    def _build_stage(self, full: dict[str, torch.Tensor]):
+        config = mm.transformer_config(
+            self.arch,
+            self.par,
+            recompute=self.cfg.gradient_checkpointing,
+            autocast=self.compute_dtype != torch.float32,
+        )
+        spec = mm.layer_spec(self.arch, self.te)
+        stage = mm.build_stage(self.arch, config, spec, tp=self.par.tp, pp_rank=self.pp_rank, pp_size=self.par.pp)
+        stage.cuda(self.device)
+        mm.load_hf(
+            stage,
+            self.arch,
+            full.__getitem__,
+            tp_rank=self.tp_rank,
+            tp_size=self.par.tp,
+            pp_rank=self.pp_rank,
+            pp_size=self.par.pp,
+            te=self.te,
+        )
+        return stage
+
+    def _wrap_ddp(self, stage):
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.par.distributed_optimizer,
+            nccl_ub=self.cfg.use_nccl_ub,
+        )
+        ddp = DistributedDataParallel(config=stage.config, ddp_config=ddp_config, module=stage)
+        # The schedule finishes the grad reduction (and SP's layer-norm / PP's embedding all-reduces).
+        stage.config.finalize_model_grads_func = finalize_model_grads
+        stage.config.no_sync_func = ddp.no_sync
+        return ddp
+
+    def _optimizer_and_schedule(self) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        oc = OptimizerConfig(
+            optimizer="adam",
+            lr=self.cfg.lr,
+            min_lr=self.cfg.min_lr,
+            weight_decay=self.cfg.weight_decay,
+            adam_beta1=self.cfg.adam_beta1,
+            adam_beta2=self.cfg.adam_beta2,
+            adam_eps=self.cfg.adam_eps,
+            clip_grad=self.cfg.clip_grad,
+            bf16=False,
+            params_dtype=torch.float32,
+            use_distributed_optimizer=self.par.distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(oc, [self.ddp])
+        self.schedule = LRSchedule(
+            lr=self.cfg.lr,
+            min_lr=self.cfg.min_lr,
+            warmup_steps=self.cfg.lr_warmup_steps,
+            decay_style=self.cfg.lr_decay_style,
+            total_steps=self.total_steps,
+        )
+
+    def _register(self) -> None:
+        models = [m for m in (self.stage, self.ref_model) if m is not None]
+        self.memory.register(StateClass.WEIGHTS, lambda: [p for m in models for p in m.parameters()])
+        self.memory.register(StateClass.OPTIMIZER, lambda: optimizer_tensors(self.optimizer))
+        self.memory.register(StateClass.GRADS, lambda: grad_buffers(self.ddp))
+
+    # ---- training ----------------------------------------------------------------------------------
+    def train(self, samples: list[Sample], rollout_id: int) -> dict:
+        """All optimizer steps of one rollout; rank 0 returns the metrics reduced over ranks."""
+        from tidal.trainer.megatron.step import train_rollout
+
+        out = train_rollout(self, samples, rollout_id)
+        snapshot = self._history.step()
+        if snapshot and out:
+            out["memory_snapshot"] = snapshot
+        return out
+
+    def plan(self, samples: list[Sample]) -> list[list[MicroBatch]]:
+        """This data-parallel rank's micro-batches per optimizer step (every TP/PP rank of a replica alike)."""
+        self.residency.require_active("train")
+        self._warned_oversized |= check_samples(
+            samples,
+            vocab=self.arch.vocab_size,
+            model_name=self.model_cfg.model,
+            max_tokens=self.cfg.max_tokens_per_gpu,
+            warn=not self._warned_oversized,
+        )
+        plan = plan_rollout(
+            [s.total_len for s in samples],
+            world_size=self.topo.dp,
+            global_batch_size=self.cfg.global_batch_size,
+            max_tokens=self.cfg.max_tokens_per_gpu,
+        )
+        return [
+            [MicroBatch(samples, mb, self.pad_id, self.device) for mb in step[self.dp_rank].micro_batches]
+            for step in plan
+        ]
+
+    def new_sums(self) -> tuple[RolloutSums, RolloutObjective]:
+        return RolloutSums(self.device), RolloutObjective(self.algo, self.device, self.custom_correction)
+
+    # ---- memory --------------------------------------------------------------------------------------
+    def pause(self) -> MemoryResult:
+        """Release parameters, optimizer state (both backed up) and gradient buffers (not backed up with --offload-train)."""
+        self.residency.pause()
+        if not self.offload:
+            return MemoryResult({"memory/trainer_pause/effective": 0})
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad()
+        gc.collect()
+        torch.cuda.empty_cache()
+        t1 = time.perf_counter()
+        report = self.memory.pause(list(_CLASSES))
+        out = report.metrics("memory/trainer_pause")
+        out["memory/trainer_pause/free_transients_s"] = t1 - t0
+        out["memory/trainer_pause/effective"] = 1
+        out["memory/trainer_pause/groups_released"] = 0
+        out["memory/trainer_pause/grads_backed_up"] = int(not self.grads_unbacked)
+        out["memory/trainer_pause/total_s"] = time.perf_counter() - t0
+        return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
+
+    def resume(self) -> MemoryResult:
+        """Bring parameters and optimizer state back bit for bit; gradient buffers are zeroed before the next step."""
+        self.residency.resume()
+        if not self.offload:
+            return MemoryResult({"memory/trainer_resume/effective": 0})
+        t0 = time.perf_counter()
+        report = self.memory.resume(list(_CLASSES))
+        out = report.metrics("memory/trainer_resume")
+        out["memory/trainer_resume/effective"] = 1
+        out["memory/trainer_resume/groups_rebuilt"] = 0
+        out["memory/trainer_resume/total_s"] = time.perf_counter() - t0
+        return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
+
+    def memory_stats(self) -> dict[str, int]:
+        from tidal.memory.telemetry import process_memory_stats
+
+        return process_memory_stats(self.device_type)
+
+    # ---- weight source and state surface -------------------------------------------------------------
+    @property
+    def weights_from_backup(self) -> bool:
+        return self.offload and self.residency.paused
+
+    def require_active(self, what: str) -> None:
+        self.residency.require_active(what)
+
+    def read(self, t: torch.Tensor) -> torch.Tensor:
+        """A parameter or optimizer tensor as it can be read now: live, or its host backup while paused."""
+        return self.memory.host_view(t) if self.weights_from_backup else t
+
+    def gather(self, local: dict[str, torch.Tensor], dtype, on_device: bool = False):
+        from tidal.weight_sync.stream import to_host
+
+        return iter_hf_weights(
+            local,
+            self.arch,
+            self.topo,
+            shapes=self.shapes,
+            dtype=dtype,
+            read=self.read,
+            host=to_host,
+            group=self.groups.host,
+            te=self.te,
+            on_device=on_device and self.world_size == 1,
+        )
+
+    def iter_weights(
+        self, dtype: str | torch.dtype | None = None, *, on_device: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """``(HF name, full tensor in dtype)`` on rank 0 (TP shards gathered, QKV and fc1 un-fused), None elsewhere."""
+        return self.gather(self.local, as_dtype(dtype), on_device)
+
+    def checkpoint_state(self) -> MegatronState:
+        return MegatronState(self)
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        super().shutdown()
+        ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def schedule_call(trainer: MegatronTrainer, model, mbs: list[MicroBatch], loss_fn, *, forward_only: bool):
+    """Run ``mbs`` through Megatron's schedule (1F1B with PP > 1); ``loss_fn(mb, logits)`` on the last stage."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    multiple = trainer.par.tp if trainer.par.sequence_parallel else 1
+
+    def forward_step(data_iterator, module):
+        mb = next(data_iterator)
+        ids = mb.input_ids
+        pad = (-ids.shape[1]) % multiple
+        if pad:
+            ids = torch.nn.functional.pad(ids, (0, pad), value=trainer.pad_id)
+        pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        out = module(ids, pos, None)
+        return out, functools.partial(loss_fn, mb, width=mb.input_ids.shape[1])
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(mbs),
+        model=[model],
+        num_microbatches=len(mbs),
+        seq_length=max(mb.input_ids.shape[1] for mb in mbs),
+        micro_batch_size=max(mb.input_ids.shape[0] for mb in mbs),
+        forward_only=forward_only,
+    )
