@@ -190,13 +190,50 @@ def _run_ranks(tmp_path, world: int, tp: int, pp: int, archs: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.parametrize("model_type,kw", ARCHS)
+def test_one_rank_weight_source_is_views_of_the_parameters(model_type, kw):
+    """With one rank nothing is gathered: HF tensors are views of the Megatron parameters (QKV parts copied),
+    cast only when asked."""
+    from tidal.trainer.megatron.weights import Topology, iter_hf_weights
+
+    hf = _tiny(model_type, **kw)
+    arch = mapping.arch_from_hf(hf.config)
+    full = {n: p.detach() for n, p in hf.named_parameters()}
+    local = {e.megatron: mapping.to_megatron(e, full.__getitem__, arch) for e in mapping.entries(arch)}
+    topo = Topology(rank=0, tp=1, cp=1, dp=1, pp=1)
+    kept = dict(
+        iter_hf_weights(
+            local, arch, topo, shapes={}, dtype=None, read=lambda t: t, host=lambda t, d: t, on_device=False
+        )
+    )
+    assert sorted(kept) == sorted(full) and all(_bits(kept[n]) == _bits(full[n]) for n in full)
+    # Un-fusing QKV of several groups must copy; every other layout is a view of the parameter.
+    for e in mapping.entries(arch):
+        if e.kind != "qkv":
+            base = local[e.megatron].untyped_storage().data_ptr()
+            assert all(kept[n].untyped_storage().data_ptr() == base for n in e.hf), e
+    bf16 = dict(
+        iter_hf_weights(
+            local,
+            arch,
+            topo,
+            shapes={},
+            dtype=torch.bfloat16,
+            read=lambda t: t,
+            host=lambda t, d: t.to(d),
+            on_device=False,
+        )
+    )
+    assert all(torch.equal(bf16[n], full[n].to(torch.bfloat16)) for n in full)
+
+
 @needs_megatron
-@pytest.mark.parametrize("tp,archs", [(1, "qwen3"), (2, "llama,qwen2,qwen3")])
-def test_megatron_gpt_model_on_cpu_matches_hf(tmp_path, tp, archs):
-    """Megatron's own GPTModel (local spec, CPU init): HF -> Megatron -> HF bit for bit, logits equal to the
-    HF model's, vocab-parallel log-probs/entropy and their gradients equal to the full-vocabulary ones.
-    One rank (the weight source's no-gather path) for one architecture; TP = 2 for all three."""
-    results = _run_ranks(tmp_path, world=tp, tp=tp, pp=1, archs=archs)
+def test_megatron_gpt_model_on_cpu_matches_hf(tmp_path):
+    """Megatron's own GPTModel (local spec, CPU init, TP = 2 over gloo): HF -> Megatron -> HF bit for bit
+    through the weight source, logits equal to the HF model's, vocab-parallel log-probs/entropy and their
+    gradients equal to the full-vocabulary ones, for all three architectures."""
+    archs = "llama,qwen2,qwen3"
+    results = _run_ranks(tmp_path, world=2, tp=2, pp=1, archs=archs)
     assert sorted(results) == sorted(archs.split(","))
     for name, r in results.items():
         assert r["names_equal"] and r["bitwise"], name

@@ -87,6 +87,16 @@ def derived_quantities(cfg: TidalConfig, shape: ModelShape) -> list[tuple[str, s
             f"bytes / update-weight-buffer-size {format_bytes(w.update_weight_buffer_size)} ({w.update_weight_mode} over {w.update_weight_transport})",
         ),
     ]
+    if t.train_backend == "megatron":
+        model_ranks = t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.context_parallel_size
+        out.append(
+            (
+                "megatron data-parallel ranks",
+                str(max(1, ranks // model_ranks)),
+                f"trainer ranks / (tensor {t.tensor_model_parallel_size} x pipeline {t.pipeline_model_parallel_size} "
+                f"x context {t.context_parallel_size}); the rollout plan is shared among these",
+            )
+        )
     if shape.largest_tensor * engine_b > w.update_weight_buffer_size:
         out.append(
             (

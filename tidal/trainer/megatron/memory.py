@@ -5,12 +5,15 @@ gradient buffers are allocated inside a torch_memory_saver region *without* a ho
 they are zeroed at the start of every step anyway, so a paused trainer keeps only parameters and
 optimizer state on the host. tidal gets the same result from outside Megatron:
 
-1. the model and its ``DistributedDataParallel`` wrapper are built inside the WEIGHTS region (so
-   parameters, and with the distributed optimizer the parameter buffers, are backed up);
-2. ``rehome_grad_buffers`` then gives every gradient buffer's storage a new memory block allocated
-   inside the GRADS region (no backup under ``--offload-train``) and frees the old block. The
-   storage object is the same, so every view Megatron made of it (``param.main_grad``, the buckets'
-   ``grad_data``) now points at the new block; nothing in Megatron is replaced or subclassed.
+1. the model is built inside the WEIGHTS region (parameters backed up);
+2. Megatron's ``DistributedDataParallel`` is built inside the GRADS region, so the gradient
+   buffers it allocates there are paused without a backup under ``--offload-train``;
+3. with the distributed optimizer DDP also allocates parameter buffers (and re-points every
+   parameter into them); ``rehome`` gives those storages a new memory block allocated inside the
+   WEIGHTS region and frees the old one. The storage object stays, so every view Megatron made
+   of it (``param.data``, the buckets' views) follows; nothing in Megatron is replaced or subclassed.
+   (The other way round, building DDP in WEIGHTS and moving the grads out, would leave the freed
+   gradient block cached in the WEIGHTS pool, where torch_memory_saver would back it up.)
 
 NCCL user buffers (``--use-nccl-ub``) must come from NCCL's own memory pool, so they cannot live in a
 paused region; the config rule refuses the pair (``tidal.config.memory_rules.grad_buffers``).
@@ -29,17 +32,27 @@ def grad_buffers(ddp) -> list[torch.Tensor]:
     return [b.grad_data for b in bufs]
 
 
-def rehome_grad_buffers(ddp, region: contextlib.AbstractContextManager) -> int:
-    """Move every gradient buffer's memory into ``region`` in place (views stay valid); returns the bytes moved."""
+def param_buffers(ddp) -> list[torch.Tensor]:
+    """DDP's flat parameter buffers (only with the distributed optimizer; else empty)."""
+    bufs = list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", []))
+    return [b.param_data for b in bufs if getattr(b, "param_data", None) is not None]
+
+
+def rehome(tensors: list[torch.Tensor], region: contextlib.AbstractContextManager, *, zero: bool) -> int:
+    """Move each tensor's storage into a block allocated inside ``region``, in place (views stay valid);
+    the contents are copied unless ``zero`` (then zeroed). Returns the bytes moved."""
     moved = 0
-    for grad in grad_buffers(ddp):
-        storage = grad.untyped_storage()
+    for t in tensors:
+        storage = t.untyped_storage()
         nbytes = storage.nbytes()
         with region:
-            fresh = torch.UntypedStorage(nbytes, device=grad.device)
+            fresh = torch.UntypedStorage(nbytes, device=t.device)
+        if not zero:
+            fresh.copy_(storage)
         storage._swap_data_ptr_(fresh)  # ``storage`` now owns the region's block; ``fresh`` the old one
         del fresh  # frees the old block
-        grad.zero_()
+        if zero:
+            t.zero_()
         moved += nbytes
     return moved
 

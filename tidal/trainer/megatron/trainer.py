@@ -43,7 +43,7 @@ from tidal.rollout.types import Sample
 from tidal.trainer.base import Trainer
 from tidal.trainer.megatron import mapping
 from tidal.trainer.megatron import model as mm
-from tidal.trainer.megatron.memory import grad_buffers, optimizer_tensors, rehome_grad_buffers
+from tidal.trainer.megatron.memory import grad_buffers, optimizer_tensors, param_buffers, rehome
 from tidal.trainer.megatron.state import MegatronState
 from tidal.trainer.megatron.weights import Topology, iter_hf_weights, shard_shapes
 from tidal.trainer.microbatch import MicroBatch
@@ -153,12 +153,16 @@ class MegatronTrainer(Trainer):
         self.memory = make_backend(self.memory_cfg, device="cuda", role="trainer", offload_train=self.grads_unbacked)
         with self.memory.region(StateClass.WEIGHTS):
             self.stage = self._build_stage(full)
-            self.ddp = self._wrap_ddp(self.stage)
             if self.algo.use_kl_loss:
                 self.ref_model = self._build_stage(full)
                 self.ref_model.requires_grad_(False)
         del hf, full
-        self.grad_bytes = rehome_grad_buffers(self.ddp, self.memory.region(StateClass.GRADS))
+        # DDP allocates its gradient buffers (and, with the distributed optimizer, parameter buffers)
+        # as it is built: build it inside GRADS, then move the parameter buffers to WEIGHTS.
+        with self.memory.region(StateClass.GRADS):
+            self.ddp = self._wrap_ddp(self.stage)
+        self.grad_bytes = sum(g.untyped_storage().nbytes() for g in grad_buffers(self.ddp))
+        rehome(param_buffers(self.ddp), self.memory.region(StateClass.WEIGHTS), zero=False)
         with self.memory.region(StateClass.OPTIMIZER):
             self._optimizer_and_schedule()
         self._register()
