@@ -251,7 +251,7 @@ def test_megatron_matches_fsdp_on_the_same_weights_and_batch(ray_cluster):
 
 
 # ---- 3. pause/resume with unbacked gradient buffers -------------------------------------------------------
-def _pause_cycle(ray, backend: str) -> dict:
+def _pause_cycle(ray, backend: str, ckpt: str | None = None) -> dict:
     actor, info = _start(ray, backend, offload=True, gpus=1)
     m = ray.get(actor.train.remote(_samples(0), 0))
     assert all(math.isfinite(m[k]) for k in ("loss", "pg_loss", "entropy", "grad_norm"))
@@ -259,6 +259,8 @@ def _pause_cycle(ray, backend: str) -> dict:
     live = ray.get(actor.weight_checksums.remote("bfloat16"))
     p = ray.get(actor.pause.remote()).metrics
     paused_weights = ray.get(actor.weight_checksums.remote("bfloat16"))
+    if ckpt:
+        ray.get(actor.save.remote(ckpt, {"rollout_id": 0}))  # while paused: from the host backups
     r = ray.get(actor.resume.remote()).metrics
     after = ray.get(actor.state_checksums.remote())
     m2 = ray.get(actor.train.remote(_samples(1), 1))
@@ -286,15 +288,17 @@ def _pause_cycle(ray, backend: str) -> dict:
         f"(weights {figures['weights_backup'] / GIB:.2f} + optimizer {figures['optimizer_backup'] / GIB:.2f}); "
         f"grads {figures['grads_bytes'] / GIB:.2f} GiB, backed up {figures['grads_backup'] / GIB:.2f} GiB"
     )
+    figures["state"] = state
     assert after == state, "state after resume differs"
     assert paused_weights == live, "weights read from the backup differ from the live ones"
     assert math.isfinite(m2["loss"])
     return figures
 
 
-def test_megatron_pause_resume_with_unbacked_grad_buffers_next_to_fsdp(ray_cluster):
+def test_megatron_pause_resume_with_unbacked_grad_buffers_next_to_fsdp(ray_cluster, tmp_path):
     ray = ray_cluster
-    meg = _pause_cycle(ray, "megatron")
+    ckpt = str(tmp_path / "ckpt")
+    meg = _pause_cycle(ray, "megatron", ckpt)
     fsdp = _pause_cycle(ray, "fsdp")
     # Megatron keeps its gradient buffers between steps (paused without backup); FSDP2 drops its grads.
     assert meg["grads_bytes"] > 0 and meg["grads_backup"] == 0, meg
@@ -307,3 +311,32 @@ def test_megatron_pause_resume_with_unbacked_grad_buffers_next_to_fsdp(ray_clust
         f"host RSS growth while paused: megatron {meg['rss_growth'] / GIB:.2f} GiB, fsdp {fsdp['rss_growth'] / GIB:.2f} GiB "
         f"(grad buffers not backed up: megatron {meg['grads_bytes'] / GIB:.2f} GiB, fsdp {fsdp['grads_bytes'] / GIB:.2f} GiB)"
     )
+
+
+def test_megatron_checkpoint_loads_in_both_backends_and_exports(ray_cluster, tmp_path):
+    """A checkpoint written by the Megatron backend (tidal's format, by HF names) loads bit for bit into a
+    fresh Megatron trainer and into the FSDP2 backend; its HF export loads with transformers."""
+    ray = ray_cluster
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    actor, _ = _start(ray, "megatron", gpus=1)
+    ray.get(actor.train.remote(_samples(0), 0))
+    state = ray.get(actor.state_checksums.remote())
+    ray.get(actor.save.remote(ckpt, {"rollout_id": 0}))
+    ray.kill(actor)
+    for backend in ("megatron", "fsdp"):
+        fresh, _ = _start(ray, backend, gpus=1)
+        ray.get(fresh.load.remote(ckpt))
+        loaded = ray.get(fresh.state_checksums.remote())
+        assert loaded == state, (backend, sorted(set(loaded) ^ set(state))[:5])
+        if backend == "megatron":
+            ray.get(fresh.export.remote(out))
+        ray.kill(fresh)
+    print(f"\ncheckpoint of {len(state)} tensors loads bit for bit into megatron and fsdp")
+
+    from transformers import AutoModelForCausalLM
+
+    from tidal.weight_sync.checksum import tensor_checksum
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    got = {n: tensor_checksum(p.detach()) for n, p in model.named_parameters()}
+    assert {k: state[k] for k in got} == got
