@@ -775,6 +775,13 @@ def test_rule_multi_turn(argv, expect):
     check(argv, CPU, expect)
 
 
+def test_rule_multi_turn_refuses_the_asynchronous_drivers():
+    cfg, prov = parse(["--task", "guess"])
+    cfg.rollout.async_mode = "one-step"  # the asynchronous drivers' field (set here for configs that lack it)
+    with pytest.raises(ConfigError, match="--async one-step generates one response per prompt"):
+        resolve(cfg, prov, CPU)
+
+
 def test_memory_plan_counts_trajectories_and_stored_prefixes():
     from tidal.config.plan import build_plan, model_shape
 

@@ -77,6 +77,12 @@ def multi_turn(ctx: Context) -> None:
         raise ConfigError(
             "--custom-generate-function-path and an environment both decide how samples are generated; keep one"
         )
+    mode = getattr(r, "async_mode", "off")  # the asynchronous drivers generate without the agent loop
+    if mode not in (None, "off"):
+        raise ConfigError(
+            f"--async {mode} generates one response per prompt; multi-turn rollouts (an environment) run in the "
+            "synchronous loop: drop --async"
+        )
     if r.max_trajectory_tokens < r.rollout_max_response_len:
         raise ConfigError(
             f"--max-trajectory-tokens {r.max_trajectory_tokens} is below --rollout-max-response-len "
