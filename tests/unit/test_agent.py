@@ -126,6 +126,11 @@ def test_bad_environments_stop_with_one_line(engine, name, needle):
     assert needle in msg and f"environment {PLUGINS}:{name}" in msg and "\n" not in msg, msg
 
 
+def test_env_path_by_module_name():
+    assert load_env("tidal.rollout.envs:GuessEnv") is GuessEnv
+    assert load_env("tidal.rollout.envs.CalculatorEnv") is BUILTIN_ENVS["calculator"]
+
+
 @pytest.mark.parametrize(
     "path, needle",
     [
