@@ -7,7 +7,7 @@ the checksum of the tensor's new full bytes. How it gets there:
 - **One pool job per tensor** (``delta.pool``, one thread per core): numpy, zstd and the checksums
   release the GIL, so tensors encode on every core at once.
 - **In spans of ``SPAN`` bytes**, in cache: each span is diffed into a per-thread scratch buffer,
-  fed to a streaming zstd compressor that was told the tensor's diff size up front (so the frame
+  fed to a streaming zstd compressor (a ``chunker``) told the tensor's diff size up front (so the frame
   still records its content size), hashed, and copied into the snapshot while hot. No tensor-sized
   temporary is allocated (fresh allocations cost more in page faults than the diff itself), and the
   ``overwrite`` layout is streamed part by part instead of being concatenated first.
@@ -40,6 +40,7 @@ from tidal.weight_sync.delta import thread_decompressor
 
 SPAN = 4 << 20  # bytes diffed, compressed and hashed at a time (stays in cache)
 LARGE = 64 << 20  # tensors this large are diffed span by span across the pool
+_OUT_CHUNK = 1 << 20  # compressed output comes back in pieces of this size (joined once per tensor)
 _local = threading.local()
 
 
@@ -78,18 +79,18 @@ def _spans(n: int, span: int | None = None) -> list[tuple[int, int]]:
 
 
 def _encode_xor(name: str, new: np.ndarray, old: np.ndarray, algo: str) -> Encoded:
-    cobj = _cctx().compressobj(size=new.size)
+    chunker = _cctx().chunker(size=new.size, chunk_size=_OUT_CHUNK)
     h = Hasher(algo)
     parts, changed = [], 0
     for a, b in _spans(new.size):
         d = np.bitwise_xor(new[a:b], old[a:b], out=_scratch(b - a))
         c = int(np.count_nonzero(d))
-        parts.append(cobj.compress(d))
+        parts.extend(chunker.compress(d))
         h.update(new[a:b])
         if c:
             np.copyto(old[a:b], new[a:b])
             changed += c
-    parts.append(cobj.flush())
+    parts.extend(chunker.finish())
     if not changed:
         return Encoded(name, 0, None, None)
     return Encoded(name, changed, np.frombuffer(b"".join(parts), np.uint8), h.hexdigest())
@@ -98,11 +99,12 @@ def _encode_xor(name: str, new: np.ndarray, old: np.ndarray, algo: str) -> Encod
 def _overwrite_frame(pos: list[np.ndarray], vals: list[np.ndarray], threads: int = 0) -> np.ndarray:
     """``u32le count | positions | values`` compressed as one frame, fed part by part (no concatenation)."""
     count = sum(p.size for p in pos)
-    cobj = _cctx(threads).compressobj(size=4 + 5 * count)
-    parts = [cobj.compress(np.array([count], "<u4").tobytes())]
-    parts += [cobj.compress(p.view(np.uint8)) for p in pos if p.size]
-    parts += [cobj.compress(v) for v in vals if v.size]
-    parts.append(cobj.flush())
+    chunker = _cctx(threads).chunker(size=4 + 5 * count, chunk_size=_OUT_CHUNK)
+    parts = list(chunker.compress(np.array([count], "<u4").tobytes()))
+    for piece in [p.view(np.uint8) for p in pos] + vals:
+        if piece.size:
+            parts.extend(chunker.compress(piece))
+    parts.extend(chunker.finish())
     return np.frombuffer(b"".join(parts), np.uint8)
 
 
