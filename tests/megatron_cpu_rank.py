@@ -7,6 +7,7 @@ not hidden/heads) it builds the Hugging Face model from the shared seed, builds 
 
 1. the round trip: tidal's weight source (``iter_hf_weights``) over Megatron's own parameters gives
    every HF tensor back, bit for bit (rank 0);
+   With TP = 2 the same processes then run as two pipeline stages for the untied models;
 2. with PP = 1, the forward: Megatron's logits (vocabulary shards gathered here for the comparison
    only) equal the HF model's, and tidal's vocab-parallel log-probs and entropy on the shards equal
    the full-vocabulary ones (with their gradients w.r.t. the logits).
@@ -137,6 +138,14 @@ def main() -> None:
 
     topo = Topology(rank=rank, tp=tp, cp=1, dp=world // (tp * pp), pp=pp)
     results = {name: check(name, hf, topo, tp, pp, dist.group.WORLD) for name, hf in hf_models(only)}
+    if tp == world and pp == 1 and world == 2:
+        # The same two processes again as two pipeline stages (untied models: Megatron ties a split
+        # embedding through a CUDA-only all-reduce): the weight source's stage-to-rank-0 path.
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+        stages = Topology(rank=rank, tp=1, cp=1, dp=1, pp=2)
+        for name, hf in hf_models([n for n in (only or ["llama", "qwen2"]) if n != "qwen3"]):
+            results[f"{name}/pp2"] = check(name, hf, stages, 1, 2, dist.group.WORLD)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
