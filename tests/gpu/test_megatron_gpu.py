@@ -313,25 +313,31 @@ def test_megatron_pause_resume_with_unbacked_grad_buffers_next_to_fsdp(ray_clust
     )
 
 
-def test_megatron_checkpoint_loads_in_both_backends_and_exports(ray_cluster, tmp_path):
-    """A checkpoint written by the Megatron backend (tidal's format, by HF names) loads bit for bit into a
-    fresh Megatron trainer and into the FSDP2 backend; its HF export loads with transformers."""
+@pytest.mark.parametrize("distributed", [False, True], ids=["optimizer", "distributed-optimizer"])
+def test_megatron_checkpoint_loads_in_both_backends_and_exports(ray_cluster, tmp_path, distributed):
+    """A checkpoint written by the Megatron backend (tidal's format, by HF names; with the distributed
+    optimizer too) loads bit for bit into a fresh Megatron trainer and into the FSDP2 backend; its HF
+    export loads with transformers."""
     ray = ray_cluster
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
-    actor, _ = _start(ray, "megatron", gpus=1)
+    actor, _ = _start(ray, "megatron", gpus=1, use_distributed_optimizer=distributed)
     ray.get(actor.train.remote(_samples(0), 0))
     state = ray.get(actor.state_checksums.remote())
+    assert any(k.startswith("optim/") for k in state)
     ray.get(actor.save.remote(ckpt, {"rollout_id": 0}))
     ray.kill(actor)
     for backend in ("megatron", "fsdp"):
-        fresh, _ = _start(ray, backend, gpus=1)
+        extra = {"use_distributed_optimizer": distributed} if backend == "megatron" else {}
+        fresh, _ = _start(ray, backend, gpus=1, **extra)
         ray.get(fresh.load.remote(ckpt))
         loaded = ray.get(fresh.state_checksums.remote())
         assert loaded == state, (backend, sorted(set(loaded) ^ set(state))[:5])
         if backend == "megatron":
             ray.get(fresh.export.remote(out))
         ray.kill(fresh)
-    print(f"\ncheckpoint of {len(state)} tensors loads bit for bit into megatron and fsdp")
+    print(
+        f"\ncheckpoint of {len(state)} tensors (distributed optimizer {distributed}) loads bit for bit into megatron and fsdp"
+    )
 
     from transformers import AutoModelForCausalLM
 

@@ -7,8 +7,10 @@ masters; AdamW's moments have their parameter's layout, so they go through the s
 (``MegatronTrainer.gather``: TP shards gathered, QKV and fc1 un-fused) and come back through the
 same ``mapping.to_megatron``. A paused trainer reads host backups.
 
-The distributed optimizer keeps moments as flat data-parallel shards, not per-parameter tensors;
-its checkpoints are refused in one line for now.
+With ``--use-distributed-optimizer`` the moments are flat data-parallel shards: this rank's range of
+each parameter (``_get_model_param_range_map``). Saving puts each rank's range into a zero tensor of the
+parameter's shape and sums them over the data-parallel (gloo) group, which rebuilds the whole moment
+on every replica; loading slices each rank's range back out.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tidal.errors import UserError
 from tidal.memory.base import StateClass
 from tidal.trainer.megatron.mapping import to_megatron
 from tidal.trainer.megatron.model import load_hf, stage_parameters
@@ -33,25 +34,40 @@ class MegatronState:
         self.rank, self.world_size = trainer.rank, trainer.world_size
         self.model_name = trainer.model_cfg.model
 
-    def _check(self) -> None:
-        if self.tr.par.distributed_optimizer:
-            raise UserError(
-                "checkpoints with --use-distributed-optimizer are not supported by the megatron backend yet; "
-                "drop --use-distributed-optimizer or --save/--load"
-            )
-
-    def _inner(self) -> dict[int, Any]:
-        """Parameter identity -> the torch optimizer that owns it."""
-        out = {}
+    def _slots(self) -> list[tuple[Any, torch.nn.Parameter, Any, torch.Tensor | None, tuple[int, int] | None]]:
+        """Per mapped parameter of this stage: (entry, parameter, its torch optimizer, the tensor its optimizer
+        state is keyed by, and with the distributed optimizer this rank's flat range of it). A parameter
+        outside this data-parallel rank's shard has no optimizer (None)."""
+        by_id: dict[int, tuple] = {}
         for opt in getattr(self.tr.optimizer, "chained_optimizers", [self.tr.optimizer]):
-            for group in opt.optimizer.param_groups:
-                for p in group["params"]:
-                    out[id(p)] = opt.optimizer
-        return out
-
-    def _params(self):
+            if hasattr(opt, "shard_fp32_groups"):  # the distributed optimizer: state keyed by shard views
+                for models, shards in zip(opt.model_fp32_groups, opt.shard_fp32_groups):
+                    for mp, sp in zip(models, shards):
+                        r = opt._get_model_param_range_map(mp)["param"]
+                        by_id[id(mp)] = (opt.optimizer, sp, (r.start, r.end))
+            else:
+                for group in opt.optimizer.param_groups:
+                    for p in group["params"]:
+                        by_id[id(p)] = (opt.optimizer, p, None)
         t = self.tr
-        return stage_parameters(t.stage, t.arch, pp_rank=t.pp_rank, pp_size=t.par.pp, te=t.te)
+        params = stage_parameters(t.stage, t.arch, pp_rank=t.pp_rank, pp_size=t.par.pp, te=t.te)
+        return [(e, p, *by_id.get(id(p), (None, None, None))) for e, p in params]
+
+    def _moment(self, p, inner, key, rng, k: str) -> torch.Tensor:
+        """Moment ``k`` of ``p`` in the parameter's own (TP-shard) shape; with the distributed optimizer rebuilt
+        on the host from every data-parallel rank's range (collective over the data-parallel gloo group)."""
+        if rng is None:
+            return inner.state[key][k]
+        from megatron.core import parallel_state as ps
+
+        from tidal.weight_sync.stream import to_host
+
+        full = torch.zeros(p.numel(), dtype=torch.float32)
+        if inner is not None and inner.state.get(key):
+            full[rng[0] : rng[1]] = to_host(self.tr.read(inner.state[key][k]), torch.float32).reshape(-1)
+        if self.tr.topo.dp > 1:
+            dist.all_reduce(full, group=ps.get_data_parallel_group_gloo())
+        return full.view(p.shape)
 
     # ---- collectives ---------------------------------------------------------------------------
     def barrier(self) -> None:
@@ -68,19 +84,20 @@ class MegatronState:
         return self.tr.gather(self.tr.local, None)
 
     def optimizer_state(self) -> Iterator[tuple[str, torch.Tensor | None]]:
-        self._check()
-        inner = self._inner()
-        params = self._params()
-        if not all(inner[id(p)].state.get(p) for _, p in params):
-            return  # no step taken yet (the same on every rank)
+        if not self.optimizer_steps():
+            return  # no step taken yet (decided alike on every rank)
+        slots = self._slots()
         for k in MOMENTS:
-            local = {e.megatron: inner[id(p)].state[p][k] for e, p in params}
-            for name, full in self.tr.gather(local, None):
+            local = {e.megatron: self._moment(p, inner, key, rng, k) for e, p, inner, key, rng in slots}
+            # Distributed: already host tensors assembled here, read as they are.
+            read = (lambda t: t) if any(rng is not None for *_, rng in slots) else None
+            for name, full in self.tr.gather(local, None, read=read):
                 yield f"{name}/{k}", full
 
     def optimizer_steps(self) -> dict[str, float]:
-        inner = self._inner()
-        steps = [float(inner[id(p)].state[p]["step"]) for _, p in self._params() if inner[id(p)].state.get(p)]
+        steps = [
+            float(inner.state[key]["step"]) for _, _, inner, key, _ in self._slots() if inner and inner.state.get(key)
+        ]
         step = max(steps, default=None)
         if self.world_size > 1:
             step = max((s for s in self._all(step) if s is not None), default=None)
@@ -108,20 +125,21 @@ class MegatronState:
     def load_optimizer_state(
         self, get: Callable[[str], torch.Tensor], names: set[str], steps: dict[str, float]
     ) -> None:
-        self._check()
-        t, inner = self.tr, self._inner()
+        t = self.tr
         with torch.no_grad(), t.memory.region(StateClass.OPTIMIZER):
-            for e, p in self._params():
-                if f"{e.hf[0]}/exp_avg" not in names:
+            for e, _, inner, key, rng in self._slots():
+                if inner is None or f"{e.hf[0]}/exp_avg" not in names:
                     continue
-                state = inner[id(p)].state[p]
+                state = inner.state[key]
                 if not state:  # as AdamW's first step creates it
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     for k in MOMENTS:
-                        state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        state[k] = torch.zeros_like(key, memory_format=torch.preserve_format)
                 state["step"].fill_(steps[e.hf[0]])
                 for k in MOMENTS:
-                    state[k].copy_(to_megatron(e, lambda n, k=k: get(f"{n}/{k}"), t.arch, t.tp_rank, t.par.tp))
+                    full = to_megatron(e, lambda n, k=k: get(f"{n}/{k}"), t.arch, t.tp_rank, t.par.tp)
+                    piece = full if rng is None else full.reshape(-1)[rng[0] : rng[1]]
+                    state[k].copy_(piece.reshape(state[k].shape))
 
     def load_schedule_state(self, state: dict) -> None:
         self.tr.schedule.load_state_dict(state)

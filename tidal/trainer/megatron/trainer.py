@@ -396,7 +396,9 @@ class MegatronTrainer(Trainer):
         """A parameter or optimizer tensor as it can be read now: live, or its host backup while paused."""
         return self.memory.host_view(t) if self.weights_from_backup else t
 
-    def gather(self, local: dict[str, torch.Tensor], dtype, on_device: bool = False):
+    def gather(self, local: dict[str, torch.Tensor], dtype, on_device: bool = False, read=None):
+        """HF tensors of ``local`` (this rank's tensors by Megatron name, in the parameters' layout); ``read``
+        replaces ``self.read`` for tensors that are not registered state (assembled copies)."""
         from tidal.weight_sync.stream import to_host
 
         return iter_hf_weights(
@@ -405,7 +407,7 @@ class MegatronTrainer(Trainer):
             self.topo,
             shapes=self.shapes,
             dtype=dtype,
-            read=self.read,
+            read=read or self.read,
             host=to_host,
             group=self.groups.host,
             te=self.te,
