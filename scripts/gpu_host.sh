@@ -7,7 +7,7 @@
 #   bash scripts/gpu_host.sh STEP ...
 #
 # Steps: env, tests, train-default, train-offload, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
-# bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, profile-ipc, megatron, train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
+# bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, profile-ipc, megatron (or its halves megatron-loop, megatron-state), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); MEM_GIB, MEM_CYCLES, MEM100_GIB
 # (bench-memory*); SYNC_MODELS, SYNC_MODES, SYNC_SOURCES, SYNC_ARGS (bench-sync); TRAINER_ARGS
@@ -52,7 +52,10 @@ for s in "$@"; do
     bench-multiturn) run bench-multiturn 300 python3 -m tidal.bench.multiturn --shape qwen2.5-0.5b-shape --trajectories 256 --turns 4 --prompt-len 512 --obs-len 128 --new-tokens 64 --prefix-cache-mb 16384 ${MULTITURN_ARGS:-} ;;
     train-guess) run train-guess 200 python3 -m tidal.cli train --no-progress --task guess --num-rollout 30 --output-dir "$OUT/run-guess" ;;
     profile-ipc) TAIL=20 run profile-ipc 120 python3 scripts/profile_ipc.py ;;
-    megatron) TAIL=60 run megatron 600 python3 -m pytest -q -s -m gpu tests/gpu/test_megatron_gpu.py -p no:cacheprovider -o addopts="" -rfE --durations=5 ;;
+    megatron|megatron-loop|megatron-state)
+      k=${s#megatron}; k=${k#-}
+      case $k in loop) expr="loop or matches_fsdp" ;; state) expr="pause_resume or checkpoint" ;; *) expr="" ;; esac
+      TAIL=60 run "$s" 600 python3 -m pytest -q -s -m gpu tests/gpu/test_megatron_gpu.py -k "$expr" -p no:cacheprovider -o addopts="" -rfE --durations=6 ;;
     train-megatron) run train-megatron 200 python3 -m tidal.bench.reward_curve --train-backend megatron --num-rollout 40 --output-dir "$OUT/run-megatron" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
