@@ -17,9 +17,10 @@ layout); and a state surface for checkpoints and export (``checkpoint_state``, w
 same for every backend is written here once: connecting to the engines and pushing a weight
 version through the weight-sync strategy, checksums, save/load/export and their bookkeeping.
 
-The FSDP2 backend is ``tidal.trainer.actor.TrainerActor``. A second backend (Megatron-core, say)
-adds its class to ``BACKENDS``, its name to ``--train-backend``'s choices, and converts its tensor-
-and pipeline-parallel shards to full HF-named tensors in ``iter_weights`` and ``checkpoint_state``.
+The FSDP2 backend is ``tidal.trainer.actor.TrainerActor``; the Megatron-core backend is
+``tidal.trainer.megatron.trainer.MegatronTrainer``, which converts its tensor- and pipeline-parallel
+shards to full HF-named tensors in ``iter_weights`` and ``checkpoint_state``. Another backend adds
+its class to ``BACKENDS`` and its name to ``--train-backend``'s choices.
 """
 
 from __future__ import annotations
