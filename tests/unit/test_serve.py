@@ -137,6 +137,33 @@ def test_concurrent_requests_share_an_engine_step(server):
     assert len(steps) == 1 and all(o["meta_info"]["engine_step_requests"] == 6 for o in outs)
 
 
+def test_bench_clients_and_request_timings(server):
+    """``tidal bench serve``'s client processes (h11 over asyncio, one keep-alive connection a request) get
+    every reply, and the server's ``/request_timings`` puts each request's stages in order, on the clock
+    the clients use, so the burst's split adds up to its wall time."""
+    from argparse import Namespace
+
+    from tidal.bench.serve import PHASES, _Clients, split
+
+    args = Namespace(new_tokens=2, temperature=1.0, seed=3, client_procs=2)
+    clients = _Clients(str(server.base_url), [[1, 5 + i, 6] for i in range(6)], args, api_key=KEY)
+    try:
+        for _ in range(2):  # the second burst reuses the connections of the first
+            t0, out = clients.burst()
+            assert all(t0 < a < b for a, b in zip(out["sent"], out["done"])) and out["tokens"] > 0
+    finally:
+        clients.close()
+    rids = {f"bench-{i}" for i in range(6)}
+    mine = {t["rid"]: t for t in server.get("/request_timings").json()["requests"] if t["rid"] in rids}
+    assert set(mine) == rids
+    order = ("arrived", "queued", "started", "ended", "resumed", "rendered")
+    for t in mine.values():
+        assert [t[k] for k in order] == sorted(t[k] for k in order) and t["step"] in out["steps"], t
+    parts = split(t0, list(mine.values()), out["done"])
+    assert tuple(parts) == PHASES and min(parts.values()) >= 0
+    assert abs(sum(parts.values()) - (max(out["done"]) - t0)) < 1e-9
+
+
 def test_update_weights_from_tensor_direct_and_flattened(server):
     weights = _random_weights(1)
     body = {"serialized_named_tensors": [_serialize(weights)], "weight_version": "5", "flush_cache": True}

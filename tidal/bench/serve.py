@@ -8,7 +8,8 @@ on a GPU ``tidal bench serve --shape qwen2.5-0.5b-shape --requests 512 --prompt-
    limit: no HTTP, no JSON, no queue).
 2. ``http``: ``tidal serve`` with the same model flags in a subprocess on 127.0.0.1; N concurrent
    ``/generate`` requests (one prompt each, ``input_ids``, ``return_logprob``) sent at once from
-   an httpx ``AsyncClient``, timed from the first send to the last reply.
+   ``--client-procs`` processes (``tidal.bench.serve_client``: one keep-alive connection a
+   request), timed from the first send to the last reply read and parsed.
 
 Both engines stay alive (each at ``--rollout-mem-fraction`` 0.3) and are timed in turns, one
 warm-up each (compilation, CUDA graphs) and then ``--repeats`` rounds of in-process then HTTP, so
@@ -17,14 +18,16 @@ Prints one JSON line: ``inproc_tokens_per_s``, ``http_tokens_per_s``, ``http_ove
 relative loss of throughput, ``1 - http/inproc``) next to ``goal_overhead`` (0.10), and the engine
 steps the server used for the fastest burst (``http_engine_steps``: 1 when every request shared a
 step; ``http_step_rows``: rows of each), and of the fastest burst's ``http_burst_seconds`` the
-part the server's engine spent generating (``http_engine_seconds``; the rest is HTTP, JSON, queueing).
+part the server's engine spent generating (``http_engine_seconds``) and the whole split by stage
+(``http_split_seconds``, see ``split``; from the server's ``/request_timings``, on the host's
+monotonic clock), with the server's mean seconds per request to parse and to render
+(``http_per_request_ms``). Then the same split as lines, next to the in-process seconds.
 Response tokens are counted after cutting at EOS, as the engine returns them.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess
@@ -84,32 +87,110 @@ def _start_server(args, device: str) -> tuple[subprocess.Popen, str]:
     return proc, line.split()[-1]
 
 
-async def _burst(url: str, prompts, args) -> tuple[int, float, set[int]]:
-    import httpx
+class _Clients:
+    """``procs`` client processes (``tidal.bench.serve_client``), each holding its share of the requests."""
 
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+    def __init__(self, url: str, prompts, args, api_key: str | None = None) -> None:
         sp = {"max_new_tokens": args.new_tokens, "temperature": args.temperature, "sampling_seed": args.seed}
-        body = [{"input_ids": p, "sampling_params": sp, "return_logprob": True} for p in prompts]
-        t0 = time.perf_counter()
-        replies = await asyncio.gather(*(client.post("/generate", json=b) for b in body))
-        dt = time.perf_counter() - t0
-    outs = [r.json() for r in replies]
-    bad = [r.text for r in replies if r.status_code != 200]
-    if bad:
-        raise RuntimeError(f"/generate failed: {bad[0]}")
-    return sum(o["meta_info"]["completion_tokens"] for o in outs), dt, {o["meta_info"]["engine_step"] for o in outs}
+        bodies = [
+            {"input_ids": p, "sampling_params": sp, "return_logprob": True, "rid": f"bench-{i}"}
+            for i, p in enumerate(prompts)
+        ]
+        procs = max(1, min(args.client_procs, len(bodies)))
+        self.shares = [bodies[i::procs] for i in range(procs)]
+        self.procs = []
+        for share in self.shares:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tidal.bench.serve_client", url],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            proc.stdin.write(json.dumps({"bodies": share, "api_key": api_key}) + "\n")
+            proc.stdin.flush()
+            self.procs.append(proc)
+
+    def burst(self) -> tuple[float, dict]:
+        """Every request sent at once: (the start, ``time.monotonic()``; the merged replies)."""
+        t0 = time.monotonic()
+        for proc in self.procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        merged = {"sent": [], "done": [], "tokens": 0, "steps": set(), "errors": []}
+        for proc in self.procs:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError("a bench client process ended without an answer")
+            out = json.loads(line)
+            for k in ("sent", "done", "errors"):
+                merged[k] += out[k]
+            merged["tokens"] += out["tokens"]
+            merged["steps"] |= set(out["steps"])
+        if merged["errors"]:
+            raise RuntimeError(f"/generate failed: {merged['errors'][0]}")
+        return t0, merged
+
+    def close(self) -> None:
+        for proc in self.procs:
+            try:
+                proc.stdin.write("quit\n")
+                proc.stdin.close()
+            except OSError:
+                pass
+            proc.wait(timeout=30)
 
 
-def _http_once(url: str, prompts, args) -> tuple[float, list[int], float, float]:
-    """Tokens/s of one burst, the rows of each engine step that served it, the burst's seconds and
-    the seconds the engine spent generating in those steps."""
+# The phases of a burst, in the order a request passes them; ``split`` gives each its share of the wall time.
+PHASES = ("client_send", "server_parse", "queue_wait", "engine_step", "render", "client_receive")
+
+
+def split(t0: float, timings: list[dict], done: list[float]) -> dict[str, float]:
+    """The burst's wall time cut at the moment the last request passed each stage (monotone, so the
+    parts add up to the whole): ``client_send`` until the last request reached the server's handler
+    (client work, connections, HTTP parsing), ``server_parse`` until the last was validated and
+    queued, ``queue_wait`` until the first engine step began (the burst window), ``engine_step``
+    until the last step ended, ``render`` until the last reply was rendered, ``client_receive`` until
+    the client had read and parsed the last reply."""
+    marks = [
+        max(t["arrived"] for t in timings),
+        max(t["queued"] for t in timings),
+        min(t["started"] for t in timings),
+        max(t["ended"] for t in timings),
+        max(t["rendered"] for t in timings),
+        max(done),
+    ]
+    out, last = {}, t0
+    for name, mark in zip(PHASES, marks):
+        mark = max(mark, last)
+        out[name] = mark - last
+        last = mark
+    return out
+
+
+def _http_once(url: str, clients: _Clients) -> dict:
+    """One burst: tokens/s, the rows of each engine step that served it, its seconds, the seconds the
+    engine spent generating in those steps, and the split of the burst (``split``)."""
     import httpx
 
-    tokens, dt, used = asyncio.run(_burst(url, prompts, args))
-    recent = httpx.get(url + "/server_info").json()["internal_states"][0]["recent_steps"]
-    steps = [s for s in recent if s["step"] in used]
-    return tokens / dt, [s["rows"] for s in steps], dt, sum(s["seconds"] for s in steps)
+    t0, out = clients.burst()
+    wall = max(out["done"]) - t0
+    info = httpx.get(url + "/server_info").json()["internal_states"][0]["recent_steps"]
+    steps = [s for s in info if s["step"] in out["steps"]]
+    rids = {f"bench-{i}" for i in range(len(out["done"]))}
+    timings = [t for t in httpx.get(url + "/request_timings").json()["requests"] if t["rid"] in rids]
+    timings = {t["rid"]: t for t in timings}.values()  # the latest burst's (rids repeat between bursts)
+    per_request = {
+        "server_parse_ms": 1000 * sum(t["queued"] - t["arrived"] for t in timings) / len(timings),
+        "render_ms": 1000 * sum(t["rendered"] - t["resumed"] for t in timings) / len(timings),
+    }
+    return {
+        "rate": out["tokens"] / wall,
+        "rows": [s["rows"] for s in steps],
+        "wall": wall,
+        "step_s": sum(s["seconds"] for s in steps),
+        "split": split(t0, list(timings), out["done"]),
+        "per_request": per_request,
+    }
 
 
 def _wait_healthy(url: str) -> None:
@@ -129,21 +210,25 @@ def measure(args, device: str) -> dict:
     """Both sides alive at once, timed in turns (in-process, then HTTP, per repeat), so that a change
     of machine load hits both alike; one warm-up each first."""
     proc, url = _start_server(args, device)
+    clients = None
     try:
         engine = _engine(args, "cuda:0" if device == "cuda" else "cpu")
         vocab = min(len(engine.tokenizer), engine.model.config.get_text_config().vocab_size)
         prompts = _prompts(engine.tokenizer, vocab, args.requests, args.prompt_len, args.seed)
         _wait_healthy(url)
+        clients = _Clients(url, prompts, args)
         _inproc_once(engine, prompts, args)
-        _http_once(url, prompts, args)
-        inproc, http, rows, wall, step_s = 0.0, 0.0, [], 0.0, 0.0
+        _http_once(url, clients)
+        inproc, best = 0.0, None
         for _ in range(args.repeats):
             inproc = max(inproc, _inproc_once(engine, prompts, args))
-            rate, used, dt, gen_s = _http_once(url, prompts, args)
-            if rate > http:
-                http, rows, wall, step_s = rate, used, dt, gen_s
-        return {"inproc": inproc, "http": http, "rows": rows, "wall": wall, "step_s": step_s}
+            got = _http_once(url, clients)
+            if best is None or got["rate"] > best["rate"]:
+                best = got
+        return {"inproc": inproc, "http": best["rate"], **best}
     finally:
+        if clients is not None:
+            clients.close()
         proc.terminate()
         proc.wait(timeout=60)
 
@@ -159,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--repeats", type=int, default=2, help="timed runs of each side after one warm-up; the fastest counts"
     )
+    p.add_argument(
+        "--client-procs",
+        type=int,
+        default=max(1, min(8, (os.cpu_count() or 2) // 4)),
+        help="client processes sharing the requests (default: a quarter of the cores, at most 8)",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     args = p.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -170,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests": args.requests,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "client_procs": max(1, min(args.client_procs, args.requests)),
         "inproc_tokens_per_s": round(inproc, 1),
         "http_tokens_per_s": round(http, 1),
         "http_overhead": round(1 - http / inproc, 4),
@@ -178,9 +270,26 @@ def main(argv: list[str] | None = None) -> int:
         "http_step_rows": step_rows,
         "http_burst_seconds": round(m["wall"], 3),
         "http_engine_seconds": round(m["step_s"], 3),
+        "http_split_seconds": {k: round(v, 3) for k, v in m["split"].items()},
+        "http_per_request_ms": {k: round(v, 3) for k, v in m["per_request"].items()},
     }
     print(json.dumps(row), flush=True)
+    print(_table(row), flush=True)
     return 0
+
+
+def _table(row: dict) -> str:
+    """The burst's split as lines, next to the limit: the in-process engine's seconds for the same batch."""
+    tokens = row["http_tokens_per_s"] * row["http_burst_seconds"]
+    limit = tokens / row["inproc_tokens_per_s"]
+    lines = [
+        f"{row['requests']} requests: in-process {limit:.3f} s ({row['inproc_tokens_per_s']:.0f} tok/s, the limit), "
+        f"HTTP {row['http_burst_seconds']:.3f} s ({row['http_tokens_per_s']:.0f} tok/s): "
+        f"overhead {100 * row['http_overhead']:.1f} % (goal <= {100 * GOAL_OVERHEAD:.0f} %)"
+    ]
+    for name, sec in row["http_split_seconds"].items():
+        lines.append(f"  {name:<15} {sec:8.3f} s  {100 * sec / row['http_burst_seconds']:5.1f} %")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -14,19 +14,22 @@ open; here nothing is). Without a key the server is open, and it binds 127.0.0.1
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import secrets
 import time
+from collections import deque
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import ValidationError
 
 from tidal.errors import ResidencyError, UserError, WeightSyncError
 from tidal.rollout.engine import TAGS
 from tidal.serve.batcher import EngineWorker
-from tidal.serve.generate import GenerateHandler
+from tidal.serve.generate import GenerateHandler, RequestTiming
 from tidal.serve.protocol import (
     DestroyWeightsUpdateGroupReqInput,
     GenerateReqInput,
@@ -42,6 +45,11 @@ from tidal.serve.protocol import (
     UpdateWeightVersionReqInput,
 )
 from tidal.serve.weights import WeightApplier
+
+try:
+    import orjson
+except ImportError:  # optional (the serve extra): json renders the same bytes, slower
+    orjson = None
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +71,7 @@ class ServerState:
         self.weight_version = str(engine.get_weight_version())
         self.end_ids = [engine.tokenizer.eos_token_id] if engine.tokenizer.eos_token_id is not None else []
         self.started = time.time()
+        self.timings: deque[RequestTiming] = deque(maxlen=8192)  # of the latest /generate requests
 
     def set_version(self, version: str | int | None) -> None:
         if version is None:
@@ -98,6 +107,22 @@ def _error(e: BaseException, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": str(e)}}, status_code=status)
 
 
+def _invalid_body(path: str, errors) -> JSONResponse:
+    """SGLang's ``ErrorResponse`` for a body that does not parse or validate; the message names the field."""
+    parts = [f"{'.'.join(str(x) for x in e['loc'] if x != 'body') or 'body'}: {e['msg']}" for e in errors]
+    message = f"{path}: bad request body: " + "; ".join(parts[:3])
+    err = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+    return JSONResponse(err, status_code=400)
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON bytes, as Starlette's ``JSONResponse`` renders them (no NaN or infinity). With
+    ``orjson`` installed (the ``serve`` extra) it renders them, several times faster than ``json``."""
+    if orjson is not None:
+        return orjson.dumps(obj)  # NaN and infinity become null there; log-probs of sampled tokens are finite
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
 def _ok(message: str, **extra: Any) -> dict:
     return {"success": True, "message": message, **extra}
 
@@ -106,11 +131,67 @@ def _fail(e: BaseException) -> JSONResponse:
     return JSONResponse({"success": False, "message": str(e)}, status_code=400)
 
 
-def build_app(state: ServerState) -> FastAPI:
+class _GeneratePath:
+    """ASGI: ``/generate`` straight to its handler, past Starlette's stack (its middleware layers, an exit
+    stack per request, matching some forty routes); every other path goes on to the FastAPI app.
+
+    It is the hot path, one call per sample when a rollout sends one request each: the body is parsed
+    and validated in one pass by pydantic-core (FastAPI's own body handling decodes the JSON in Python
+    first), and the reply, plain JSON values already, is rendered to bytes directly (no
+    ``jsonable_encoder`` walk over every log-prob triple)."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app, self.state = app, state
+        self.handler = GenerateHandler(state)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/generate":
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] not in ("POST", "PUT"):
+            await JSONResponse({"detail": "Method Not Allowed"}, status_code=405)(scope, receive, send)
+            return
+        timing = RequestTiming(rid="", arrived=time.monotonic())
+        chunks, more = [], True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunks.append(msg.get("body", b""))
+            more = msg.get("more_body", False)
+        status, body = await self._reply(b"".join(chunks), timing)
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _reply(self, raw: bytes, timing: RequestTiming) -> tuple[int, bytes]:
+        try:
+            req = GenerateReqInput.model_validate_json(raw)
+        except ValidationError as e:
+            bad = _invalid_body("/generate", e.errors())
+            return bad.status_code, bad.body
+        try:
+            out = await self.handler(req, timing)
+        except _REQUEST_ERRORS as e:
+            return 400, dumps({"error": {"message": str(e)}})
+        except Exception as e:  # noqa: BLE001 - one line to the client, the traceback to the log
+            log.exception("/generate failed")
+            return 500, dumps({"error": {"message": f"/generate: internal error: {type(e).__name__}: {e}"}})
+        body = dumps(out)
+        timing.rendered = time.monotonic()
+        self.state.timings.append(timing)
+        return 200, body
+
+
+def build_app(state: ServerState):
+    """The ASGI app uvicorn serves: the key check, then ``/generate``'s own path, then FastAPI's routes."""
+    app = _GeneratePath(_fastapi_app(state), state)
+    return _ApiKey(app, key=state.api_key) if state.api_key else app
+
+
+def _fastapi_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="tidal serve", openapi_url=None)
     app.state.tidal = state
-    if state.api_key:
-        app.add_middleware(_ApiKey, key=state.api_key)
     _error_handlers(app)
     _generate_routes(app, state)
     _memory_routes(app, state)
@@ -126,10 +207,7 @@ def build_app(state: ServerState) -> FastAPI:
 def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        parts = [f"{'.'.join(str(x) for x in e['loc'] if x != 'body') or 'body'}: {e['msg']}" for e in exc.errors()]
-        message = f"{request.url.path}: bad request body: " + "; ".join(parts[:3])
-        err = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
-        return JSONResponse(err, status_code=400)
+        return _invalid_body(request.url.path, exc.errors())
 
     async def _request_error(request: Request, exc: Exception):
         return _error(exc)
@@ -144,13 +222,12 @@ def _error_handlers(app: FastAPI) -> None:
 
 
 def _generate_routes(app: FastAPI, state: ServerState) -> None:
-    gen = GenerateHandler(state)
+    """Everything of the generate side but ``/generate`` itself (``_GeneratePath``)."""
 
-    @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(req: GenerateReqInput):
-        # Plain JSON values already: rendering them directly skips FastAPI's jsonable_encoder (~5x slower,
-        # seconds for 512 replies of 256 log-prob triples each).
-        return JSONResponse(await gen(req))
+    @app.get("/request_timings")
+    async def request_timings():
+        """tidal extension: where the most recent ``/generate`` requests spent their time (``RequestTiming``)."""
+        return Response(dumps({"requests": [vars(t) for t in state.timings]}), media_type="application/json")
 
     @app.get("/health")
     async def health():

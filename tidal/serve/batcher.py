@@ -45,6 +45,8 @@ class StepInfo:
     requests: int
     rows: int
     seconds: float = 0.0  # the engine's generate call alone
+    started: float = 0.0  # time.monotonic() when the engine call began and ended (the request timings' clock)
+    ended: float = 0.0
 
 
 @dataclasses.dataclass
@@ -67,6 +69,12 @@ class _Job:
         return self.prompts is not None
 
 
+async def _two_turns() -> None:
+    """Returns after the event loop ran everything that was ready when it started, and what that scheduled."""
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+
+
 def _key(s: SamplingParams) -> tuple:
     return (s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(s.stop), tuple(s.stop_token_ids), s.seed)
 
@@ -81,6 +89,9 @@ class EngineWorker:
         self.fill_rows = min(fill_rows, max_rows)
         self.wait_s = wait_s
         self._last_arrival = 0.0
+        self._arrivals = 0  # jobs submitted so far
+        self._rows = 0  # rows of the generate jobs queued
+        self._event_loop: asyncio.AbstractEventLoop | None = None  # the event loop the handlers run on
         self._jobs: deque[_Job] = deque()
         self._cv = threading.Condition()
         self._paused = False
@@ -105,12 +116,18 @@ class EngineWorker:
         return await self._submit(_Job(concurrent.futures.Future(), fn=fn))
 
     async def _submit(self, job: _Job) -> Any:
+        self._event_loop = asyncio.get_running_loop()
         with self._cv:
             if self._closed:
                 raise RuntimeError("the server is shutting down")
             self._jobs.append(job)
             self._last_arrival = time.monotonic()
-            self._cv.notify()
+            self._arrivals += 1
+            self._rows += len(job.prompts) if job.is_generate else 0
+            # Wake the engine thread only when this job can change what it does; a request in the middle of
+            # a burst need not (it would take the GIL from the event loop that is parsing the rest).
+            if len(self._jobs) == 1 or not job.is_generate or job.eager or self._rows >= self.fill_rows:
+                self._cv.notify()
         return await asyncio.wrap_future(job.future)
 
     def pause(self, mode: str) -> int:
@@ -124,6 +141,7 @@ class EngineWorker:
                     if job.is_generate:
                         job.future.set_result(GenerateResult([], None, aborted=True))
                         aborted += 1
+                        self._rows -= len(job.prompts)
                     else:
                         keep.append(job)
                 self._jobs = keep
@@ -172,10 +190,13 @@ class EngineWorker:
                 if self._jobs and not self._jobs[0].is_generate:
                     return [self._jobs.popleft()]
                 if self._jobs and not self._paused:
-                    quiet = time.monotonic() - self._last_arrival
-                    if quiet < self.wait_s and self._queued_rows() < self.fill_rows and not self._all_eager():
-                        self._cv.wait(self.wait_s - quiet)  # more of the burst may be on its way
-                        continue
+                    if self._queued_rows() < self.fill_rows and not self._all_eager():
+                        quiet = time.monotonic() - self._last_arrival
+                        if quiet < self.wait_s:
+                            self._cv.wait(self.wait_s - quiet)  # more of the burst may be on its way
+                            continue
+                        if not self._loop_caught_up():
+                            continue  # the event loop was still queueing the burst: wait for its end again
                     batch, rows = [], 0
                     while self._jobs and self._jobs[0].is_generate:
                         n = len(self._jobs[0].prompts)
@@ -183,6 +204,7 @@ class EngineWorker:
                             break
                         batch.append(self._jobs.popleft())
                         rows += n
+                    self._rows -= rows
                     return batch
                 if self._paused and any(not j.is_generate for j in self._jobs):
                     # A paused queue still runs weight updates and memory calls, in their order.
@@ -191,6 +213,23 @@ class EngineWorker:
                             del self._jobs[i]
                             return [job]
                 self._cv.wait()
+
+    def _loop_caught_up(self) -> bool:
+        """Called with the lock held, after ``wait_s`` without an arrival: whether the event loop, given two
+        turns, queued nothing more. A burst's requests reach the queue only when the loop runs their
+        handlers, after it parsed every request that came in with them; a loop busy parsing a big burst
+        looks quiet from here, and without this check a step would start with its first few rows."""
+        loop, mark = self._event_loop, self._arrivals
+        if loop is None or loop.is_closed():
+            return True
+        self._cv.release()
+        try:
+            asyncio.run_coroutine_threadsafe(_two_turns(), loop).result(timeout=max(1.0, 20 * self.wait_s))
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            pass  # a loop that does not answer has nothing more to queue
+        finally:
+            self._cv.acquire()
+        return self._arrivals == mark
 
     def _loop(self) -> None:
         while (jobs := self._next()) is not None:
@@ -221,22 +260,17 @@ class EngineWorker:
             ]
             self.steps += 1
             info = StepInfo(step=self.steps, requests=len(group), rows=len(samples))
-            t0 = time.perf_counter()
+            info.started = time.monotonic()
             try:
                 out = self.engine.generate(samples, group[0].sampling)
             except BaseException as e:  # noqa: BLE001 - every request of the step gets the error
                 for job in group:
                     job.future.set_exception(e)
                 continue
-            info.seconds = time.perf_counter() - t0
+            info.ended = time.monotonic()
+            info.seconds = info.ended - info.started
             self.recent.append(info)
-            log.debug(
-                "engine step %d: %d requests, %d rows, %.3f s",
-                info.step,
-                info.requests,
-                info.rows,
-                time.perf_counter() - t0,
-            )
+            log.debug("engine step %d: %d requests, %d rows, %.3f s", info.step, info.requests, info.rows, info.seconds)
             lo = 0
             for job in group:
                 part = out[lo : lo + len(job.prompts)]

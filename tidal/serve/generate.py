@@ -19,6 +19,8 @@ As in SGLang, ``output_ids`` keep the token that ended the response (EOS or a st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import time
 import uuid
 
@@ -101,11 +103,27 @@ def trim_stop(text: str, stop: list[str]) -> str:
     return text[: min(cuts)] if cuts else text
 
 
+@dataclasses.dataclass
+class RequestTiming:
+    """Where one ``/generate`` request spent its time in the server, on ``time.monotonic()`` (one clock for
+    every process of the host, so a client on the same host can put its own times next to these)."""
+
+    rid: str
+    arrived: float  # the handler got the request (its body not read yet)
+    queued: float = 0.0  # body parsed and checked, rows handed to the engine thread
+    step: int = -1  # engine step that served it (-1: aborted before it ran)
+    started: float = 0.0  # that step's engine call began / ended
+    ended: float = 0.0
+    resumed: float = 0.0  # the handler ran again after the step (the event loop had turns for others first)
+    rendered: float = 0.0  # the reply's JSON bytes are ready to send
+
+
 class GenerateHandler:
     def __init__(self, server) -> None:
         self.server = server
 
-    async def __call__(self, req: GenerateReqInput) -> dict | list:
+    async def __call__(self, req: GenerateReqInput, timing: RequestTiming | None = None) -> dict | list:
+        """The reply object(s); ``timing`` (when given) gets the queue and step times filled in."""
         t0 = time.perf_counter()
         bad = present_unsupported(req, UNSUPPORTED_REQUEST)
         if bad:
@@ -128,10 +146,17 @@ class GenerateHandler:
             if any(not 0 <= t < vocab for t in p):
                 raise UserError(f"prompt {i} holds token ids outside the vocabulary of {vocab}")
         sampling = [to_sampling(sp, vocab) for sp in params]
+        if timing is not None:
+            timing.rid, timing.queued = rids[0], time.monotonic()
         results: list[GenerateResult] = await asyncio.gather(
             *(self.server.worker.generate([p] * sp.n, s, eager=batch) for p, sp, s in zip(prompts, params, sampling))
         )
         latency = time.perf_counter() - t0
+        ran = [r.step for r in results if r.step is not None]
+        if timing is not None:
+            timing.resumed = time.monotonic()
+            if ran:
+                timing.step, timing.started, timing.ended = ran[0].step, ran[0].started, max(i.ended for i in ran)
         out = []
         for i, res in enumerate(results):
             for j in range(params[i].n):
@@ -173,12 +198,7 @@ class GenerateHandler:
             "engine_step_requests": res.step.requests,
         }
         if want_lp:
-            texts = (
-                [tok.decode([t]) for t in s.response_ids]
-                if req.return_text_in_logprobs
-                else [None] * len(s.response_ids)
-            )
-            meta["output_token_logprobs"] = [
-                [float(lp), int(t), x] for lp, t, x in zip(s.response_logprobs, s.response_ids, texts)
-            ]
-        return {"text": text, "output_ids": list(s.response_ids), "meta_info": meta}
+            texts = [tok.decode([t]) for t in s.response_ids] if req.return_text_in_logprobs else itertools.repeat(None)
+            # Tuples render as JSON arrays; zip builds them without a Python loop per token.
+            meta["output_token_logprobs"] = list(zip(s.response_logprobs, s.response_ids, texts))
+        return {"text": text, "output_ids": s.response_ids, "meta_info": meta}

@@ -19,6 +19,8 @@ from tidal.errors import UserError
 
 log = logging.getLogger(__name__)
 
+KEEP_ALIVE_S = 120  # uvicorn closes idle connections after 5 s by default
+
 
 def build_engine(cfg: TidalConfig):
     from tidal.rollout.embedded import EmbeddedEngine
@@ -73,7 +75,9 @@ def serve(cfg: TidalConfig) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"tidal serve: listening on http://{shown}:{port}", flush=True)
-    config = uvicorn.Config(app, log_level=cfg.logging.log_level if cfg.logging.log_level != "info" else "warning")
+    level = cfg.logging.log_level if cfg.logging.log_level != "info" else "warning"
+    # Keep idle connections longer than a training step lasts, so a client reuses them from rollout to rollout.
+    config = uvicorn.Config(app, log_level=level, timeout_keep_alive=KEEP_ALIVE_S)
     server = uvicorn.Server(config)
     try:
         server.run(sockets=[sock])
