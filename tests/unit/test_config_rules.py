@@ -929,3 +929,9 @@ def explain_text(argv, env) -> str:
     from tidal.config.explain import explain_argv
 
     return explain_argv(argv, env)
+
+
+def test_explain_does_not_show_api_keys():
+    cfg, prov = run(["--api-key", "s3cret-serve", "--rollout-engine-api-key", "s3cret-engine"], CPU)
+    text = explain(cfg, prov, CPU)
+    assert "s3cret" not in text and text.count("(set, not shown)") == 2

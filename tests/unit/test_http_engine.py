@@ -28,7 +28,7 @@ from tidal.config import parse, resolve
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, WeightSyncConfig
 from tidal.errors import EngineDiedError, RunFailed, UserError, WeightSyncError
 from tidal.rollout.http_engine import EngineReplyError, HttpEngineActor
-from tidal.rollout.server import server_command
+from tidal.rollout.server import API_KEY_ENV, server_command, server_env
 from tidal.rollout.types import Sample, SamplingParams
 from tidal.weight_sync.verify import compare_checksums
 
@@ -279,11 +279,11 @@ def test_server_command_lines():
         "127.0.0.1",
         "--port",
         "30001",
-        "--api-key",
-        "key",
     ]
+    # The key travels in the environment, not on the command line (which ps shows); tidal serve reads it there.
+    assert server_env("tidal", rollout) == {API_KEY_ENV: "key"} and server_env("sglang", rollout) == {}
     # Every flag tidal serve gets is a tidal flag.
-    parse([a for a in cmd[4:] if a not in ("--host", "127.0.0.1", "--port", "30001", "--api-key", "key")])
+    parse([a for a in cmd[4:] if a not in ("--host", "127.0.0.1", "--port", "30001")])
 
 
 # ------------------------------------------------------------------------------------------- the loop

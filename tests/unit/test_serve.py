@@ -227,6 +227,22 @@ def test_update_weights_from_disk_and_version(server, tmp_path):
     r = server.post("/update_weight_version", json={"new_version": "8"})
     assert r.json()["new_version"] == "8" and server.get("/get_weight_version").json() == {"weight_version": "8"}
 
+    # A full version folder as tidal's disk transport publishes it goes through the engine's own loader,
+    # which checks every tensor against the checksum in the shard: one flipped byte refuses the update.
+    from tidal.weight_sync.disk import write_full
+
+    again = _random_weights(4)
+    folder, _ = write_full(str(tmp_path / "pub"), 9, again, 1 << 30, "xxh3-128")
+    shard = next(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+    with open(shard, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([b[0] ^ 1]))
+    r = server.post("/update_weights_from_disk", json={"model_path": folder, "weight_version": "9"})
+    assert r.status_code == 400 and not r.json()["success"] and "checksum" in r.json()["message"], r.text
+    _assert_holds(server, weights)  # nothing of it applied
+
 
 def test_update_weights_from_distributed_over_gloo(server):
     import torch.distributed as dist

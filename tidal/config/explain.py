@@ -134,6 +134,13 @@ def _memory_table(cfg: TidalConfig, plan: MemoryPlan) -> list[str]:
     return rows
 
 
+def _shown(info, value) -> str:
+    """A field's value as ``tidal explain`` prints it; a key (``*_api_key``) only says that it is set."""
+    if info.name.endswith("api_key") and value:
+        return "(set, not shown)"
+    return _fmt(value, info.unit)
+
+
 def explain(cfg: TidalConfig, prov: Provenance, env: Environment | None = None) -> str:
     """The text of ``tidal explain`` for a resolved config (``env``: this machine when omitted)."""
     env = env or Environment.detect()
@@ -147,7 +154,7 @@ def explain(cfg: TidalConfig, prov: Provenance, env: Environment | None = None) 
     )
     section = None
     width = max(len(f.flag) for f in fields())
-    shown = {f.name: _fmt(getattr(getattr(cfg, f.section), f.name), f.unit) for f in fields()}
+    shown = {f.name: _shown(f, getattr(getattr(cfg, f.section), f.name)) for f in fields()}
     value_width = min(40, max(len(v) for v in shown.values()))
     for info in fields():
         if info.section != section:

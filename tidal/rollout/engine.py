@@ -12,6 +12,7 @@ protocol) are interchangeable. The calls are named as SGLang names its endpoints
     update_weights_from_tensor(bucket, version)  colocated, one bucket per call    -> WeightUpdateResult
     update_weights_from_distributed(bucket, version)  header, then the broadcast   -> WeightUpdateResult
     update_weights_from_disk(path, version)      a safetensors folder per version  -> WeightUpdateResult
+    pull_weights(source_dir, local_checkpoint_dir, target_version)  delta over disk -> PullResult
     init_weights_update_group(...)               join the trainer's broadcast group
     get_weight_version() / flush_cache() / pause_generation() / continue_generation()
     health()                                     -> EngineHealth (the driver's liveness probe)
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from tidal.memory.base import MemoryFigures
 from tidal.rollout.types import Sample, SamplingParams
 from tidal.weight_sync.bucket import BucketHeader  # the weight-bucket message (``Bucket.header`` builds it)
+from tidal.weight_sync.local_checkpoint import PullResult
 
 TAGS = ("weights", "kv_cache")
 
@@ -92,6 +94,14 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def update_weights_from_disk(self, path: str, version: int) -> WeightUpdateResult:
         """Load weights from a safetensors folder written by the trainer."""
+
+    @abc.abstractmethod
+    def pull_weights(
+        self, source_dir: str, local_checkpoint_dir: str | None = None, target_version: int | str | None = None
+    ) -> PullResult:
+        """slime's ``/pull_weights`` (delta over disk): bring the engine's host-local checkpoint up to
+        ``target_version`` from the versions published under ``source_dir``, each verified; the engine's
+        weights change with the next ``update_weights_from_disk`` of that folder."""
 
     @abc.abstractmethod
     def init_weights_update_group(

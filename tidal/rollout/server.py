@@ -33,6 +33,9 @@ from dataclasses import fields
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, WeightSyncConfig
 from tidal.errors import UserError
 
+# The API key of a tidal serve process, when not given as --api-key (so that it does not show in ps).
+API_KEY_ENV = "TIDAL_SERVE_API_KEY"
+
 # Rollout fields that describe the engine itself (the rest are the driver's: batch sizes, sampling, ...).
 ENGINE_ROLLOUT_FIELDS = (
     "rollout_seed",
@@ -81,7 +84,8 @@ def server_command(
     port: int,
     host: str = "127.0.0.1",
 ) -> list[str]:
-    """The argv that starts one engine server (``kind``: tidal or sglang)."""
+    """The argv that starts one engine server (``kind``: tidal or sglang). The key of a tidal server is
+    not on it (``server_env``: argv shows in ``ps``); SGLang's server takes it only as ``--api-key``."""
     key = ["--api-key", rollout.rollout_engine_api_key] if rollout.rollout_engine_api_key else []
     if kind == "tidal":
         return [
@@ -101,7 +105,6 @@ def server_command(
             host,
             "--port",
             str(port),
-            *key,
         ]
     if kind == "sglang":
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model.model]
@@ -116,6 +119,14 @@ def server_command(
             cmd += ["--dtype", "bfloat16"]  # the trainer sends weights in the engine dtype
         return cmd + key + list(rollout.sglang_server_args)
     raise ValueError(f"unknown server kind {kind!r}; use tidal or sglang")
+
+
+def server_env(kind: str, rollout: RolloutConfig) -> dict[str, str]:
+    """Environment variables the server gets on top of ours: the API key of a tidal server
+    (``TIDAL_SERVE_API_KEY``, which ``tidal serve`` reads when ``--api-key`` is not given)."""
+    if kind == "tidal" and rollout.rollout_engine_api_key:
+        return {API_KEY_ENV: rollout.rollout_engine_api_key}
+    return {}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -154,7 +165,7 @@ class ServerProcess:
         port = 0 if self.kind == "tidal" else free_port()
         cmd = server_command(self.kind, **self.sections, device=self.device, seed=self.seed, port=port)
         fd, self.log_path = tempfile.mkstemp(prefix=f"tidal-engine-{self.engine_rank}-", suffix=".log")
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **server_env(self.kind, self.sections["rollout"])}
         with os.fdopen(fd, "w") as log:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_die_with_parent

@@ -2,6 +2,9 @@
 
     tidal serve [model and rollout flags] [--host 127.0.0.1] [--port 30000] [--api-key KEY]
 
+The key may come from the environment instead, ``TIDAL_SERVE_API_KEY`` (so that it does not show in
+``ps``; the servers a run starts get it that way).
+
 The engine is built exactly as a rollout engine actor builds it (same model spec, seed and dtype
 rules), so a trainer started with the same ``--model`` and ``--seed`` holds the same weights. The
 server prints one line, ``tidal serve: listening on http://HOST:PORT``, once the socket is bound
@@ -11,6 +14,7 @@ server prints one line, ``tidal serve: listening on http://HOST:PORT``, once the
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 
@@ -51,6 +55,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def make_state(cfg: TidalConfig, engine):
+    from tidal.rollout.server import API_KEY_ENV
     from tidal.serve.app import ServerState
 
     name = cfg.serve.served_model_name or cfg.model.model
@@ -58,7 +63,7 @@ def make_state(cfg: TidalConfig, engine):
         engine,
         model_path=cfg.model.model,
         served_model_name=name,
-        api_key=cfg.serve.serve_api_key,
+        api_key=cfg.serve.serve_api_key or os.environ.get(API_KEY_ENV) or None,
         batch_wait_s=cfg.serve.serve_batch_wait_ms / 1000,
     )
 
