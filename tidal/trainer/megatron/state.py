@@ -35,6 +35,12 @@ class MegatronState:
         self.model_name = trainer.model_cfg.model
 
     def _slots(self) -> list[tuple[Any, torch.nn.Parameter, Any, torch.Tensor | None, tuple[int, int] | None]]:
+        t = self.tr
+        return self._slots_of(stage_parameters(t.stage, t.arch, pp_rank=t.pp_rank, pp_size=t.par.pp, te=t.te))
+
+    def _slots_of(
+        self, params
+    ) -> list[tuple[Any, torch.nn.Parameter, Any, torch.Tensor | None, tuple[int, int] | None]]:
         """Per mapped parameter of this stage: (entry, parameter, its torch optimizer, the tensor its optimizer
         state is keyed by, and with the distributed optimizer this rank's flat range of it). A parameter
         outside this data-parallel rank's shard has no optimizer (None)."""
@@ -49,9 +55,18 @@ class MegatronState:
                 for group in opt.optimizer.param_groups:
                     for p in group["params"]:
                         by_id[id(p)] = (opt.optimizer, p, None)
-        t = self.tr
-        params = stage_parameters(t.stage, t.arch, pp_rank=t.pp_rank, pp_size=t.par.pp, te=t.te)
         return [(e, p, *by_id.get(id(p), (None, None, None))) for e, p in params]
+
+    def _tied_copy(self):
+        """PP > 1 with tied embeddings: the last stage's output layer (a copy of the embedding Megatron keeps
+        equal: same gradients, so the same AdamW state), as a slot that loads from the embedding's tensors."""
+        from tidal.trainer.megatron.mapping import Entry
+
+        out = dict(self.tr.stage.named_parameters()).get("output_layer.weight")
+        if not (self.tr.arch.tied and out is not None):
+            return []
+        entry = Entry("output_layer.weight", ("model.embed_tokens.weight",), "vocab")
+        return self._slots_of([(entry, out)])
 
     def _moment(self, p, inner, key, rng, k: str) -> torch.Tensor:
         """Moment ``k`` of ``p`` in the parameter's own (TP-shard) shape; with the distributed optimizer rebuilt
@@ -127,7 +142,7 @@ class MegatronState:
     ) -> None:
         t = self.tr
         with torch.no_grad(), t.memory.region(StateClass.OPTIMIZER):
-            for e, _, inner, key, rng in self._slots():
+            for e, _, inner, key, rng in self._slots() + self._tied_copy():
                 if inner is None or f"{e.hf[0]}/exp_avg" not in names:
                     continue
                 state = inner.state[key]
