@@ -1,4 +1,4 @@
-"""Resolution rules of the algorithm section: estimator, critic, off-policy correction, overlong penalty.
+"""Resolution rules of the algorithm section: estimator, critic, off-policy correction, overlong penalty, clip range, KL.
 
 Plain functions over ``tidal.config.validate.Context``; ``validate`` registers them in its ordered
 rule list (``critic`` before ``critic-offload``, the others after the batch rules), so they run in
@@ -102,4 +102,18 @@ def overlong(ctx: Context) -> None:
         raise ConfigError(
             f"--overlong-buffer-len {a.overlong_buffer_len} must be below --rollout-max-response-len "
             f"{r.rollout_max_response_len} (the penalty starts that many tokens before the limit); lower it"
+        )
+
+
+def eps_clip_high(ctx: Context) -> None:
+    a = ctx.cfg.algorithm
+    if a.eps_clip_high is None:
+        ctx.derive("eps_clip_high", a.eps_clip, "eps-clip-high", "symmetric clipping")
+
+
+def kl(ctx: Context) -> None:
+    a = ctx.cfg.algorithm
+    if a.kl_loss_coef > 0 and not a.use_kl_loss:
+        raise ConfigError(
+            f"--kl-loss-coef {a.kl_loss_coef} has no effect without --use-kl-loss; add --use-kl-loss or drop the coefficient"
         )

@@ -4,7 +4,9 @@
 order; each rule either fills fields (and records in ``prov`` which rule derived them) or raises
 ``ConfigError`` with one line naming the flags and the fix. Rules are plain functions over the
 config, so each is tested on its own with a table of inputs (tests/unit/test_config_rules.py), and
-``docs/configuration.md`` lists them from ``RULES``.
+``docs/configuration.md`` lists them from ``RULES``. The device, model, engine and cluster rules are
+written here; the others live with their section (``memory_rules``, ``algorithm_rules``,
+``trainer_rules``, ``agent_rules``, ``megatron_rules``, ``run_rules``) and are registered here in order.
 
 The slime rules are kept where tidal has the same concept (``--offload`` expands, colocate turns
 offload on, a critic forces ``--offload-train`` (here: when colocated),
@@ -20,7 +22,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tidal.config import agent_rules, algorithm_rules, megatron_rules, memory_rules, run_rules
+from tidal.config import agent_rules, algorithm_rules, megatron_rules, memory_rules, run_rules, trainer_rules
 from tidal.config.args import coerce, fields, flag_of
 from tidal.config.environment import Environment
 from tidal.config.plan import MemoryPlan, ModelShape, build_plan, model_shape
@@ -364,56 +366,14 @@ rule(
 )(memory_rules.delta)
 
 
-@rule(
+rule(
     "batch",
     "`--global-batch-size` defaults to rollout-batch-size x n-samples-per-prompt (one step per rollout); it must divide "
     "that product and be a multiple of the trainer ranks; a full-length sample must fit `--max-tokens-per-gpu`.",
-)
-def _batch(ctx: Context) -> None:
-    r, t, c = ctx.cfg.rollout, ctx.cfg.trainer, ctx.cfg.cluster
-    samples = r.rollout_batch_size * r.n_samples_per_prompt
-    ranks = c.actor_num_nodes * c.actor_num_gpus_per_node
-    if t.global_batch_size is None:
-        ctx.derive(
-            "global_batch_size",
-            samples,
-            "batch",
-            f"rollout-batch-size {r.rollout_batch_size} x n-samples-per-prompt {r.n_samples_per_prompt}: one step per rollout",
-        )
-    gbs = t.global_batch_size
-    if samples % gbs:
-        raise ConfigError(
-            f"--global-batch-size {gbs} does not divide the {samples} samples of a rollout (--rollout-batch-size {r.rollout_batch_size} x "
-            f"--n-samples-per-prompt {r.n_samples_per_prompt}); use a divisor such as {_divisor_near(samples, gbs, ranks)}"
-        )
-    if not r.debug_rollout_only and gbs % ranks:
-        raise ConfigError(
-            f"--global-batch-size {gbs} is not a multiple of the {ranks} trainer ranks; use a multiple of {ranks}"
-        )
-    longest = agent_rules.longest_sample(ctx.cfg)
-    if longest > t.max_tokens_per_gpu:
-        what, knob = (
-            ("trajectory", "--max-trajectory-tokens")
-            if agent_rules.is_multi_turn(ctx.cfg)
-            else ("response", "--rollout-max-response-len")
-        )
-        raise ConfigError(
-            f"--max-tokens-per-gpu {t.max_tokens_per_gpu} is below the longest sample ({r.rollout_max_prompt_len} prompt + "
-            f"{longest - r.rollout_max_prompt_len} {what} tokens); raise it to at least {longest} or lower --rollout-max-prompt-len/{knob}"
-        )
+)(trainer_rules.batch)
 
 
-def _divisor_near(n: int, target: int, multiple_of: int) -> int:
-    divisors = [d for d in range(1, n + 1) if n % d == 0 and d % multiple_of == 0] or [n]
-    return min(divisors, key=lambda d: (abs(d - target), d))
-
-
-@rule("eps-clip-high", "`--eps-clip-high` defaults to `--eps-clip` (symmetric clipping).")
-def _eps_clip_high(ctx: Context) -> None:
-    a = ctx.cfg.algorithm
-    if a.eps_clip_high is None:
-        ctx.derive("eps_clip_high", a.eps_clip, "eps-clip-high", "symmetric clipping")
-
+rule("eps-clip-high", "`--eps-clip-high` defaults to `--eps-clip` (symmetric clipping).")(algorithm_rules.eps_clip_high)
 
 rule(
     "tis",
@@ -427,21 +387,9 @@ rule(
 )(algorithm_rules.overlong)
 
 
-@rule("kl", "A KL weight (`--kl-loss-coef` > 0) needs `--use-kl-loss` (it would be ignored).")
-def _kl(ctx: Context) -> None:
-    a = ctx.cfg.algorithm
-    if a.kl_loss_coef > 0 and not a.use_kl_loss:
-        raise ConfigError(
-            f"--kl-loss-coef {a.kl_loss_coef} has no effect without --use-kl-loss; add --use-kl-loss or drop the coefficient"
-        )
+rule("kl", "A KL weight (`--kl-loss-coef` > 0) needs `--use-kl-loss` (it would be ignored).")(algorithm_rules.kl)
 
-
-@rule("lr", "`--min-lr` cannot exceed `--lr`.")
-def _lr(ctx: Context) -> None:
-    t = ctx.cfg.trainer
-    if t.min_lr > t.lr:
-        raise ConfigError(f"--min-lr {t.min_lr} is above --lr {t.lr}; lower --min-lr")
-
+rule("lr", "`--min-lr` cannot exceed `--lr`.")(trainer_rules.lr)
 
 rule(
     "checkpoint",
