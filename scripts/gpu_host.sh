@@ -7,11 +7,11 @@
 #   bash scripts/gpu_host.sh STEP ...
 #
 # Steps: env, tests, train-default, train-offload, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
-# bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, profile-ipc, megatron (or its halves megatron-loop, megatron-state), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
+# bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, profile-ipc, megatron (or its halves megatron-loop, megatron-state), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); MEM_GIB, MEM_CYCLES, MEM100_GIB
 # (bench-memory*); SYNC_MODELS, SYNC_MODES, SYNC_SOURCES, SYNC_ARGS (bench-sync); TRAINER_ARGS
-# (bench-trainer); FAST_CASES, FAST_ARGS (bench-fast); SERVE_ARGS (bench-serve); MULTITURN_ARGS (bench-multiturn); TAIL (lines of each log printed).
+# (bench-trainer); FAST_CASES, FAST_ARGS (bench-fast); SERVE_ARGS (bench-serve); MULTITURN_ARGS (bench-multiturn); ASYNC_MODES, ASYNC_ROLLOUTS, ASYNC_ARGS (bench-async); TAIL (lines of each log printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -51,6 +51,7 @@ for s in "$@"; do
     bench-serve) run bench-serve 420 python3 -m tidal.bench.serve --shape qwen2.5-0.5b-shape --requests 512 --prompt-len 64 --new-tokens 256 ${SERVE_ARGS:-} ;;
     bench-multiturn) run bench-multiturn 300 python3 -m tidal.bench.multiturn --shape qwen2.5-0.5b-shape --trajectories 256 --turns 4 --prompt-len 512 --obs-len 128 --new-tokens 64 --prefix-cache-mb 16384 ${MULTITURN_ARGS:-} ;;
     train-guess) run train-guess 200 python3 -m tidal.cli train --no-progress --task guess --num-rollout 30 --output-dir "$OUT/run-guess" ;;
+    bench-async) TAIL=16 run bench-async 560 python3 -m tidal.bench.async_modes --modes ${ASYNC_MODES:-sync,one-step,full} --preset qwen2.5-0.5b-1gpu --num-rollout ${ASYNC_ROLLOUTS:-6} --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-async" ${ASYNC_ARGS:-} ;;
     profile-ipc) TAIL=20 run profile-ipc 120 python3 scripts/profile_ipc.py ;;
     megatron|megatron-loop|megatron-state)
       k=${s#megatron}; k=${k#-}

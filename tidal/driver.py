@@ -10,34 +10,20 @@ sync and the KV cache only after it, so the peak is weights + sync buffers, neve
     resume engine weights -> sync -> resume engine KV
     [eval] [save]
 
-Run it with ``tidal train`` (the embedded default: a tiny model on the built-in task).
+Run it with ``tidal train`` (the embedded default: a tiny model on the built-in task). With
+``--async one-step|full`` the same session runs ``tidal.driver_async`` instead (docs/async.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
 
 from tidal.config.schema import TidalConfig
-from tidal.errors import WeightSyncError
 from tidal.rollout import orchestrate
 from tidal.rollout.engine import TAGS
-from tidal.weight_sync.base import SyncReport
+from tidal.steps import Timer, finish_step, sync_weights
 
 log = logging.getLogger(__name__)
-
-
-class Timer(dict):
-    """Collects ``<phase>_s`` seconds for the step line and metrics.jsonl."""
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str, display=None):
-        if display is not None:
-            display.phase(phase)
-        t = time.perf_counter()
-        yield
-        self[f"{phase}_s"] = self.get(f"{phase}_s", 0.0) + time.perf_counter() - t
 
 
 def train(cfg: TidalConfig, on_step=None) -> dict:
@@ -52,6 +38,10 @@ def train(cfg: TidalConfig, on_step=None) -> dict:
         try:
             if cfg.rollout.debug_rollout_only:
                 return rollout_only(s, on_step)
+            if cfg.rollout.async_mode != "off":
+                from tidal.driver_async import run
+
+                return run(s, on_step)
             return _loop(s, on_step)
         except Exception as e:
             short = _one_line(s, e)
@@ -128,23 +118,6 @@ def _loop(s, on_step) -> dict:
     return row
 
 
-def finish_step(s, rollout_id: int, metrics: dict, t: Timer, on_step=None) -> dict:
-    """[eval] [save], then the step's metrics line, plots and the ``on_step`` hook; returns the row."""
-    cfg, display = s.cfg, s.display
-    if cfg.rollout.eval_interval and (rollout_id + 1) % cfg.rollout.eval_interval == 0:
-        with t("eval", display):
-            metrics.update(orchestrate.evaluate(s))
-    if s.should_save(rollout_id):
-        with t("save", display):
-            s.save(rollout_id)
-    row = s.run.log_step(rollout_id, metrics)
-    display.step(row)
-    s.after_step(rollout_id)
-    if on_step is not None:
-        on_step(s, rollout_id, row)
-    return row
-
-
 def rollout_only(s, on_step=None) -> dict:
     """``--debug-rollout-only``: generate, score and evaluate every rollout; no trainer exists, nothing syncs."""
     row: dict = {}
@@ -158,19 +131,3 @@ def rollout_only(s, on_step=None) -> dict:
         metrics["engine_restarts"], s.step_restarts = s.step_restarts, 0
         row = finish_step(s, rollout_id, metrics, t, on_step)
     return row
-
-
-def sync_weights(s, first: bool = False) -> dict:
-    """Resume engine weights -> trainer pushes the new version -> resume engine KV cache."""
-    cfg, trainer, engines = s.cfg, s.trainer, s.engines
-    if cfg.memory.offload_rollout:
-        engines.call("resume_memory", ["weights"])
-    report: SyncReport = trainer.call("update_weights")
-    versions = engines.call("get_weight_version")
-    if any(v != report.version for v in versions):
-        raise WeightSyncError(f"engines report weight versions {versions} after syncing version {report.version}")
-    if first and cfg.weight_sync.check_weight_update_equal:
-        s.check_weights_equal()
-    if cfg.memory.offload_rollout:
-        engines.call("resume_memory", ["kv_cache"])
-    return report.metrics()

@@ -48,6 +48,8 @@ class Session:
         self.step_restarts = 0  # since the last step line (the step's engine_restarts metric)
         self.stop = StopSignal()
         self._last_saved: int | None = None
+        self.cursor = None  # --async: the prompt cursor whose data position checkpoints record (tidal.rollout.buffer)
+        self.last_sync_version = 0  # the weight version of the last sync (restarts resync under a new one)
 
     # ---- setup / teardown -------------------------------------------------------------------
     def __enter__(self) -> Session:
@@ -203,6 +205,7 @@ class Session:
             raise WeightSyncError(
                 f"engines report weight versions {versions} after the resync to version {report.version}"
             )
+        self.last_sync_version = report.version
 
     def checkpoint_hint(self) -> str:
         """'; resume with --load DIR (newest checkpoint rollout N)' when one was saved, else ''."""
@@ -305,7 +308,10 @@ class Session:
         extra = self.trainer.call("load", self.load_path)
         if not extra:
             raise UserError(f"--load {self.load_path}: the trainer found no checkpoint there; check the folder")
-        self.dataset.load_state_dict(extra["data"])
+        if self.cursor is not None:
+            self.cursor.load_state_dict({"data": extra["data"], "done_after": extra.get("data_done_after", [])})
+        else:
+            self.dataset.load_state_dict(extra["data"])
         self._last_saved = int(extra["rollout_id"])
         self.display.info(f"resumed from {self.load_path} at rollout {extra['rollout_id'] + 1}")
         return int(extra["rollout_id"]) + 1
@@ -328,6 +334,9 @@ class Session:
 
     def save(self, rollout_id: int) -> None:
         extra = {"rollout_id": rollout_id, "data": self.dataset.state_dict()}
+        if self.cursor is not None:  # prompts in flight are not done: the position is the first one not done
+            state = self.cursor.state_dict()
+            extra.update(data=state["data"], data_done_after=state["done_after"])
         ck = self.cfg.checkpoint
         report = self.trainer.call("save", ck.save, extra) or {}
         self._last_saved = rollout_id

@@ -935,3 +935,48 @@ def test_explain_does_not_show_api_keys():
     cfg, prov = run(["--api-key", "s3cret-serve", "--rollout-engine-api-key", "s3cret-engine"], CPU)
     text = explain(cfg, prov, CPU)
     assert "s3cret" not in text and text.count("(set, not shown)") == 2
+
+
+@pytest.mark.parametrize(
+    "argv,env,expect",
+    [
+        # Off: the full-mode flags are refused; over-sampling defaults to one batch.
+        ([], CPU, {"async_mode": "off", "colocate": True, "over_sampling_batch_size": 32, "async_buffer_size": None}),
+        (["--max-staleness", "2"], CPU, "--max-staleness is only used with --async"),
+        (["--partial-rollout"], CPU, "--partial-rollout is only used with --async"),
+        # CPU: engines on their own cores, no offload, TIS derived.
+        (
+            ["--async", "one-step"],
+            CPU,
+            {"colocate": False, "offload_train": False, "offload_rollout": False, "use_tis": True},
+        ),
+        (["--async", "one-step", "--use-rollout-logprobs"], CPU, {"use_tis": False, "use_rollout_logprobs": True}),
+        (["--async", "one-step", "--no-use-tis"], CPU, {"use_tis": False}),
+        (["--async", "one-step", "--max-staleness", "2"], CPU, "only used with --async full"),
+        (["--async", "full"], CPU, {"async_buffer_size": 32, "max_staleness": 1}),
+        (["--async", "full", "--max-staleness", "3"], CPU, {"async_buffer_size": 96}),
+        (["--async", "full", "--async-buffer-size", "8"], CPU, "below --rollout-batch-size 32"),
+        (["--async", "full", "--partial-rollout"], CPU, "--partial-rollout is not supported"),
+        (["--async", "full", "--debug-rollout-only"], CPU, "--debug-rollout-only has none"),
+        # Colocated by choice: both resident; an explicit offload is refused in one line.
+        (["--async", "one-step", "--colocate"], CPU, {"colocate": True, "offload_train": False}),
+        (["--async", "one-step", "--colocate", "--offload"], CPU, "neither can release its memory"),
+        # One GPU: trainer and engine stay on it together, resident; eight GPUs: engines get their own.
+        (
+            TINY_GPU + ["--async", "one-step"],
+            GPU1,
+            {"colocate": True, "offload_train": False, "offload_rollout": False},
+        ),
+        (TINY_GPU + ["--async", "one-step"], GPU8, {"colocate": False, "rollout_num_gpus": 1}),
+        # Over-sampling below a batch needs dynamic sampling (rounds continue until a batch is kept).
+        (["--over-sampling-batch-size", "64"], CPU, "--over-sampling-batch-size is only used with --async"),
+        (["--async", "full", "--over-sampling-batch-size", "16"], CPU, "without --dynamic-sampling"),
+        (
+            ["--async", "full", "--over-sampling-batch-size", "16", "--dynamic-sampling"],
+            CPU,
+            {"over_sampling_batch_size": 16},
+        ),
+    ],
+)
+def test_rule_async(argv, env, expect):
+    check(argv, env, expect)

@@ -247,6 +247,32 @@ class RolloutConfig:
         "(multi-turn); default: 1024 with an environment, else 0 (off).",
         min=0,
     )
+    # Asynchronous training (tidal.driver_async, docs/async.md).
+    async_mode: str = opt(
+        "off",
+        "Overlap generation with training: one-step generates rollout k+1 while rollout k trains (one version "
+        "behind); full keeps the engines generating into a bounded buffer.",
+        choices=("off", "one-step", "full"),
+        flag="--async",
+    )
+    max_staleness: int = opt(
+        1, "--async full: a sample more than N weight versions behind the trainer is dropped (and counted).", min=0
+    )
+    async_buffer_size: int | None = opt(
+        None,
+        "--async full: prompt groups generated ahead of the trainer, in flight or buffered "
+        "(default: rollout-batch-size x max-staleness, at least one batch).",
+        min=1,
+    )
+    partial_rollout: bool = opt(
+        False, "Continue requests in flight at a weight update on the new weights (not supported: refused)."
+    )
+    over_sampling_batch_size: int | None = opt(
+        None,
+        "--async: prompts drawn per generation round (default: rollout-batch-size); with --dynamic-sampling, rounds "
+        "continue until rollout-batch-size groups are kept.",
+        min=1,
+    )
 
 
 def rollout_compile_default(device: str) -> bool:

@@ -22,7 +22,15 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tidal.config import agent_rules, algorithm_rules, megatron_rules, memory_rules, run_rules, trainer_rules
+from tidal.config import (
+    agent_rules,
+    algorithm_rules,
+    async_rules,
+    megatron_rules,
+    memory_rules,
+    run_rules,
+    trainer_rules,
+)
 from tidal.config.args import coerce, fields, flag_of
 from tidal.config.environment import Environment
 from tidal.config.plan import MemoryPlan, ModelShape, build_plan, model_shape
@@ -276,6 +284,15 @@ def _engine(ctx: Context) -> None:
         ctx.derive("rollout_num_gpus", len(addrs), "engine", "one engine per external address")
 
 
+rule(
+    "async",
+    "`--async one-step|full` turns offload off (an explicit offload flag is refused) and, unless `--colocate` is given, "
+    "places engines on their own devices when there are spare ones (on one GPU both stay resident); it derives "
+    "`--use-tis` unless a correction is chosen; `--async-buffer-size` defaults to rollout-batch-size x "
+    "max(1, max-staleness); `--partial-rollout` is refused; `--over-sampling-batch-size` defaults to rollout-batch-size.",
+)(async_rules.async_mode)
+
+
 @rule(
     "cluster",
     "Trainer ranks = nodes x ranks per node; `--rollout-num-gpus` defaults to the trainer ranks when colocated, else 1; "
@@ -435,7 +452,7 @@ def unresolved_fields(cfg: TidalConfig) -> list[str]:
     derived = {
         "device", "param_dtype", "memory_backend", "rollout_num_gpus", "offload_train", "offload_rollout",
         "update_weight_transport", "global_batch_size", "eps_clip_high", "output_dir",
-        "rollout_compile", "use_critic", "offload_host_memory", "rollout_prefix_cache_mb",
+        "rollout_compile", "use_critic", "offload_host_memory", "rollout_prefix_cache_mb", "over_sampling_batch_size",
         "disable_grad_buffers_cpu_backup",
     }  # fmt: skip
     out = []

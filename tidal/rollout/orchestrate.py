@@ -156,8 +156,7 @@ def policy_masks(samples: Sequence[Sample]) -> torch.Tensor | None:
 
 
 def generate_rollout(s, rollout_id: int) -> tuple[list[Sample], dict]:
-    cfg = s.cfg
-    r, algo = cfg.rollout, cfg.algorithm
+    r = s.cfg.rollout
     batch = s.dataset.next_batch(r.rollout_batch_size)
     samples = make_rollout_samples(batch, r.n_samples_per_prompt, start_index=0)
     sampling = sampling_params(r, s.tokenizer)
@@ -174,6 +173,13 @@ def generate_rollout(s, rollout_id: int) -> tuple[list[Sample], dict]:
         score_samples(samples, s.reward_fn)
     else:
         score_trajectories(samples, r.agent_reward, s.reward_fn)
+    return finish_samples(s, samples, gen_s)
+
+
+def finish_samples(s, samples: list[Sample], gen_s: float) -> tuple[list[Sample], dict]:
+    """Advantages of scored samples (whole groups, group-major) and the generation metrics; then dynamic sampling."""
+    r, algo = s.cfg.rollout, s.cfg.algorithm
+    agent = getattr(s, "agent", None)
     rewards = torch.tensor([x.reward for x in samples], dtype=torch.float32)
     resp_lens = torch.tensor([len(x.response_ids) for x in samples], dtype=torch.float32)
     shaped = rewards

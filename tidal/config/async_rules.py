@@ -1,0 +1,103 @@
+"""Resolution rules of asynchronous training (``--async``, ``tidal.driver_async``).
+
+Plain functions over ``tidal.config.validate.Context``, registered by ``validate`` before the cluster
+rule and the offload decision, because they settle placement and offload:
+
+- Generation overlaps training, so neither side can hand its memory to the other: offload is off
+  (an explicit ``--offload*`` is refused). Left to the default, placement is disaggregated (engines
+  on their own cores or GPUs, as slime's ``train_async.py`` requires) when the devices allow it;
+  on one GPU the trainer and engine stay colocated, both resident, and the memory plan must fit them.
+- Samples come from older weights, so the engine's log-probs are the behaviour policy: without
+  ``--use-tis`` or ``--use-rollout-logprobs`` given, ``--use-tis`` is derived (an explicit
+  ``--no-use-tis`` is kept).
+- ``--partial-rollout`` is refused: an embedded ``generate`` call runs to its end on the weights it
+  started with (requests in flight finish on the old weights).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tidal.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tidal.config.validate import Context
+
+_FULL_ONLY = ("max_staleness", "async_buffer_size")
+
+
+def async_mode(ctx: Context) -> None:
+    r = ctx.cfg.rollout
+    _over_sampling(ctx)
+    if r.async_mode == "off":
+        for name in (*_FULL_ONLY, "partial_rollout", "over_sampling_batch_size"):
+            if ctx.explicit(name) and getattr(r, name) is not False:
+                raise ConfigError(f"--{name.replace('_', '-')} is only used with --async; add --async or drop the flag")
+        return
+    if r.partial_rollout:
+        raise ConfigError(
+            "--partial-rollout is not supported: an engine's generate call finishes on the weights it started with "
+            "(requests in flight finish on the old weights); drop the flag"
+        )
+    if r.debug_rollout_only:
+        raise ConfigError(f"--async {r.async_mode} overlaps generation with training; --debug-rollout-only has none")
+    if r.async_mode == "one-step":
+        for name in _FULL_ONLY:
+            if ctx.explicit(name):
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} is only used with --async full (one-step is always one version "
+                    "behind); drop it"
+                )
+    else:
+        if r.async_buffer_size is None:
+            ctx.derive(
+                "async_buffer_size",
+                r.rollout_batch_size * max(1, r.max_staleness),
+                "async",
+                "rollout-batch-size x max-staleness: in a steady run no group waits longer than the bound allows",
+            )
+        if r.async_buffer_size < r.rollout_batch_size:
+            raise ConfigError(
+                f"--async-buffer-size {r.async_buffer_size} is below --rollout-batch-size {r.rollout_batch_size}: "
+                "the trainer could never take a batch; raise it"
+            )
+    _placement(ctx)
+    _behaviour_policy(ctx)
+
+
+def _over_sampling(ctx: Context) -> None:
+    r = ctx.cfg.rollout
+    if r.over_sampling_batch_size is None:
+        ctx.derive("over_sampling_batch_size", r.rollout_batch_size, "async", "one round of rollout-batch-size prompts")
+    if r.over_sampling_batch_size < r.rollout_batch_size and not ctx.cfg.algorithm.dynamic_sampling:
+        raise ConfigError(
+            f"--over-sampling-batch-size {r.over_sampling_batch_size} is below --rollout-batch-size "
+            f"{r.rollout_batch_size}; without --dynamic-sampling rounds are whole batches: raise it or drop it"
+        )
+
+
+def _placement(ctx: Context) -> None:
+    c, m, mode = ctx.cfg.cluster, ctx.cfg.memory, ctx.cfg.rollout.async_mode
+    ranks = c.actor_num_nodes * c.actor_num_gpus_per_node
+    if not ctx.explicit("colocate") and c.colocate:
+        spare = c.device != "cuda" or c.ray_address is not None or ctx.env.device_count > ranks
+        if spare:
+            ctx.derive("colocate", False, "async", f"--async {mode}: engines generate on their own devices")
+    for name in ("offload", "offload_train", "offload_rollout"):
+        value = getattr(m, name)
+        if value and ctx.explicit(name):
+            raise ConfigError(
+                f"--async {mode} with {'--' + name.replace('_', '-')}: engines generate while the trainer trains, so "
+                "neither can release its memory; drop the offload flag (the memory plan must fit both resident)"
+            )
+        if value is not False:
+            ctx.derive(name, False, "async", f"--async {mode}: trainer and engines are resident together")
+
+
+def _behaviour_policy(ctx: Context) -> None:
+    a = ctx.cfg.algorithm
+    if a.use_tis or a.use_rollout_logprobs or ctx.explicit("use_tis"):
+        return
+    ctx.derive(
+        "use_tis", True, "async", "samples come from older weights: the engine's log-probs are the behaviour policy"
+    )

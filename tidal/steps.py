@@ -1,0 +1,59 @@
+"""The phases both loops share (``tidal.driver`` and ``tidal.driver_async``): phase timing, the weight sync, the step's end.
+
+``sync_weights`` is the colocation order of a sync (engine weights back, push, KV cache back);
+``finish_step`` runs [eval] [save], logs the step's metrics and calls the ``on_step`` hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from tidal.errors import WeightSyncError
+from tidal.rollout import orchestrate
+from tidal.weight_sync.base import SyncReport
+
+
+class Timer(dict):
+    """Collects ``<phase>_s`` seconds for the step line and metrics.jsonl."""
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str, display=None):
+        if display is not None:
+            display.phase(phase)
+        t = time.perf_counter()
+        yield
+        self[f"{phase}_s"] = self.get(f"{phase}_s", 0.0) + time.perf_counter() - t
+
+
+def finish_step(s, rollout_id: int, metrics: dict, t: Timer, on_step=None) -> dict:
+    """[eval] [save], then the step's metrics line, plots and the ``on_step`` hook; returns the row."""
+    cfg, display = s.cfg, s.display
+    if cfg.rollout.eval_interval and (rollout_id + 1) % cfg.rollout.eval_interval == 0:
+        with t("eval", display):
+            metrics.update(orchestrate.evaluate(s))
+    if s.should_save(rollout_id):
+        with t("save", display):
+            s.save(rollout_id)
+    row = s.run.log_step(rollout_id, metrics)
+    display.step(row)
+    s.after_step(rollout_id)
+    if on_step is not None:
+        on_step(s, rollout_id, row)
+    return row
+
+
+def sync_weights(s, first: bool = False) -> dict:
+    """Resume engine weights -> trainer pushes the new version -> resume engine KV cache."""
+    cfg, trainer, engines = s.cfg, s.trainer, s.engines
+    if cfg.memory.offload_rollout:
+        engines.call("resume_memory", ["weights"])
+    report: SyncReport = trainer.call("update_weights")
+    versions = engines.call("get_weight_version")
+    if any(v != report.version for v in versions):
+        raise WeightSyncError(f"engines report weight versions {versions} after syncing version {report.version}")
+    if first and cfg.weight_sync.check_weight_update_equal:
+        s.check_weights_equal()
+    if cfg.memory.offload_rollout:
+        engines.call("resume_memory", ["kv_cache"])
+    return report.metrics()
