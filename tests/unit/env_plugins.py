@@ -68,6 +68,10 @@ class NeverDone(Environment):
         return StepResult("a", 0.0, False)
 
 
+class BadStop(Environment):
+    stop = "</call>"  # a string, not a list of strings
+
+
 class NeedsArgs(Environment):
     def __init__(self, size):
         self.size = size

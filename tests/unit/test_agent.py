@@ -116,6 +116,7 @@ def test_budgets_end_trajectories(engine):
         ("Hangs", "did not return within 0.3 s (--env-timeout)"),
         ("HangsAsync", "did not return within 0.3 s (--env-timeout)"),
         ("NeedsArgs", "__init__() of trajectory 0 (prompt '12+3=') raised TypeError"),
+        ("BadStop", "stop is '</call>'; give a list of non-empty strings"),
     ],
 )
 def test_bad_environments_stop_with_one_line(engine, name, needle):

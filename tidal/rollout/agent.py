@@ -155,7 +155,10 @@ class AgentLoop:
         chat = self.cfg.data.apply_chat_template and getattr(self.tokenizer, "chat_template", None)
         role = getattr(self.env_cls, "role", "tool")
         frame = ChatFrame(self.tokenizer, role) if chat else None
-        turn_sampling = SamplingParams(**{**sampling.__dict__, "stop": [*sampling.stop, *self.env_cls.stop]})
+        stop = getattr(self.env_cls, "stop", None) or []
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise UserError(f"environment {self.name}: stop is {stop!r}; give a list of non-empty strings")
+        turn_sampling = SamplingParams(**{**sampling.__dict__, "stop": [*sampling.stop, *stop]})
         trajs = [Trajectory(x, caller.make(self.env_cls, x), list(x.prompt_ids)) for x in samples]
         first = await asyncio.gather(*(caller.reset(t.env, t.sample) for t in trajs))
         for t, obs in zip(trajs, first):
