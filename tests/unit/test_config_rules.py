@@ -769,17 +769,11 @@ def test_resolve_is_idempotent_and_does_not_mutate_its_input():
         ([], {"rollout_prefix_cache_mb": 0}),
         # the batch rule counts a whole trajectory: 512 prompt + 1024 trajectory tokens
         (["--task", "guess", "--max-tokens-per-gpu", "1000"], "below the longest sample (512 prompt + 1024 trajectory"),
+        (["--task", "guess", "--async", "one-step"], "--async one-step generates one response per prompt"),
     ],
 )
 def test_rule_multi_turn(argv, expect):
     check(argv, CPU, expect)
-
-
-def test_rule_multi_turn_refuses_the_asynchronous_drivers():
-    cfg, prov = parse(["--task", "guess"])
-    cfg.rollout.async_mode = "one-step"  # the asynchronous drivers' field (set here for configs that lack it)
-    with pytest.raises(ConfigError, match="--async one-step generates one response per prompt"):
-        resolve(cfg, prov, CPU)
 
 
 def test_memory_plan_counts_trajectories_and_stored_prefixes():

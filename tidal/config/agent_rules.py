@@ -77,11 +77,10 @@ def multi_turn(ctx: Context) -> None:
         raise ConfigError(
             "--custom-generate-function-path and an environment both decide how samples are generated; keep one"
         )
-    mode = getattr(r, "async_mode", "off")  # the asynchronous drivers generate without the agent loop
-    if mode not in (None, "off"):
+    if r.async_mode != "off":  # the asynchronous drivers (tidal.driver_async) generate without the agent loop
         raise ConfigError(
-            f"--async {mode} generates one response per prompt; multi-turn rollouts (an environment) run in the "
-            "synchronous loop: drop --async"
+            f"--async {r.async_mode} generates one response per prompt; multi-turn rollouts (an environment) run in "
+            "the synchronous loop: drop --async"
         )
     if r.max_trajectory_tokens < r.rollout_max_response_len:
         raise ConfigError(
