@@ -377,3 +377,13 @@ def test_multi_turn_over_http_is_the_same_as_in_process(engine, tmp_path):
         for k, span in enumerate(t for t in a.turns if t.role == "assistant"):
             sent, got, _ = rec.turns[k][a.index]
             assert sent == a.prompt_ids + a.response_ids[: span.start] and a.response_ids[span.start : span.end] == got
+
+
+def test_prefix_store_never_reuses_a_colliding_prefix(monkeypatch):
+    """Entries are found by hash, then compared in full: equal hashes of different ids are no hit."""
+    from tidal.rollout.fast import prefix
+
+    monkeypatch.setattr(prefix, "prefix_hashes", lambda ids: [0] * (len(ids) + 1))  # every prefix collides
+    store = prefix.PrefixStore(budget_bytes=1 << 20)
+    store.put([1, 2, 3], torch.zeros(1))
+    assert store.lookup([4, 5, 6, 7])[0] == 0 and store.lookup([1, 2, 3, 7])[0] == 3

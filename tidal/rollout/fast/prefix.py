@@ -27,13 +27,30 @@ from collections.abc import Sequence
 
 import torch
 
+_MOD = (1 << 61) - 1  # prefix hashes: a polynomial in the token ids modulo a Mersenne prime
+_BASE = 1_000_003
+
+
+def prefix_hashes(ids: Sequence[int]) -> list[int]:
+    """``h[k]``: the hash of ``ids[:k]``, for every ``k`` (one pass; a lookup tries every stored length)."""
+    h, out = 0, [0]
+    for t in ids:
+        h = (h * _BASE + int(t) + 1) % _MOD
+        out.append(h)
+    return out
+
 
 class PrefixStore:
-    """Prompt KV by prompt ids, on the decoder's device, at most ``budget_bytes`` (used, then oldest, dropped)."""
+    """Prompt KV by prompt ids, on the decoder's device, at most ``budget_bytes`` (used, then oldest, dropped).
+
+    Entries are found by (length, prefix hash): a lookup hashes the request's ids once and tries
+    each stored length, then compares the ids of a candidate in full, so a hash collision never
+    reuses a wrong prefix.
+    """
 
     def __init__(self, budget_bytes: int):
         self.budget = int(budget_bytes)
-        self._entries: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, int], tuple[tuple[int, ...], torch.Tensor]] = OrderedDict()
         self._lengths: dict[int, int] = {}  # stored prompt length -> entries of that length
         self.bytes = 0
         self.hits = self.lookups = self.reused_tokens = self.prefilled_tokens = 0
@@ -44,34 +61,36 @@ class PrefixStore:
     def lookup(self, ids: Sequence[int]) -> tuple[int, torch.Tensor | None]:
         """(tokens reusable, KV ``[layers, 2, kv_heads, stored_len, dim]``) of the longest stored prefix of ``ids``."""
         self.lookups += 1
-        for length in sorted(self._lengths, reverse=True):
-            if length > len(ids):
-                continue
-            kv = self._entries.get(tuple(ids[:length]))
-            if kv is not None:
+        if not self._entries:
+            return 0, None
+        hashes = prefix_hashes(ids)
+        for length in sorted((n for n in self._lengths if n <= len(ids)), reverse=True):
+            key = (length, hashes[length])
+            entry = self._entries.get(key)
+            if entry is not None and entry[0] == tuple(ids[:length]):
                 self.hits += 1
                 # A used prefix is the first to go: its trajectory has moved on and stores a longer one.
-                self._entries.move_to_end(tuple(ids[:length]), last=False)
-                return min(length, len(ids) - 1), kv
+                self._entries.move_to_end(key, last=False)
+                return min(length, len(ids) - 1), entry[1]
         return 0, None
 
     def put(self, ids: Sequence[int], kv: torch.Tensor) -> None:
-        key = tuple(ids)
+        key = (len(ids), prefix_hashes(ids)[-1])
         size = kv.numel() * kv.element_size()
         if size > self.budget or key in self._entries:
             return
-        self._entries[key] = kv
-        self._lengths[len(key)] = self._lengths.get(len(key), 0) + 1
+        self._entries[key] = (tuple(ids), kv)
+        self._lengths[len(ids)] = self._lengths.get(len(ids), 0) + 1
         self.bytes += size
         while self.bytes > self.budget:
-            old, dropped = self._entries.popitem(last=False)
-            self._forget(old, dropped)
+            old, (_, dropped) = self._entries.popitem(last=False)
+            self._forget(old[0], dropped)
 
-    def _forget(self, key: tuple[int, ...], kv: torch.Tensor) -> None:
+    def _forget(self, length: int, kv: torch.Tensor) -> None:
         self.bytes -= kv.numel() * kv.element_size()
-        self._lengths[len(key)] -= 1
-        if not self._lengths[len(key)]:
-            del self._lengths[len(key)]
+        self._lengths[length] -= 1
+        if not self._lengths[length]:
+            del self._lengths[length]
 
     def clear(self) -> None:
         self._entries.clear()
