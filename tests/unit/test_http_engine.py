@@ -246,7 +246,11 @@ def test_server_command_lines():
         "--tp-size=2",
     ]
     rollout = RolloutConfig(
-        rollout_engine="sglang", rollout_fast_decode=False, rollout_max_batch=64, rollout_engine_api_key="key"
+        rollout_engine="sglang",
+        rollout_fast_decode=False,
+        rollout_max_batch=64,
+        rollout_engine_api_key="key",
+        rollout_prefix_cache_mb=1024,
     )
     cmd = server_command(
         "tidal",
@@ -267,6 +271,8 @@ def test_server_command_lines():
         "--no-rollout-fast-decode",
         "--rollout-max-batch",
         "64",
+        "--rollout-prefix-cache-mb",
+        "1024",
         "--memory-backend",
         "portable",
         "--update-weight-checksum",
