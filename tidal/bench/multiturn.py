@@ -56,7 +56,7 @@ def _engine(args, device: str):
 
     rollout = RolloutConfig(
         rollout_max_batch=args.trajectories,
-        rollout_compile=None if device.startswith("cuda") else False,
+        rollout_compile=None if device.startswith("cuda") and not args.no_compile else False,
         rollout_prefix_cache_mb=args.prefix_cache_mb,
     )
     return EmbeddedEngine(ModelConfig(model=args.shape), rollout, MemoryConfig(), device=device)
@@ -145,6 +145,7 @@ def measure(args) -> dict:
         "prompt_len": args.prompt_len,
         "obs_len": args.obs_len,
         "new_tokens": args.new_tokens,
+        "compiled": engine._decoder()._compiled_forward is not None,
         "policy_tokens": a["policy_tokens"],
         "policy_tokens_per_s_reuse": round(a["tokens_per_s"], 1),
         "policy_tokens_per_s_no_reuse": round(b["tokens_per_s"], 1),
@@ -171,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2, help="CPU threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-compile", action="store_true", help="decode steps uncompiled (CUDA graphs stay on)")
     print(json.dumps(measure(p.parse_args(argv))), flush=True)
     return 0
 
