@@ -45,7 +45,10 @@ def _loop(engine, env, turns=4):
 
 def test_prefix_reuse_on_cuda_keeps_policy_logprobs():
     engine = EmbeddedEngine(
-        ModelConfig(model="tiny-qwen2"), RolloutConfig(rollout_prefix_cache_mb=256), MemoryConfig(), device="cuda"
+        ModelConfig(model="tiny-qwen2"),
+        RolloutConfig(rollout_prefix_cache_mb=256, rollout_compile=False),
+        MemoryConfig(),
+        device="cuda",
     )
     gen = torch.Generator().manual_seed(0)
     samples = [
@@ -67,7 +70,10 @@ def test_prefix_reuse_on_cuda_keeps_policy_logprobs():
 
 def test_guess_loop_on_cuda():
     engine = EmbeddedEngine(
-        ModelConfig(model="tiny"), RolloutConfig(rollout_prefix_cache_mb=64), MemoryConfig(), device="cuda"
+        ModelConfig(model="tiny"),
+        RolloutConfig(rollout_prefix_cache_mb=64, rollout_compile=False),
+        MemoryConfig(),
+        device="cuda",
     )
     tok = engine.tokenizer
     samples = [
