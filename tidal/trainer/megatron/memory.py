@@ -65,5 +65,5 @@ def optimizer_tensors(optimizer) -> list[torch.Tensor]:
         if inner is None:
             continue
         for state in inner.state.values():
-            out += [v for k, v in state.items() if k != "step" and torch.is_tensor(v) and v.device.type != "cpu"]
+            out += [v for k, v in state.items() if k != "step" and torch.is_tensor(v)]
     return out

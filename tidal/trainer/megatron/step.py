@@ -72,7 +72,8 @@ def old_logprobs(tr, steps, sums, objective, *, recompute: bool) -> None:
                 schedule_call(tr, tr.ddp, mbs, set_old, forward_only=True)
             if tr.ref_model is not None:
                 schedule_call(tr, tr.ref_model, mbs, set_ref, forward_only=True)
-    torch.cuda.synchronize(tr.device)
+    if tr.device.type == "cuda":
+        torch.cuda.synchronize(tr.device)
 
 
 def optimizer_step(tr, mbs: list[MicroBatch], sums, objective, old_from_train_pass: bool) -> tuple[float, float]:

@@ -125,18 +125,26 @@ class MegatronTrainer(Trainer):
         if self.device_type != "cuda":
             raise UserError(CPU_REFUSAL)
         mm.require_megatron()
-        if self.algo.use_critic:
-            raise UserError(
-                "--advantage-estimator ppo trains a critic, which --train-backend megatron does not have; use --train-backend fsdp"
-            )
+        t0 = time.perf_counter()
+        self._place()
+        self._parallel_state()
+        self.build()
+        return self._sizes(time.perf_counter() - t0)
+
+    def build(self) -> None:
+        """Everything after the process groups: the HF model from the shared seed, this rank's stage(s) loaded
+        from it, DDP, the optimizer, the memory backend and its registrations. Runs on ``self.device``
+        (the CPU tests call it over gloo, with Megatron's hard-coded CUDA device arguments redirected)."""
         from tidal.memory import make_backend
         from tidal.memory.history import MemoryHistory
         from tidal.model.load import build_model, load_tokenizer, resolve_model
 
-        self._history = MemoryHistory(self.memory_cfg, self.device_type, f"trainer-rank{self.rank}")
-        t0 = time.perf_counter()
-        self.par = mm.Parallel.from_trainer(self.cfg)
-        self._place()
+        if self.algo.use_critic:
+            raise UserError(
+                "--advantage-estimator ppo trains a critic, which --train-backend megatron does not have; use --train-backend fsdp"
+            )
+        device = self.device.type
+        self._history = MemoryHistory(self.memory_cfg, device, f"trainer-rank{self.rank}")
         self.spec = resolve_model(self.model_cfg.model, self.model_cfg.tokenizer, self.model_cfg.trust_remote_code)
         self.model_path = self.spec.path
         self.tokenizer = load_tokenizer(self.spec)
@@ -147,10 +155,10 @@ class MegatronTrainer(Trainer):
         mapping.check_parallel(self.arch, self.par.tp, self.par.pp)
         full = {n: p.detach() for n, p in hf.named_parameters()}
         self.hf_shapes = {n: tuple(t.shape) for n, t in full.items()}
-        param_dtype = self.cfg.param_dtype if self.cfg.param_dtype != "auto" else default_dtype_name("cuda")
+        param_dtype = self.cfg.param_dtype if self.cfg.param_dtype != "auto" else default_dtype_name(device)
         self.compute_dtype = as_dtype(param_dtype)
         self.te = mm.te_available()
-        self.memory = make_backend(self.memory_cfg, device="cuda", role="trainer", offload_train=self.grads_unbacked)
+        self.memory = make_backend(self.memory_cfg, device=device, role="trainer", offload_train=self.grads_unbacked)
         with self.memory.region(StateClass.WEIGHTS):
             self.stage = self._build_stage(full)
             if self.algo.use_kl_loss:
@@ -170,7 +178,6 @@ class MegatronTrainer(Trainer):
         self.shapes = shard_shapes(self.local, self.topo, self.groups.host)
         gc.collect()
         gc.freeze()
-        return self._sizes(time.perf_counter() - t0)
 
     def _sizes(self, init_s: float) -> dict:
         local_bytes = sum(p.numel() * p.element_size() for p in self.stage.parameters())
@@ -190,12 +197,10 @@ class MegatronTrainer(Trainer):
         }
 
     def _place(self) -> None:
-        """This rank's GPU, one process group (gloo for host tensors, NCCL for device ones), Megatron's parallel state."""
+        """This rank's GPU and one process group (gloo for host tensors, NCCL for device ones)."""
         from datetime import timedelta
 
         import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         index = int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count())
         torch.cuda.set_device(index)
@@ -214,6 +219,13 @@ class MegatronTrainer(Trainer):
                 world_size=self.world_size,
                 timeout=timedelta(minutes=self.cfg.dist_timeout_min),
             )
+
+    def _parallel_state(self) -> None:
+        """Megatron's parallel state over the initialised process group, and this rank's place in it."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        self.par = mm.Parallel.from_trainer(self.cfg)
         model_ranks = self.par.tp * self.par.pp * self.par.cp
         if self.world_size % model_ranks:
             raise UserError(
@@ -226,7 +238,8 @@ class MegatronTrainer(Trainer):
                 pipeline_model_parallel_size=self.par.pp,
                 context_parallel_size=self.par.cp,
             )
-        model_parallel_cuda_manual_seed(self.cfg.seed)
+        if self.device.type == "cuda":
+            model_parallel_cuda_manual_seed(self.cfg.seed)
         self.topo = Topology(
             rank=self.rank, tp=self.par.tp, cp=self.par.cp, dp=self.world_size // model_ranks, pp=self.par.pp
         )
@@ -248,7 +261,7 @@ class MegatronTrainer(Trainer):
         )
         spec = mm.layer_spec(self.arch, self.te)
         stage = mm.build_stage(self.arch, config, spec, tp=self.par.tp, pp_rank=self.pp_rank, pp_size=self.par.pp)
-        stage.cuda(self.device)
+        stage.to(self.device)
         mm.load_hf(
             stage,
             self.arch,
