@@ -244,8 +244,8 @@ def test_megatron_matches_fsdp_on_the_same_weights_and_batch(ray_cluster):
     long = _samples(11, n=64, prompt=(32, 32), response=(256, 256))
     for name, actor in (("fsdp", fsdp), ("megatron", meg)):
         ray.get(actor.train.remote(long, 1))  # warm-up (kernels, allocator)
-        t = [ray.get(actor.train.remote(long, 2 + i))["train_s"] for i in range(2)]
-        print(f"0.5B step time, 64 x (32 + 256) tokens: {name} {min(t):.2f} s ({64 * 288 / min(t):.0f} tokens/s)")
+        t = ray.get(actor.train.remote(long, 2))["train_s"]
+        print(f"0.5B step time, 64 x (32 + 256) tokens: {name} {t:.2f} s ({64 * 288 / t:.0f} tokens/s)")
     ray.kill(fsdp)
     ray.kill(meg)
 
@@ -320,7 +320,8 @@ def test_megatron_checkpoint_loads_in_both_backends_and_exports(ray_cluster, tmp
     export loads with transformers."""
     ray = ray_cluster
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
-    actor, _ = _start(ray, "megatron", gpus=1, use_distributed_optimizer=distributed)
+    # A small model: the point is the format and the layouts (the 0.5B shape is in the tests above).
+    actor, _ = _start(ray, "megatron", model="tiny-qwen2", gpus=1, use_distributed_optimizer=distributed)
     ray.get(actor.train.remote(_samples(0), 0))
     state = ray.get(actor.state_checksums.remote())
     assert any(k.startswith("optim/") for k in state)
@@ -328,7 +329,7 @@ def test_megatron_checkpoint_loads_in_both_backends_and_exports(ray_cluster, tmp
     ray.kill(actor)
     for backend in ("megatron", "fsdp"):
         extra = {"use_distributed_optimizer": distributed} if backend == "megatron" else {}
-        fresh, _ = _start(ray, backend, gpus=1, **extra)
+        fresh, _ = _start(ray, backend, model="tiny-qwen2", gpus=1, **extra)
         ray.get(fresh.load.remote(ckpt))
         loaded = ray.get(fresh.state_checksums.remote())
         assert loaded == state, (backend, sorted(set(loaded) ^ set(state))[:5])
