@@ -12,6 +12,9 @@ sync and the KV cache only after it, so the peak is weights + sync buffers, neve
 
 Run it with ``tidal train`` (the embedded default: a tiny model on the built-in task). With
 ``--async one-step|full`` the same session runs ``tidal.driver_async`` instead (docs/async.md).
+
+torch and the rollout functions are imported where they are used: the session reads its inputs
+(and imports them) beside Ray's start-up, so the command's own start does not wait for them.
 """
 
 from __future__ import annotations
@@ -19,8 +22,6 @@ from __future__ import annotations
 import logging
 
 from tidal.config.schema import TidalConfig
-from tidal.rollout import orchestrate
-from tidal.rollout.engine import TAGS
 from tidal.steps import Timer, finish_step, sync_weights
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,9 @@ def _last(e: BaseException) -> str:
 
 def _loop(s, on_step) -> dict:
     """The steps of one run inside an open session (see the module docstring)."""
+    from tidal.rollout import orchestrate
+    from tidal.rollout.engine import TAGS
+
     cfg = s.cfg
     trainer, engines, display = s.trainer, s.engines, s.display
     offload_train, offload_rollout = cfg.memory.offload_train, cfg.memory.offload_rollout
@@ -120,6 +124,8 @@ def _loop(s, on_step) -> dict:
 
 def rollout_only(s, on_step=None) -> dict:
     """``--debug-rollout-only``: generate, score and evaluate every rollout; no trainer exists, nothing syncs."""
+    from tidal.rollout import orchestrate
+
     row: dict = {}
     for rollout_id in range(s.cfg.rollout.num_rollout):
         s.check_stop(rollout_id - 1)

@@ -9,8 +9,11 @@ it. Nothing here decides the order of phases: that is the driver's job.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
+import threading
+from typing import TYPE_CHECKING
 
 from tidal.cluster.groups import EngineGroup, TrainerGroup
 from tidal.cluster.placement import create_placement_group, plan_placement
@@ -18,11 +21,13 @@ from tidal.cluster.ray_cluster import start_ray, stop_ray
 from tidal.config.schema import TidalConfig
 from tidal.dtypes import default_dtype_name
 from tidal.errors import RunFailed, UserError, WeightSyncError, is_engine_death
-from tidal.memory.base import MemoryFigures
 from tidal.observe.console import Display
 from tidal.observe.plots import plot_curves
 from tidal.observe.run_dir import RunDir
 from tidal.signals import Stopped, StopSignal
+
+if TYPE_CHECKING:
+    from tidal.memory.base import MemoryFigures
 
 log = logging.getLogger(__name__)
 
@@ -53,43 +58,70 @@ class Session:
 
     # ---- setup / teardown -------------------------------------------------------------------
     def __enter__(self) -> Session:
-        from tidal.data.dataset import PromptDataset
         from tidal.memory.preload import actor_env
-        from tidal.memory.telemetry import MemoryTimeline
-        from tidal.model import load_tokenizer, resolve_model
-        from tidal.rollout.agent import make_agent
+        from tidal.model import resolve_model
         from tidal.rollout.rewards import get_reward_fn
 
         cfg = self.cfg
         spec = resolve_model(cfg.model.model, cfg.model.tokenizer, cfg.model.trust_remote_code)
-        self.tokenizer = load_tokenizer(spec)
-        self.dataset = PromptDataset.build(cfg.data, cfg.rollout, self.tokenizer, seed=cfg.trainer.seed)
         self.reward_fn = get_reward_fn(cfg.data.rm_type, cfg.data.custom_rm_path)
-        self.agent = make_agent(cfg, self.tokenizer)  # multi-turn rollouts; None: one response per prompt
         self.load_path, load_note = self._find_checkpoint()  # before the run folder: a bad --load leaves nothing
-        self.run = RunDir(cfg)
-        self.timeline = MemoryTimeline()
-        self.display = Display(cfg.rollout.num_rollout, enabled=cfg.logging.progress)
-        self.display.info(f"run directory: {self.run.path}")
-        if load_note:
-            self.display.info(load_note)
+        trainer_env = actor_env(cfg.memory, dict(cfg.cluster.train_env_vars), self.device)
+        # Tokenizer, prompts and the agent loop are read beside Ray's start (transformers takes seconds to import on a
+        # small host); a bad dataset still stops everything before the run folder or an actor exists.
+        inputs = _in_background(_read_inputs, cfg, spec)
         try:
-            self._start_actors(actor_env(cfg.memory, dict(cfg.cluster.train_env_vars), self.device))
+            self._start_cluster(spec.config_dict().get("model_type"), trainer_env)
+            self.tokenizer, self.dataset, self.agent = inputs.result()
+            from tidal.memory.telemetry import MemoryTimeline
+
+            self.run = RunDir(cfg)
+            self.timeline = MemoryTimeline()
+            self.display = Display(cfg.rollout.num_rollout, enabled=cfg.logging.progress)
+            self.display.info(f"run directory: {self.run.path}")
+            if load_note:
+                self.display.info(load_note)
+            self._start_actors(trainer_env)
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
-    def _start_actors(self, trainer_env: dict) -> None:
+    def _start_cluster(self, model_type: str | None, trainer_env: dict) -> None:
+        """Placement, Ray (started or joined) and the placement group."""
+        from tidal.cluster.placement import worker_env
+        from tidal.cluster.ray_cluster import prestart_modules
+
         cfg = self.cfg
         num_engines = cfg.cluster.rollout_num_gpus // cfg.cluster.rollout_num_gpus_per_engine
         if cfg.rollout.rollout_engine == "sglang" and cfg.rollout.rollout_external_engine_addrs:
             num_engines = 0  # servers outside tidal: their client actors need no bundle
         rollout_only = cfg.rollout.debug_rollout_only  # no trainer: no ranks, no bundles, no trainer memory
         placement = plan_placement(cfg.cluster, self.device, num_engines, with_trainer=not rollout_only)
-        self._ray_started = start_ray(cfg.cluster.ray_address, num_cpus=placement.num_cpus, num_gpus=placement.num_gpus)
+        env = worker_env(placement)
+        preload = []
+        if cfg.rollout.rollout_engine == "embedded" and not trainer_env:
+            actors = len(placement.engines) + len(placement.trainers)
+            preload = prestart_modules(model_type, actors=actors, trainer=not rollout_only, num_gpus=placement.num_gpus)
+        self._ray_started = start_ray(
+            cfg.cluster.ray_address,
+            num_cpus=placement.num_cpus,
+            num_gpus=placement.num_gpus,
+            worker_env=env,
+            preload=preload,
+        )
+        if self._ray_started:
+            placement.cluster_env = env
         self.stop.install()  # after ray.init, which installs its own exit-at-once SIGTERM handler
         self._placement = create_placement_group(placement)
+
+    def _start_actors(self, trainer_env: dict) -> None:
+        """Every actor is created first, then all of them initialise at once (Ray starts them concurrently)."""
+        from tidal.cluster.groups import get
+
+        cfg = self.cfg
+        placement = self._placement
+        rollout_only = cfg.rollout.debug_rollout_only
         self.display.phase("starting actors")
         self.engines = EngineGroup(
             placement,
@@ -114,9 +146,7 @@ class Session:
             total_steps=cfg.rollout.num_rollout * steps_per_rollout(cfg),
         )
         engine_init = self.engines.call_async("init")
-        info = self.trainer.call("init")
-        from tidal.cluster.groups import get
-
+        info = get(self.trainer.call_async("init"))[0]
         get(engine_init)
         self.display.info(
             f"trainer: {len(placement.trainers)} rank(s), {info.get('num_params', 0) / 1e6:.2f}M params on {self.device}; "
@@ -377,3 +407,32 @@ def newest_checkpoint(folder: str) -> str | None:
 def _last_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     return lines[-1] if lines else type(exc).__name__
+
+
+def _read_inputs(cfg: TidalConfig, spec):
+    """The tokenizer, the prompt dataset and the agent loop (multi-turn rollouts; None: one response per
+    prompt), each checked here: a bad one raises its UserError."""
+    from tidal.data.dataset import PromptDataset
+    from tidal.model import load_tokenizer
+    from tidal.rollout.agent import make_agent
+
+    tokenizer = load_tokenizer(spec)
+    dataset = PromptDataset.build(cfg.data, cfg.rollout, tokenizer, seed=cfg.trainer.seed)
+    agent = make_agent(cfg, tokenizer)
+    import tidal.rollout.orchestrate  # noqa: F401 - torch and the advantage functions, needed at the first step
+
+    return tokenizer, dataset, agent
+
+
+def _in_background(fn, *args) -> concurrent.futures.Future:
+    """``fn(*args)`` in a daemon thread; ``.result()`` returns its value or raises its exception."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller of .result()
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="tidal-inputs", daemon=True).start()
+    return future

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import TYPE_CHECKING
 
 from tidal.errors import WeightSyncError
-from tidal.rollout import orchestrate
-from tidal.weight_sync.base import SyncReport
+
+if TYPE_CHECKING:
+    from tidal.weight_sync.base import SyncReport
 
 
 class Timer(dict):
@@ -31,6 +33,8 @@ def finish_step(s, rollout_id: int, metrics: dict, t: Timer, on_step=None) -> di
     cfg, display = s.cfg, s.display
     if cfg.rollout.eval_interval and (rollout_id + 1) % cfg.rollout.eval_interval == 0:
         with t("eval", display):
+            from tidal.rollout import orchestrate  # torch: imported beside Ray's start by the session
+
             metrics.update(orchestrate.evaluate(s))
     if s.should_save(rollout_id):
         with t("save", display):

@@ -5,6 +5,10 @@ Colocated: one bundle per trainer rank (one GPU, or a share of CPUs); engine ``i
 sets the same ``CUDA_VISIBLE_DEVICES`` for both. Disaggregated: trainer ranks and engines get
 bundles of their own. The placement group is created with STRICT_PACK on one node when everything
 fits there, else PACK.
+
+Actors that need only the run's common environment (``worker_env``) are started without a Ray
+runtime env when the run started the cluster itself with that environment: a runtime env of their
+own would make Ray start a new worker process for each instead of using the ones it prestarts.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ class Placement:
     trainers: list[ActorSlot]
     engines: list[ActorSlot]
     pg: object = field(default=None, repr=False)
+    # The environment every worker of the Ray cluster already has (set when this run started the
+    # cluster with ``worker_env`` in its environment): actors that need no other variables then get no
+    # runtime env, so Ray can give them the workers it started with the cluster.
+    cluster_env: dict | None = field(default=None, repr=False)
 
     @property
     def num_cpus(self) -> float:
@@ -94,10 +102,15 @@ def actor_options(placement: Placement, slot: ActorSlot, env_vars: dict | None =
             placement_group=placement.pg, placement_group_bundle_index=slot.bundle
         ),
     }
-    env = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads_per_actor(placement))}
-    env.update(env_vars or {})
-    opts["runtime_env"] = {"env_vars": env}
+    env = {**worker_env(placement), **(env_vars or {})}
+    if env != placement.cluster_env:
+        opts["runtime_env"] = {"env_vars": env}
     return opts
+
+
+def worker_env(placement: Placement) -> dict[str, str]:
+    """Environment variables every actor of the run gets."""
+    return {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads_per_actor(placement))}
 
 
 def threads_per_actor(placement: Placement) -> int:

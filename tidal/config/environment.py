@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import os
 import re
+import sys
 from dataclasses import dataclass
 
 from tidal.errors import ConfigError
@@ -64,6 +65,19 @@ def _has_megatron() -> bool:
         return False
 
 
+# Device nodes and driver files of the GPU drivers torch.cuda can use (NVIDIA, ROCm, WSL's GPU).
+_GPU_DRIVER_PATHS = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_driver_present() -> bool:
+    """Whether asking torch about CUDA can say yes: a GPU driver's files exist, or torch is loaded already.
+
+    Without a driver ``torch.cuda.is_available()`` is False, so a CPU host is probed without importing
+    torch (1.5-2 s of a 2-core machine's start-up; the driver process of ``tidal train`` needs no torch).
+    """
+    return "torch" in sys.modules or any(os.path.exists(p) for p in _GPU_DRIVER_PATHS)
+
+
 @dataclass(frozen=True)
 class Environment:
     cuda_available: bool = False
@@ -80,11 +94,14 @@ class Environment:
     def detect(cls) -> Environment:
         """Probe this machine. Cheap: no CUDA context is kept, no model is built."""
         import psutil
-        import torch
 
-        cuda = torch.cuda.is_available()
-        count = torch.cuda.device_count() if cuda else 0
-        mem = torch.cuda.get_device_properties(0).total_memory if count else 0
+        cuda, count, mem = False, 0, 0
+        if gpu_driver_present():
+            import torch
+
+            cuda = torch.cuda.is_available()
+            count = torch.cuda.device_count() if cuda else 0
+            mem = torch.cuda.get_device_properties(0).total_memory if count else 0
         return cls(
             cuda_available=cuda,
             device_count=count,

@@ -2,8 +2,9 @@
 
 The plan decides whether offloading is needed at all. Offload costs time (the trainer's backed-up
 state crosses PCIe twice per step, and dominates small-model steps), so tidal only pauses what
-must make room. The figures are estimates from the model's config (built on the ``meta`` device,
-no weights allocated) and the batch settings; their assumptions are printed by ``tidal explain``:
+must make room. The figures are estimates from the model's config (counted from its numbers for
+Llama/Qwen2/Qwen3, ``tidal.model.shape``; other families built on the ``meta`` device, no weights
+allocated) and the batch settings; their assumptions are printed by ``tidal explain``:
 
     trainer, per rank    fp32 master weights, fp32 grads, fp32 AdamW m and v, sharded over the
                          trainer ranks (FSDP2); activations of one micro-batch of
@@ -29,6 +30,7 @@ not copied: the next sync rewrites it), then train only, then both.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -56,15 +58,35 @@ class ModelShape:
 
 @functools.lru_cache(maxsize=16)
 def _shape(model: str, tokenizer: str | None, trust_remote_code: bool) -> ModelShape:
+    from tidal.model.load import resolve_model
+
+    spec = resolve_model(model, tokenizer, trust_remote_code)
+    counted = _counted(spec)
+    if counted is not None:
+        return ModelShape(name=spec.name, **dataclasses.asdict(counted))
+    return _meta_shape(spec)
+
+
+def _counted(spec):
+    """The shape by arithmetic (``tidal.model.shape``) when the family is one it knows, else None."""
+    from tidal.model.shape import count_decoder
+
+    if spec.trust_remote_code:
+        return None  # the folder's own code may build anything
+    config = spec.config_dict()
+    return count_decoder(str(config.get("model_type")), config)
+
+
+def _meta_shape(spec) -> ModelShape:
+    """Any architecture: build it on the ``meta`` device (no memory) and count."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tidal.model.load import model_config, resolve_model
+    from tidal.model.load import model_config
 
-    spec = resolve_model(model, tokenizer, trust_remote_code)
     config = model_config(spec)
     with torch.device("meta"):
-        net = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        net = AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
     params = list(net.parameters())  # named_parameters/parameters yield tied tensors once
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads

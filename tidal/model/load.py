@@ -3,18 +3,25 @@
 ``--model`` is either a preset name (a transformers config built here, random init, no download)
 or a local Hugging Face folder. Trainer and engines build from the same ``ModelSpec`` with the same
 seed, so their initial weights agree before the first sync.
+
+torch and transformers are imported by the functions that build things, not by this module: the
+driver of ``tidal train`` resolves presets and plans memory without them (they take seconds to
+import on a small host, and every actor process imports them anyway).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
-
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from typing import TYPE_CHECKING
 
 from tidal.errors import UserError
 from tidal.model.tokenizer import CHARS, SPECIALS, char_tokenizer
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
 
 _CHAR_VOCAB = len(SPECIALS) + len(CHARS)
 
@@ -110,6 +117,18 @@ class ModelSpec:
     def is_preset(self) -> bool:
         return self.path is None
 
+    def config_dict(self) -> dict:
+        """The config's values without transformers: the preset's kwargs or the folder's config.json
+        (``{}`` when it cannot be read; building the model reports why)."""
+        if self.is_preset:
+            return {"model_type": self.arch, **self.config_kwargs}
+        try:
+            with open(os.path.join(self.path, "config.json")) as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return config if isinstance(config, dict) else {}
+
 
 def resolve_model(model: str, tokenizer: str | None = None, trust_remote_code: bool = False) -> ModelSpec:
     """Turn ``--model`` into a spec, failing with a clear message when it names nothing usable."""
@@ -138,15 +157,22 @@ def resolve_model(model: str, tokenizer: str | None = None, trust_remote_code: b
 
 
 def model_config(spec: ModelSpec) -> PretrainedConfig:
+    from transformers import AutoConfig
+
     if spec.is_preset:
         return AutoConfig.for_model(spec.arch, **spec.config_kwargs)
     return AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
 
 
 def build_model(
-    spec: ModelSpec, *, dtype: torch.dtype = torch.float32, seed: int = 0, device: str | torch.device = "cpu"
+    spec: ModelSpec, *, dtype: torch.dtype | None = None, seed: int = 0, device: str | torch.device = "cpu"
 ) -> torch.nn.Module:
-    """Build the causal LM. Presets are initialised from ``seed`` so every actor builds the same weights."""
+    """Build the causal LM (``dtype`` None: fp32). Presets are initialised from ``seed`` so every actor
+    builds the same weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = dtype or torch.float32
     if spec.is_preset:
         torch.manual_seed(seed)
         with torch.device(device):
@@ -162,6 +188,8 @@ def build_model(
 def load_tokenizer(spec: ModelSpec):
     if spec.tokenizer_path is None:
         return char_tokenizer()
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(spec.tokenizer_path, trust_remote_code=spec.trust_remote_code)
     tok.padding_side = "left"
     if tok.pad_token is None:

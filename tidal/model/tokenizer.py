@@ -8,14 +8,19 @@ within minutes. It is a real ``PreTrainedTokenizerFast`` (saved and loaded like 
 
 from __future__ import annotations
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = list("0123456789+-*=?:,. ") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
