@@ -6,7 +6,7 @@
                                  (--assume-gpus N --assume-gpu-memory 80GiB plan for a machine you are not on)
     tidal export --load CKPT --out DIR [flags]   write a Hugging Face model folder from a checkpoint
     tidal serve [flags] [--host H] [--port P] [--api-key K]   the engine as an HTTP server (SGLang's API + OpenAI's)
-    tidal bench NAME [args]      benchmarks: memory, weight-sync, delta-codec, rollout, trainer, reward-curve, serve, multiturn, async
+    tidal bench NAME [args]      benchmarks: memory, weight-sync, delta-codec, rollout, trainer, reward-curve, serve, multiturn, async, startup
 
 User errors (bad flags, missing files, impossible combinations) print one line and exit with code 2.
 """

@@ -6,7 +6,9 @@ The same job as ``tidal train`` with no flags, in one process: the ``tiny`` pres
 same seed (``tidal.model.build_model``, random init), the character tokenizer, the ``digit-sum``
 train split in the same order, the ``exact`` reward, 32 prompts x 8 samples per step, one-token
 answers at temperature 1, GRPO with group std normalisation and PPO clipping 0.2, no KL term,
-AdamW at lr 3e-3 (betas 0.9/0.99, 2 warm-up steps, then constant), gradient clipping 1.0, 60 steps.
+AdamW at lr 3e-3 (betas 0.9/0.99, 2 warm-up steps, then constant), gradient clipping 1.0, 60 steps,
+fp32 without gradient checkpointing (TRL's defaults are bf16 and checkpointing; tidal's CPU run uses
+neither).
 Like tidal's default it logs and saves nothing but the last line; it prints the mean reward of the
 last step and the seconds from its own start, so a whole-command timer sees the rest.
 """
@@ -44,7 +46,8 @@ def build_args(steps: int, output_dir: str):
         max_grad_norm=1.0,
         seed=1234,
         use_cpu=True,
-        bf16=False,
+        bf16=False,  # fp32, as tidal on CPU (TRL's default is bf16)
+        gradient_checkpointing=False,  # as tidal's default (TRL's default is on: a second forward per step)
         report_to="none",
         save_strategy="no",
         logging_steps=1,  # the last step's reward (tidal also prints one line per step)

@@ -1,0 +1,91 @@
+"""Start-up and whole-run time of ``tidal train``, next to TRL's ``GRPOTrainer`` on the same job.
+
+Run: ``python -m tidal.bench.startup`` (``--runs 3``; ``--with-trl`` also times
+``python -m tidal.bench.trl_baseline``, the same tiny model and task in TRL, which needs the
+``bench`` extra; ``-- FLAGS`` passes flags to ``tidal train``, e.g. ``-- --num-rollout 1``).
+
+Each run is a fresh process timed from outside, as a user's shell would: ``first_step_s`` is the
+wall time from the command's start to its first step line on the console (``step    0 |``: Ray
+started, actors built, weights synced, one rollout generated and trained), ``total_s`` to its exit.
+With ``--with-trl`` the two commands run in turn (tidal, TRL, tidal, ...) so that a machine whose
+speed drifts slows both alike. Prints one JSON line per run, then the medians next to the limits
+they are measured against: ``first_step_s`` <= 8 s on a 2-core CPU, and tidal's ``total_s`` no
+more than TRL's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+FIRST_STEP_LIMIT_S = 8.0
+
+
+def time_command(cmd: list[str], first_line: str | None = None) -> dict:
+    """Run ``cmd``; seconds to the first output line starting with ``first_line`` and to its exit."""
+    t0 = time.perf_counter()
+    first = None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+    last = ""
+    for line in proc.stdout:
+        if first is None and first_line is not None and line.startswith(first_line):
+            first = time.perf_counter() - t0
+        if line.strip():
+            last = line.strip()
+    rc = proc.wait()
+    return {
+        "rc": rc,
+        "first_step_s": None if first is None else round(first, 2),
+        "total_s": round(time.perf_counter() - t0, 2),
+        "last_line": last[-160:],
+    }
+
+
+def _median(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None and r["rc"] == 0]
+    return round(statistics.median(values), 2) if values else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tidal.bench.startup", description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--with-trl", action="store_true", help="also time the TRL run of the same job, in turn")
+    p.add_argument("train_flags", nargs="*", help="flags for tidal train (after --)")
+    args = p.parse_args(argv)
+    py = sys.executable
+    tidal_rows, trl_rows = [], []
+    with tempfile.TemporaryDirectory(prefix="tidal-startup-") as tmp:
+        for i in range(args.runs):
+            out = os.path.join(tmp, f"run{i}")
+            cmd = [py, "-m", "tidal", "train", "--no-progress", "--output-dir", out, *args.train_flags]
+            row = {"command": "tidal train", "run": i, **time_command(cmd, "step    0 |")}
+            print(json.dumps(row), flush=True)
+            tidal_rows.append(row)
+            if args.with_trl:
+                cmd = [py, "-m", "tidal.bench.trl_baseline", "--output-dir", os.path.join(tmp, f"trl{i}")]
+                row = {"command": "trl GRPOTrainer", "run": i, **time_command(cmd)}
+                print(json.dumps(row), flush=True)
+                trl_rows.append(row)
+    summary = {
+        "cpus": os.cpu_count(),
+        "runs": args.runs,
+        "tidal_first_step_s": _median(tidal_rows, "first_step_s"),
+        "first_step_limit_s": FIRST_STEP_LIMIT_S,
+        "tidal_total_s": _median(tidal_rows, "total_s"),
+    }
+    if args.with_trl:
+        summary["trl_total_s"] = _median(trl_rows, "total_s")
+        if summary["tidal_total_s"] and summary["trl_total_s"]:
+            summary["tidal_over_trl"] = round(summary["tidal_total_s"] / summary["trl_total_s"], 3)
+    print(json.dumps(summary), flush=True)
+    return 0 if all(r["rc"] == 0 for r in tidal_rows + trl_rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
