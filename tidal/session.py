@@ -49,6 +49,7 @@ class Session:
         self.timeline = None
         self.display = None
         self.run = None
+        self.tokenizer = self.dataset = self.agent = None  # read in __enter__, beside Ray's start
         self.engine_restarts = 0  # over the run, against --max-engine-restarts
         self.step_restarts = 0  # since the last step line (the step's engine_restarts metric)
         self.stop = StopSignal()
