@@ -698,6 +698,15 @@ def test_rule_data(tmp_path):
     check(
         ["--custom-generate-function-path", "gen"], CPU, "--custom-generate-function-path gen: expected module:function"
     )
+    # mental-math's chat questions need a chat model: the tiny presets' character tokenizer cannot read them.
+    for preset in ("tiny", "tiny-qwen2"):
+        check(
+            ["--model", preset, "--task", "mental-math"],
+            CPU,
+            f"--task mental-math asks chat questions in words; --model {preset}",
+        )
+    check(["--task", "mental-math", "--prompt-data", str(rows)], CPU, {"task": "mental-math"})
+    check(["--task", "arith"], CPU, {"task": "arith"})
 
 
 def test_rule_model(tmp_path):

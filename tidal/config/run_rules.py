@@ -51,7 +51,14 @@ def checkpoint(ctx: Context) -> None:
 
 
 def data(ctx: Context) -> None:
-    d = ctx.cfg.data
+    from tidal.model.load import PRESETS  # presets without --tokenizer use the character tokenizer
+
+    d, m = ctx.cfg.data, ctx.cfg.model
+    if d.prompt_data is None and d.task == "mental-math" and m.model in PRESETS and not m.tokenizer:
+        raise ConfigError(
+            f"--task mental-math asks chat questions in words; --model {m.model} has a character tokenizer and no "
+            "chat template; use --preset smollm2-135m-cpu (or another instruct model), or --task digit-sum / arith"
+        )
     if d.prompt_data is not None:
         if not d.prompt_data.endswith((".jsonl", ".parquet")):
             raise ConfigError(f"--prompt-data {d.prompt_data}: expected a .jsonl or .parquet file")

@@ -416,7 +416,8 @@ rule(
 
 rule(
     "data",
-    "`--prompt-data` must be an existing .jsonl or .parquet file; plug-in paths are `module:function` or `file.py:function`.",
+    "`--prompt-data` must be an existing .jsonl or .parquet file; plug-in paths are `module:function` or `file.py:function`; "
+    "`--task mental-math` needs a model with a chat template (not a preset's character tokenizer).",
 )(run_rules.data)
 
 rule(
