@@ -12,7 +12,7 @@ from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, Weight
 from tidal.errors import ResidencyError, UserError, WeightSyncError
 from tidal.model import build_model, resolve_model
 from tidal.rollout.embedded import EmbeddedEngine
-from tidal.rollout.generate import finish_response, teacher_forced_logprobs
+from tidal.rollout.generate import finish_response, left_pad, shared_prefill, teacher_forced_logprobs
 from tidal.rollout.types import Sample, SamplingParams
 from tidal.weight_sync.bucket import BucketHeader, pack, plan_buckets
 from tidal.weight_sync.checksum import tensor_checksum
@@ -133,6 +133,27 @@ def test_chunked_generation_equals_one_batch():
     assert [s.response_ids for s in whole] == [s.response_ids for s in parts]
     diff = max(abs(a - b) for x, y in zip(whole, parts) for a, b in zip(x.response_logprobs, y.response_logprobs))
     assert diff < 1e-5
+
+
+def test_repeated_prompts_are_prefilled_once_with_plain_generate_results(monkeypatch):
+    """The transformers path prefills each distinct prompt once and copies its cache to the rows of
+    its group; tokens and log-probs are those of generate over the whole batch without sharing."""
+    import tidal.rollout.embedded as embedded
+
+    eng = make_engine(rollout_fast_decode=False)
+    ids, mask = left_pad([s.prompt_ids for s in make_samples(eng)], eng._pad_id)
+    cache = shared_prefill(eng.model, ids, mask)
+    assert cache is not None and cache.get_seq_length() == ids.shape[1] - 1
+    assert cache.layers[0].keys.shape[0] == len(ids)  # 24 rows from 6 distinct prompts
+    assert shared_prefill(eng.model, ids[: len(PROMPTS)], mask[: len(PROMPTS)]) is None  # none repeats
+    for sp in (SamplingParams(temperature=0.0, max_new_tokens=8), SamplingParams(max_new_tokens=8, seed=3)):
+        shared = eng.generate(make_samples(eng), sp)
+        with monkeypatch.context() as m:
+            m.setattr(embedded, "shared_prefill", lambda *a: None)
+            plain = eng.generate(make_samples(eng), sp)
+        assert [s.response_ids for s in shared] == [s.response_ids for s in plain]
+        diff = max(abs(a - b) for x, y in zip(shared, plain) for a, b in zip(x.response_logprobs, y.response_logprobs))
+        assert diff < 1e-5
 
 
 def bucket_payloads(named: dict[str, torch.Tensor], version: int, limit: int) -> list[BucketHeader]:

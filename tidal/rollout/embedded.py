@@ -52,9 +52,11 @@ from tidal.rollout.engine import TAGS
 from tidal.rollout.generate import (
     PolicyLogprobRecorder,
     StopStrings,
+    cache_keyword,
     check_sampling,
     finish_response,
     left_pad,
+    shared_prefill,
 )
 from tidal.rollout.types import Sample, SamplingParams
 from tidal.weight_sync.checksum import tensor_checksum
@@ -325,6 +327,7 @@ class EmbeddedEngine:
             generation_config=config,
             logits_processor=LogitsProcessorList([recorder]),
             stopping_criteria=stopping,
+            **{cache_keyword(self.model): shared_prefill(self.model, ids, mask)},  # a group's prompt prefilled once
         )
         new = out.sequences[:, ids.shape[1] :]
         logprobs = recorder.finish(out.sequences)
