@@ -1,0 +1,24 @@
+"""``tidal bench startup``'s timer: seconds to a command's first step line and to its exit, from outside."""
+
+from __future__ import annotations
+
+import sys
+
+from tidal.bench.startup import _median, time_command
+
+SCRIPT = (
+    "import time; print('starting'); time.sleep(0.3); print('step    0 | reward 0.1'); time.sleep(0.2); print('done')"
+)
+
+
+def test_time_command_sees_the_first_step_line_and_the_exit():
+    row = time_command([sys.executable, "-c", SCRIPT], "step    0 |")
+    assert row["rc"] == 0 and row["last_line"] == "done"
+    assert 0.3 <= row["first_step_s"] < row["total_s"]
+    assert time_command([sys.executable, "-c", "print('no step')"], "step    0 |")["first_step_s"] is None
+
+
+def test_medians_leave_out_failed_runs():
+    rows = [{"rc": 0, "total_s": 3.0}, {"rc": 0, "total_s": 5.0}, {"rc": 1, "total_s": 0.1}, {"rc": 0, "total_s": None}]
+    assert _median(rows, "total_s") == 4.0
+    assert _median([{"rc": 1, "total_s": 1.0}], "total_s") is None
