@@ -32,6 +32,7 @@ BENCHES = {
     "serve": "tidal.bench.serve",
     "multiturn": "tidal.bench.multiturn",
     "async": "tidal.bench.async_modes",
+    "startup": "tidal.bench.startup",
 }
 
 
