@@ -18,10 +18,9 @@ decide what a response *is*:
   are padding or sampled past the end) and assigns its status.
 - ``shared_prefill``: a rollout samples each prompt several times (a GRPO group); the rows of one
   prompt are identical, so their prompt's keys and values are computed once and copied to every
-  row that repeats it, instead of once per row as ``generate`` alone would. For SmolLM2-135M on a
-  2-core CPU (4 prompts x 8 samples, 40-token prompts, 12 new tokens) the prefill is most of the
-  work, and this makes the engine's transformers path faster than plain ``generate`` on the same
-  batch (``python -m tidal.bench.rollout --shape smollm2-135m --paths generate`` prints both).
+  row that repeats it, instead of once per row as ``generate`` alone would (n times fewer prefill
+  tokens for groups of n). ``python -m tidal.bench.rollout --paths generate`` prints the engine's
+  tokens/s next to plain ``generate`` on the same batch.
 - ``teacher_forced_logprobs``: the same log-probs from one forward pass over prompt + response, as
   the trainer recomputes them; tests and the benchmark compare the two.
 """
