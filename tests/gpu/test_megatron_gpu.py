@@ -1,7 +1,7 @@
 """The Megatron-core backend on one CUDA GPU (TP = PP = 1), next to the FSDP2 backend.
 
 Run on the GPU host: ``pytest -m gpu -s tests/gpu/test_megatron_gpu.py`` (needs megatron-core).
-Prints the figures it measures; ``/work`` notes name which ones to record.
+Prints the figures it measures (log-prob, entropy and gradient differences, step times, memory).
 
 1. the colocated loop with ``--train-backend megatron`` learns the default task (and, with
    ``--offload``, syncs weights the engines agree with: ``logprob_diff``);
