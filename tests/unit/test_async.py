@@ -2,14 +2,13 @@
 
 - ``--async one-step`` and ``--async full`` each learn the default task (+0.3 mean reward within the
   default 60 rollouts; a run stops once the rise is shown).
-- The staleness bound: in ``full`` with a buffer three batches deep the engines run ahead of the
-  (slower) trainer, so groups older than ``--max-staleness`` are dropped and counted, and none
-  older is trained: checked from samples.jsonl (every trained group's weight version) against the
-  version the trainer held.
-- Stop and resume: SIGTERM mid-run (groups in flight and buffered), resume with ``--load``, and an
-  engine killed in the resumed run, with dynamic sampling and over-sampling on: no prompt is trained
-  twice, none below the data position is skipped unless it was dropped (counted by prompt serial,
-  the group id of the samples).
+- ``full`` in one run of two sessions (one Ray cluster, few sessions: start-up is most of the cost):
+  the staleness bound (a buffer three batches deep lets the engines run ahead of the slower
+  trainer, so groups older than ``--max-staleness`` are dropped and counted, and none older is
+  trained: checked from samples.jsonl against the version the trainer held), SIGTERM mid-run with
+  groups in flight and buffered, resume with ``--load``, an engine killed in the resumed run: no
+  prompt is trained twice, none below the data position is skipped unless it was dropped (counted
+  by prompt serial, the group id of the samples), and the run learns.
 """
 
 from __future__ import annotations
@@ -74,34 +73,29 @@ def test_one_step_learns_one_version_behind(ray_cluster, tmp_path):
     assert all(r["train_samples"] == 256 and 0 < r["trainer_busy_frac"] <= 1 for r in rows)
 
 
-@pytest.mark.slow
-def test_full_learns_and_drops_what_is_older_than_max_staleness(ray_cluster, tmp_path):
-    cfg = _cfg(tmp_path, "full", "--async", "full", "--max-staleness", "1", "--async-buffer-size", "96")
-    rows, reached = _learn(cfg)
-    assert reached, [round(r["reward_mean"], 3) for r in rows]
-    dropped = sum(r["async/dropped_groups"] for r in rows)
-    assert dropped > 0 and rows[-1]["async/dropped_total"] == dropped
-    assert max(r["async/staleness_max"] for r in rows) <= 1
-    versions = {r["step"]: r["sync/version"] for r in rows}
-    records = _samples(cfg)
-    assert len(records) == 32 * len(rows)  # one record per trained group
-    staleness = [versions[rec["step"]] - 1 - rec["weight_version"] for rec in records]
-    assert 0 <= min(staleness) and max(staleness) <= 1
-    assert len({rec["group"] for rec in records}) == len(records), "a prompt was trained twice"
+def _staleness(cfg, rows) -> list[int]:
+    """Trainer version minus weight version of every trained group (samples.jsonl, one record a group).
+
+    A step with an engine restart is left out: the restart resyncs the same weights under a new
+    version number, so that step's versions are shifted by one without any weights being older."""
+    versions = {r["step"]: r["sync/version"] for r in rows if not r["engine_restarts"]}
+    return [versions[rec["step"]] - 1 - rec["weight_version"] for rec in _samples(cfg) if rec["step"] in versions]
 
 
 @pytest.mark.slow
-def test_sigterm_resume_and_an_engine_restart_lose_and_repeat_no_prompt(ray_cluster, tmp_path):
+def test_full_learns_within_max_staleness_across_sigterm_resume_and_an_engine_restart(ray_cluster, tmp_path):
     import ray
 
-    flags = ["--async", "full", "--max-staleness", "2", "--num-rollout", "6", "--save", str(tmp_path / "ck")]
-    # Dynamic sampling drops most groups early on (all rewards 0): they are done without training too.
-    flags += ["--dynamic-sampling", "--over-sampling-batch-size", "64"]
+    # A buffer three batches deep: the engines run ahead of the (slower) trainer, so groups go stale.
+    flags = ["--async", "full", "--max-staleness", "1", "--async-buffer-size", "96", "--save", str(tmp_path / "ck")]
     first = _cfg(tmp_path, "a", *flags)
-
-    dropped = []
+    rows: list[dict] = []
+    dropped: list[int] = []
 
     def stop_after_two(s, rollout_id, row):
+        if rollout_id < 0:
+            return
+        rows.append(row)
         if rollout_id == 1:
             dropped.extend(s.async_loop.dropped_serials)
             assert s.async_loop.pending_groups() > 0  # groups in flight or buffered when the stop comes
@@ -109,27 +103,38 @@ def test_sigterm_resume_and_an_engine_restart_lose_and_repeat_no_prompt(ray_clus
 
     with pytest.raises(Stopped, match="checkpoint of rollout 1"):
         train(first, on_step=stop_after_two)
+    first_rows = list(rows)
     second = _cfg(tmp_path, "b", *flags, "--load", str(tmp_path / "ck"))
     end = {}
 
-    def kill_an_engine(s, rollout_id, row):
+    def kill_an_engine_and_learn(s, rollout_id, row):
+        if rollout_id < 2:  # the hook after the first sync of the resumed run (rollout 1)
+            return
+        rows.append(row)
         if rollout_id == 2:
             ray.kill(s.engines.actors[1], no_restart=True)
-        if rollout_id == 5:
-            end.update(low=s.cursor.low, restarts=s.engine_restarts)
-            dropped.extend(s.async_loop.dropped_serials)
+        end.update(low=s.cursor.low, restarts=s.engine_restarts, dropped=list(s.async_loop.dropped_serials))
+        rewards = [r["reward_mean"] for r in rows]
+        if len(rows) >= 6 and sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 >= RISE:
+            raise _Reached
 
-    train(second, on_step=kill_an_engine)
+    with pytest.raises(_Reached):
+        train(second, on_step=kill_an_engine_and_learn)
+    dropped += end["dropped"]
+    # The staleness bound: groups were dropped and counted, none older than 1 version was trained.
+    assert len(dropped) > 0 and sum(r["async/dropped_groups"] for r in rows) == len(dropped)
+    staleness = _staleness(first, first_rows) + _staleness(second, rows[2:])
+    restarted = [r["step"] for r in rows if r["engine_restarts"]]
+    assert len(restarted) == 1 and len(staleness) == 32 * (len(rows) - 1)
+    assert 0 <= min(staleness) and max(staleness) <= 1
+    # No prompt trained twice; below the data position every prompt is trained or dropped, never both.
     a = [r["group"] for r in _samples(first)]
     b = [r["group"] for r in _samples(second)]
-    assert len(a) == 2 * 32 and len(b) == 4 * 32
     assert not set(a) & set(b) and len(set(a + b)) == len(a + b), "a prompt was trained twice"
-    # Below the data position every prompt is done: trained exactly once, or dropped (never both).
-    below = set(range(end["low"]))
     assert not set(dropped) & set(a + b)
+    below = set(range(end["low"]))
     assert below <= set(a + b) | set(dropped), f"prompts skipped: {sorted(below - set(a + b) - set(dropped))}"
     assert end["restarts"] == 1
-    assert len(dropped) > 0  # filtered or stale: done, never trained, counted above
 
 
 def test_bench_summary_figures_from_step_rows():
