@@ -63,9 +63,7 @@ def _one_line(s, e: BaseException) -> BaseException:
     if isinstance(e, RayActorError) and getattr(e, "actor_id", None) in trainers:
         return s.trainer_died(e)
     if is_engine_death(e):
-        return RunFailed(
-            f"an engine died outside generation (restarts cover generation only): {_last(e)}{s.checkpoint_hint()}"
-        )
+        return RunFailed(f"an engine died and could not be restarted there: {_last(e)}{s.checkpoint_hint()}")
     return e
 
 
@@ -80,7 +78,7 @@ def _loop(s, on_step) -> dict:
     from tidal.rollout.engine import TAGS
 
     cfg = s.cfg
-    trainer, engines, display = s.trainer, s.engines, s.display
+    trainer, display = s.trainer, s.display
     offload_train, offload_rollout = cfg.memory.offload_train, cfg.memory.offload_rollout
     start = s.resume_from_checkpoint()
     if offload_train:
@@ -101,7 +99,7 @@ def _loop(s, on_step) -> dict:
         s.log_samples(rollout_id, samples)
         if offload_rollout:
             with t("release", display):
-                s.timeline_mark("engines released", engines.call("release_memory", list(TAGS))[0].after)
+                s.timeline_mark("engines released", release_engines(s))
         train_metrics: dict = {}
         if samples:
             if offload_train:
@@ -137,3 +135,13 @@ def rollout_only(s, on_step=None) -> dict:
         metrics["engine_restarts"], s.step_restarts = s.step_restarts, 0
         row = finish_step(s, rollout_id, metrics, t, on_step)
     return row
+
+
+def release_engines(s):
+    """Release every engine's memory; returns engine 0's memory figures after it. An engine that dies
+    here is restarted and resynced (``Session.survive_engine_death``), then every engine is released."""
+    try:
+        return s.engines.call("release_memory", list(TAGS))[0].after
+    except Exception as e:  # noqa: BLE001 - only an engine's death is survived
+        s.survive_engine_death(e, "releasing memory")
+        return s.engines.call("release_memory", list(TAGS))[0].after

@@ -210,12 +210,10 @@ class Session:
                 dead.append(i)
         return dead
 
-    def restart_engines(self, dead: list[int], why: str) -> None:
-        """Restart (or reconnect) the dead engines, then resync every engine to the trainer's weights.
-
-        The resync is a full sync under a new version number (same bytes as the last one); the
-        engines that kept running take it too. Past ``--max-engine-restarts`` the run stops with one line.
-        """
+    def restart_engines(self, dead: list[int], why: str, *, new_version: bool = False):
+        """Restart (or reconnect) the dead engines, then resync every engine to the trainer's weights
+        (``resync_engines``); returns the resync's ``SyncReport``. Past ``--max-engine-restarts`` the run
+        stops with one line."""
         limit = self.cfg.rollout.max_engine_restarts
         for i in dead:
             self.engine_restarts += 1
@@ -228,15 +226,47 @@ class Session:
             self.display.info(f"engine {i} died ({why}); restarting it ({self.engine_restarts}/{limit})")
             self.engines.restart(i)
         self.step_restarts += len(dead)
-        # Every engine is awake here (engines die while generating): a plain full sync, no memory steps.
-        self.trainer.call("connect_engines", self.engines.actors, default_dtype_name(self.device))
-        report = self.trainer.call("update_weights")
-        versions = self.engines.call("get_weight_version")
+        return self.resync_engines(new_version=new_version)
+
+    def resync_engines(self, *, new_version: bool = False):
+        """Every engine back to generating with the trainer's weights: engine memory resumed (weights
+        before the sync, the KV cache after it, as in a step's sync), the strategy reconnected to the
+        engine set, then a full sync. Its version is the current one (the weights did not change since
+        it was pushed, so a restart leaves the version alone) unless ``new_version`` (the weights
+        changed and were not pushed yet: an engine died before a step's sync had begun)."""
+        from tidal.cluster.groups import get
+
+        engines = self.engines
+        states = engines.call("residency")
+        get([a.resume_memory.remote(["weights"]) for a, st in zip(engines.actors, states) if st == "ASLEEP"])
+        self.trainer.call("connect_engines", engines.actors, default_dtype_name(self.device))
+        report = self.trainer.call("update_weights", new_version)
+        versions = engines.call("get_weight_version")
         if any(v != report.version for v in versions):
             raise WeightSyncError(
                 f"engines report weight versions {versions} after the resync to version {report.version}"
             )
         self.last_sync_version = report.version
+        get([a.resume_memory.remote(["kv_cache"]) for a, st in zip(engines.actors, states) if st != "AWAKE"])
+        return report
+
+    def survive_engine_death(self, exc: BaseException, phase: str, *, new_version: bool = False):
+        """An engine died outside generation (``phase``: "releasing memory", "syncing weights"): restart
+        the engines that do not answer and resync every engine (``restart_engines``), so that all of them
+        generate again with the trainer's weights; returns the resync's report. ``exc`` is raised again
+        when it is not an engine's death or no engine is found dead (the run then ends in one line)."""
+        if not is_engine_death(exc) or self.is_trainer_death(exc):
+            raise exc
+        dead = self.dead_engines()
+        if not dead:
+            raise exc
+        return self.restart_engines(dead, f"{_last_line(exc)[:200]}, while {phase}", new_version=new_version)
+
+    def is_trainer_death(self, exc: BaseException) -> bool:
+        from ray.exceptions import RayActorError
+
+        trainers = {a._actor_id.hex() for a in getattr(self.trainer, "actors", [])}
+        return isinstance(exc, RayActorError) and getattr(exc, "actor_id", None) in trainers
 
     def checkpoint_hint(self) -> str:
         """'; resume with --load DIR (newest checkpoint rollout N)' when one was saved, else ''."""

@@ -48,16 +48,24 @@ def finish_step(s, rollout_id: int, metrics: dict, t: Timer, on_step=None) -> di
 
 
 def sync_weights(s, first: bool = False) -> dict:
-    """Resume engine weights -> trainer pushes the new version -> resume engine KV cache."""
+    """Resume engine weights -> trainer pushes the new version -> resume engine KV cache.
+
+    An engine that dies during it is restarted and every engine resynced with the trainer's weights
+    (``Session.survive_engine_death``: a new version when the trainer had not begun to push this one)."""
     cfg, trainer, engines = s.cfg, s.trainer, s.engines
-    if cfg.memory.offload_rollout:
-        engines.call("resume_memory", ["weights"])
-    report: SyncReport = trainer.call("update_weights")
-    versions = engines.call("get_weight_version")
-    if any(v != report.version for v in versions):
-        raise WeightSyncError(f"engines report weight versions {versions} after syncing version {report.version}")
+    pushing = False
+    try:
+        if cfg.memory.offload_rollout:
+            engines.call("resume_memory", ["weights"])
+        pushing = True
+        report: SyncReport = trainer.call("update_weights")
+        versions = engines.call("get_weight_version")
+        if any(v != report.version for v in versions):
+            raise WeightSyncError(f"engines report weight versions {versions} after syncing version {report.version}")
+        if cfg.memory.offload_rollout:
+            engines.call("resume_memory", ["kv_cache"])
+    except Exception as e:  # noqa: BLE001 - only an engine's death is survived
+        report = s.survive_engine_death(e, "syncing weights", new_version=not pushing)
     if first and cfg.weight_sync.check_weight_update_equal:
         s.check_weights_equal()
-    if cfg.memory.offload_rollout:
-        engines.call("resume_memory", ["kv_cache"])
     return report.metrics()

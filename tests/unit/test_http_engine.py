@@ -27,8 +27,9 @@ import pytest
 from tidal.config import parse, resolve
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, WeightSyncConfig
 from tidal.errors import EngineDiedError, RunFailed, UserError, WeightSyncError
-from tidal.rollout.http_engine import EngineReplyError, HttpEngineActor
+from tidal.rollout.http_engine import HttpEngineActor
 from tidal.rollout.server import API_KEY_ENV, server_command, server_env
+from tidal.rollout.sglang_client import EngineReplyError
 from tidal.rollout.types import Sample, SamplingParams
 from tidal.weight_sync.verify import compare_checksums
 
@@ -374,9 +375,9 @@ def test_broadcast_in_sglang_layout_to_the_sglang_shaped_server(ray_cluster):
 
 @pytest.mark.slow
 def test_loop_survives_a_server_that_stops_answering(ray_cluster, tmp_path, caplog):
-    """The server hangs on the second rollout's /generate (and /health): after --engine-health-timeout
-    the engine counts as dead; the server comes back on the same port and tidal reconnects."""
-    srv = Server("--tidal-extras").start("--hang-on-generate", "2", "--hang-seconds", "6")
+    """The server hangs on the rollout's /generate (and /health): after --engine-health-timeout the
+    engine counts as dead; the server comes back on the same port and tidal reconnects."""
+    srv = Server("--tidal-extras").start("--hang-on-generate", "1", "--hang-seconds", "6")
 
     def bring_back():
         srv.proc.wait()
@@ -395,54 +396,55 @@ def test_loop_survives_a_server_that_stops_answering(ray_cluster, tmp_path, capl
             "120",
             "--engine-health-timeout",
             "3",
+            "--num-rollout",
+            "1",
             on_step=_bitwise(seen),
         )
     finally:
         watcher.join(timeout=30)
         srv.stop()
-    assert [r["engine_restarts"] for r in rows] == [0, 1]
+    assert [r["engine_restarts"] for r in rows] == [1]
     # Found by the probe while the server still ran (hung), not by its exit later.
     assert "engine 0 died (no /health answer within 3 s (--engine-health-timeout)); restarting it (1/3)" in caplog.text
-    # The second rollout was generated again after the resync (version 3); its step synced version 4.
-    assert seen == [1, 2, 4]
-    assert rows[0]["gen_samples"] == rows[1]["gen_samples"] == 4
+    # The rollout was generated again after a resync that kept version 1; its step synced version 2.
+    assert seen == [1, 2] and rows[0]["gen_samples"] == 4
 
 
 @pytest.mark.slow
-def test_embedded_engine_and_trainer_deaths(ray_cluster, tmp_path):
-    """An embedded engine actor killed mid-run is restarted; a killed trainer ends the run in one line."""
+def test_embedded_engine_deaths_a_hang_and_a_trainer_death(ray_cluster, tmp_path, monkeypatch):
+    """Embedded engines: one killed between generating and releasing its memory (outside generation),
+    one frozen (SIGSTOP) while it generates (found by its health probe), each restarted and resynced at
+    the version it had; then a killed trainer ends the run in one line naming the checkpoint."""
+    import signal
+
     import ray
 
     from tidal.driver import train
+    from tidal.rollout import orchestrate
 
     argv = [
-        "--num-rollout",
-        "3",
-        "--rollout-batch-size",
-        "2",
-        "--n-samples-per-prompt",
-        "2",
-        "--rollout-max-response-len",
-        "3",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(tmp_path / "run"),
-        "--no-progress",
-        "--save",
-        str(tmp_path / "ck"),
-        "--save-interval",
-        "1",
-    ]
+        "--num-rollout", "3", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+        "--rollout-max-response-len", "3", "--device", "cpu", "--output-dir", str(tmp_path / "run"), "--no-progress",
+        "--save", str(tmp_path / "ck"), "--save-interval", "1", "--offload-rollout", "--engine-health-timeout", "3",
+    ]  # fmt: skip
     cfg, prov = parse(argv)
     cfg = resolve(cfg, prov)
+    generate = orchestrate.generate_rollout
+
+    def with_faults(s, rollout_id):
+        if rollout_id == 1:
+            os.kill(ray.get(s.engines.actors[0].pid.remote()), signal.SIGSTOP)
+        out = generate(s, rollout_id)
+        if rollout_id == 0:
+            ray.kill(s.engines.actors[0])  # the release of its memory finds it dead
+        return out
+
+    monkeypatch.setattr(orchestrate, "generate_rollout", with_faults)
     seen: list[int] = []
     check = _bitwise(seen)
 
     def on_step(s, rollout_id, row):
         check(s, rollout_id, row)
-        if rollout_id == 0:
-            ray.kill(s.engines.actors[0])
         if rollout_id == 1:
             ray.kill(s.trainer.actors[0])
 
@@ -452,9 +454,9 @@ def test_embedded_engine_and_trainer_deaths(ray_cluster, tmp_path):
     assert msg.startswith("trainer rank 0 died") and "\n" not in msg
     assert f"resume with --load {tmp_path / 'ck'} (newest checkpoint: iter_0000001)" in msg, msg
     rows = [json.loads(x) for x in open(os.path.join(cfg.logging.output_dir, "metrics.jsonl"))]
-    assert [r["engine_restarts"] for r in rows] == [0, 1]
+    assert [r["engine_restarts"] for r in rows] == [1, 1]
     assert rows[0]["gen_samples"] == rows[1]["gen_samples"] == 4
-    assert seen == [1, 2, 4]  # the resync after the restart was version 3
+    assert seen == [1, 2, 3]  # the resyncs after the restarts kept the versions (1, then 2)
 
 
 def test_restarts_past_the_limit_are_one_line():
@@ -500,64 +502,54 @@ class TidalServe:
 
 
 @pytest.mark.slow
-def test_loop_over_external_tidal_serve_broadcast(ray_cluster, tmp_path):
-    """Disaggregated broadcast: tidal serve joins the trainer's group as SGLang does."""
+def test_loop_over_external_tidal_serve_broadcast_and_delta_disk(ray_cluster, tmp_path):
+    """One external tidal serve, two runs against it, disaggregated: broadcast (tidal serve joins the
+    trainer's group as SGLang does), then delta over disk (the server pulls each version into its local
+    checkpoint with /pull_weights, then loads it)."""
     serve = TidalServe(tmp_path)
-    seen: list[int] = []
     try:
+        seen: list[int] = []
         rows = _train(
-            tmp_path, "--rollout-external-engine-addrs", serve.address, "--no-colocate",
-            "--update-weight-transport", "broadcast", "--check-weight-update-equal", on_step=_bitwise(seen),
+            tmp_path / "broadcast", "--rollout-external-engine-addrs", serve.address, "--no-colocate",
+            "--update-weight-transport", "broadcast", "--check-weight-update-equal", "--num-rollout", "1",
+            on_step=_bitwise(seen),
+        )  # fmt: skip
+        assert seen == [1, 2] and [r["gen_samples"] for r in rows] == [4]
+        seen = []
+        rows = _train(
+            tmp_path / "delta", "--rollout-external-engine-addrs", serve.address, "--no-colocate",
+            "--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "disk"),
+            "--update-weight-mode", "delta", "--update-weight-local-checkpoint-dir", str(tmp_path / "local"),
+            "--check-weight-update-equal", "--num-rollout", "1", on_step=_bitwise(seen),
         )  # fmt: skip
     finally:
         serve.stop()
-    assert seen == [1, 2, 3] and [r["gen_samples"] for r in rows] == [4, 4]
+    assert seen == [1, 2] and [r["gen_samples"] for r in rows] == [4]
+    assert [r["sync/mode"] for r in rows] == ["delta"]
 
 
 @pytest.mark.slow
-def test_loop_over_external_tidal_serve_delta_disk(ray_cluster, tmp_path):
-    """Delta over disk: the server pulls each version into its local checkpoint (/pull_weights), then loads it."""
-    serve = TidalServe(tmp_path)
-    seen: list[int] = []
-    try:
-        rows = _train(
-            tmp_path,
-            "--rollout-external-engine-addrs",
-            serve.address,
-            "--no-colocate",
-            "--update-weight-transport",
-            "disk",
-            "--update-weight-disk-dir",
-            str(tmp_path / "disk"),
-            "--update-weight-mode",
-            "delta",
-            "--update-weight-local-checkpoint-dir",
-            str(tmp_path / "local"),
-            "--check-weight-update-equal",
-            on_step=_bitwise(seen),
-        )
-    finally:
-        serve.stop()
-    assert seen == [1, 2, 3] and [r["gen_samples"] for r in rows] == [4, 4]
-    assert [r["sync/mode"] for r in rows] == ["delta", "delta"]
-
-
-@pytest.mark.slow
-def test_loop_with_tidal_serve_started_by_tidal(ray_cluster, tmp_path):
-    """tidal starts tidal serve in the engine's bundle; the server killed mid-run is started again."""
+def test_loop_with_tidal_serve_started_by_tidal(ray_cluster, tmp_path, monkeypatch):
+    """tidal starts tidal serve in the engine's bundle (colocated, tensor transport); the server killed
+    between generating and the sync is started again and resynced (outside generation)."""
     import signal
 
     import ray
 
+    from tidal.rollout import orchestrate
+
+    generate = orchestrate.generate_rollout
+
+    def then_kill(s, rollout_id):
+        out = generate(s, rollout_id)
+        os.kill(ray.get(s.engines.actors[0].server_pid.remote()), signal.SIGKILL)
+        return out
+
+    monkeypatch.setattr(orchestrate, "generate_rollout", then_kill)
     seen: list[int] = []
-    check = _bitwise(seen)
-
-    def on_step(s, rollout_id, row):
-        check(s, rollout_id, row)
-        if rollout_id == 0:
-            os.kill(ray.get(s.engines.actors[0].server_pid.remote()), signal.SIGKILL)
-
-    rows = _train(tmp_path, "--update-weight-transport", "tensor", "--check-weight-update-equal", on_step=on_step)
-    assert [r["engine_restarts"] for r in rows] == [0, 1]
-    assert [r["gen_samples"] for r in rows] == [4, 4]
-    assert seen == [1, 2, 4]  # version 3 was the resync into the restarted server
+    rows = _train(
+        tmp_path, "--update-weight-transport", "tensor", "--check-weight-update-equal", "--num-rollout", "1",
+        on_step=_bitwise(seen),
+    )  # fmt: skip
+    assert [r["engine_restarts"] for r in rows] == [1] and [r["gen_samples"] for r in rows] == [4]
+    assert seen == [1, 2]  # the resync into the restarted server pushed version 2, the one its sync began

@@ -101,7 +101,7 @@ class EngineGroup:
         else:
             from tidal.rollout.actor import EngineActor
 
-            cls = ray.remote(EngineActor)
+            cls = ray.remote(concurrency_groups={"probe": 2})(EngineActor)  # health() beside a running generate
         slot = self.placement.engines[i]
         return cls.options(**actor_options(self.placement, slot)).remote(
             i, device=self.placement.device, **self.sections

@@ -224,7 +224,10 @@ class RolloutConfig:
     rollout_engine_api_key: str | None = opt(None, "API key sent to the engine servers (Authorization: Bearer).")
     engine_start_timeout: float = opt(600.0, "Seconds a started server may take to answer /health.", min=1)
     engine_health_timeout: float = opt(
-        30.0, "Seconds an engine may take to answer /health before it counts as dead.", min=1
+        30.0,
+        "Seconds an engine may take to answer its health probe (/health; an embedded engine's health()) "
+        "while generating, before it counts as dead (hung) and is restarted.",
+        min=1,
     )
     max_engine_restarts: int = opt(3, "Engine restarts (or reconnects) a run survives before it stops.", min=0)
     eval_interval: int = opt(0, "Evaluate greedy accuracy on held-out prompts every N rollouts (0 disables).", min=0)
@@ -386,7 +389,9 @@ class ServeConfig:
     serve_host: str = opt("127.0.0.1", "Address tidal serve binds (0.0.0.0: every interface).", flag="--host")
     serve_port: int = opt(30000, "Port tidal serve listens on (0: a free one, printed at start).", min=0, flag="--port")
     serve_api_key: str | None = opt(
-        None, "Key every tidal serve request must send as 'Authorization: Bearer KEY'.", flag="--api-key"
+        None,
+        "Key every tidal serve request must send as 'Authorization: Bearer KEY' (or set TIDAL_SERVE_API_KEY).",
+        flag="--api-key",
     )
     served_model_name: str | None = opt(None, "Model name in /v1/models and OpenAI replies (default: --model).")
     serve_batch_wait_ms: float = opt(

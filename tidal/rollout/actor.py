@@ -15,6 +15,7 @@ import math
 import os
 from collections.abc import Sequence
 
+import ray
 import torch
 
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, TrainerConfig, WeightSyncConfig
@@ -165,12 +166,20 @@ class EngineActor(RolloutEngine):
     def continue_generation(self) -> None:
         """See ``pause_generation``."""
 
+    @ray.method(concurrency_group="probe")
     def health(self) -> EngineHealth:
+        """Answered beside a running ``generate`` (its own concurrency group, ``cluster.groups``): an engine
+        whose process stopped (frozen, or stuck holding the GIL) does not answer, a busy one does."""
         engine = self._engine()
         return EngineHealth(self.engine_rank, engine.get_weight_version(), engine.residency.state.value)
 
     def randomize_weights(self, seed: int) -> None:
         self._engine().randomize_weights(seed)
+
+    @ray.method(concurrency_group="probe")
+    def pid(self) -> int:
+        """This engine's process id (to signal it from outside, as the restart tests do)."""
+        return os.getpid()
 
     def memory_stats(self) -> dict[str, int]:
         """Host RSS, device peak since the last call, and device memory in use (for the step line)."""

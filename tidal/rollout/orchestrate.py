@@ -108,16 +108,16 @@ def run_engines(s, samples: list[Sample], sampling: SamplingParams, group_size: 
 
 
 def _wait_or_probe(s, refs: dict) -> tuple[list[int], str]:
-    """Wait for every generate call; while HTTP engines are still busy after each
-    ``--engine-health-timeout``, probe their ``/health``: one that does not answer in time counts as
-    dead (its call is abandoned). Embedded engines are waited for (Ray reports a dead actor itself)."""
+    """Wait for every generate call; while engines are still busy after each ``--engine-health-timeout``,
+    probe them (``health()``: an HTTP engine's ``/health``; an embedded engine answers from its own
+    concurrency group, beside the generate call): one that does not answer in time counts as dead (hung;
+    its call is abandoned). A dead actor Ray reports itself."""
     import ray
 
     timeout = s.cfg.rollout.engine_health_timeout
-    http = s.engines.kind == "sglang"
     pending = dict(refs)
     while pending:
-        ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=timeout if http else None)
+        ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=timeout)
         pending = {i: r for i, r in pending.items() if r not in ready}
         if not pending:
             break
@@ -125,7 +125,8 @@ def _wait_or_probe(s, refs: dict) -> tuple[list[int], str]:
         answered, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=timeout)
         hung = [i for i, p in probes.items() if p not in answered or _failed(p)]
         if hung:
-            return hung, f"no /health answer within {timeout:g} s (--engine-health-timeout)"
+            what = "/health" if s.engines.kind == "sglang" else "health()"
+            return hung, f"no {what} answer within {timeout:g} s (--engine-health-timeout)"
     return [], ""
 
 

@@ -132,12 +132,15 @@ class Trainer(ABC):
             self.strategy.connect()
         self.connected = True
 
-    def update_weights(self) -> SyncReport | None:
+    def update_weights(self, new_version: bool = True) -> SyncReport | None:
         """Weight version += 1 and push every weight to the engines (rank 0 sends; all ranks gather).
-        Rank 0 returns the sync's report (its ``metrics()`` are the ``sync/...`` step metrics), others None."""
+        Rank 0 returns the sync's report (its ``metrics()`` are the ``sync/...`` step metrics), others None.
+        ``new_version=False`` pushes the current version again (a resync after an engine restart: the
+        weights did not change, so neither does their version)."""
         if not self.connected:
             raise ResidencyError("update_weights() before connect_engines(); connect the engines first")
-        self.version += 1
+        if new_version:
+            self.version += 1
         t0 = time.perf_counter()
         # Full syncs packed on the device (CUDA IPC, NCCL) take device tensors and cast there; every
         # rank decides alike from the config, since the gather is collective.
@@ -149,7 +152,14 @@ class Trainer(ABC):
             for _ in it:
                 pass
             return None
-        report = self.strategy.sync(((n, t) for n, t in it), self.version, self.engine_dtype)
+        try:
+            report = self.strategy.sync(((n, t) for n, t in it), self.version, self.engine_dtype)
+        except BaseException:
+            # The other ranks still gather every weight with this one (collectives): keep in step to the
+            # end, so that they finish too and the failure (an engine that died, say) reaches the driver.
+            for _ in it:
+                pass
+            raise
         report.trainer_s = time.perf_counter() - t0
         report.from_backup = int(self.weights_from_backup)
         return report

@@ -1,0 +1,148 @@
+"""The wire side of the HTTP engine: SGLang's requests and replies, and one client of one server.
+
+``SglangClient`` sends JSON over HTTP (httpx) and turns every failure into one line naming the
+address, the endpoint and the reply: a server that cannot be reached is ``EngineDiedError`` (the
+driver restarts or reconnects it), a reply that is not what a server speaking SGLang's protocol
+sends is ``EngineReplyError`` (a ``UserError``). The helpers map tidal's types onto SGLang's fields
+(``sampling_body``, ``fill_sample``: ``output_token_logprobs`` and ``finish_reason`` back into a
+``Sample``) and build ``update_weights_from_tensor``'s payload (``serialize_named_tensors``:
+SGLang's ``MultiprocessingSerializer`` form). ``tidal.rollout.http_engine`` is the engine built on them.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from tidal.errors import EngineDiedError, UserError
+from tidal.rollout.types import Sample, SamplingParams
+
+# SGLang's finish reasons -> Sample.status; "abort" means the request was dropped and is re-run.
+_STATUS = {"stop": "completed", "length": "truncated"}
+
+
+class EngineReplyError(UserError):
+    """A server answered, but not as a server speaking SGLang's protocol would (non-200, bad shape)."""
+
+
+class SglangClient:
+    """JSON over HTTP to one server; every failure is one line naming address, endpoint and reply."""
+
+    def __init__(self, address: str, *, api_key: str | None = None, timeout: float = 600.0):
+        import httpx
+
+        self.address = address
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(
+            base_url=f"http://{address}", headers=headers, timeout=httpx.Timeout(timeout, connect=10.0)
+        )
+
+    def call(self, method: str, endpoint: str, body: dict | None = None, *, timeout: float | None = None) -> Any:
+        import httpx
+
+        kw: dict[str, Any] = {}
+        if timeout is not None:
+            kw["timeout"] = timeout
+        try:
+            resp = self.http.request(method, endpoint, json=body, **kw)
+        except httpx.HTTPError as e:
+            raise EngineDiedError(
+                f"engine {self.address}: {method} {endpoint} failed: {type(e).__name__}: {e}".strip()
+            ) from None
+        if resp.status_code != 200:
+            raise EngineReplyError(
+                f"engine {self.address}: {method} {endpoint} answered {resp.status_code}: {short(resp.text)}"
+            )
+        if not resp.content:
+            return None
+        try:
+            return resp.json()
+        except ValueError:
+            if endpoint in ("/health", "/flush_cache"):  # SGLang answers these with an empty or plain body
+                return None
+            raise EngineReplyError(
+                f"engine {self.address}: {method} {endpoint} answered 200 with non-JSON: {short(resp.text)}"
+            ) from None
+
+    def get(self, endpoint: str, **kw: Any) -> Any:
+        return self.call("GET", endpoint, **kw)
+
+    def post(self, endpoint: str, body: dict | None = None, **kw: Any) -> Any:
+        return self.call("POST", endpoint, body or {}, **kw)
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def short(text: str, limit: int = 200) -> str:
+    one = " ".join(str(text).split())
+    return one if len(one) <= limit else one[:limit] + "..."
+
+
+def parse_version(value: Any) -> int:
+    """SGLang's ``weight_version`` is a string ("default" before any update); tidal's are integers."""
+    try:
+        return int(str(value))
+    except ValueError:
+        return -1
+
+
+def sampling_body(sampling: SamplingParams) -> dict:
+    """SGLang's ``sampling_params`` for tidal's sampling settings (top_k 0 -> -1: disabled)."""
+    return {
+        "temperature": float(sampling.temperature),
+        "top_p": float(sampling.top_p),
+        "top_k": int(sampling.top_k) if sampling.top_k > 0 else -1,
+        "max_new_tokens": int(sampling.max_new_tokens),
+        "stop": list(sampling.stop),
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "no_stop_trim": True,  # the stop string stays in the response, as the embedded engine keeps it
+        "skip_special_tokens": True,
+    }
+
+
+def fill_sample(sample: Sample, out: dict, where: str, fallback_version: int) -> bool:
+    """Copy one ``/generate`` result into ``sample``; False when the server aborted the request."""
+    meta = out.get("meta_info") if isinstance(out, dict) else None
+    if not isinstance(meta, dict) or "output_token_logprobs" not in meta:
+        raise EngineReplyError(
+            f"{where}: a result without meta_info.output_token_logprobs ({short(str(out))}); the server must answer return_logprob"
+        )
+    reason = meta.get("finish_reason") or {}
+    kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+    if kind == "abort":
+        return False
+    if kind not in _STATUS:
+        raise EngineReplyError(f"{where}: finish_reason {reason!r} is not stop, length or abort")
+    pairs = meta["output_token_logprobs"]
+    ids = out.get("output_ids")
+    ids = [int(p[1]) for p in pairs] if ids is None else [int(t) for t in ids]
+    if len(pairs) != len(ids) or any(int(p[1]) != t for p, t in zip(pairs, ids)):
+        raise EngineReplyError(
+            f"{where}: {len(ids)} output_ids but {len(pairs)} output_token_logprobs that do not name the same tokens"
+        )
+    sample.response_ids = ids
+    sample.response_logprobs = [float(p[0]) for p in pairs]
+    sample.response_text = str(out.get("text", ""))
+    sample.status = _STATUS[kind]
+    version = meta.get("weight_version")
+    sample.weight_version = parse_version(version) if version is not None else fallback_version
+    return True
+
+
+def serialize_named_tensors(named: list) -> str:
+    """SGLang's ``MultiprocessingSerializer`` wire form: torch ``ForkingPickler`` bytes, base64.
+
+    CPU tensors travel as shared-memory file names (the ``file_system`` sharing strategy: a
+    receiver in another, unrelated process can open them), CUDA tensors as IPC handles. The tensors
+    must stay alive until the server answered.
+    """
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as tmp
+
+    tmp.set_sharing_strategy("file_system")
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(named)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
