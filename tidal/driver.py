@@ -143,5 +143,5 @@ def release_engines(s):
     try:
         return s.engines.call("release_memory", list(TAGS))[0].after
     except Exception as e:  # noqa: BLE001 - only an engine's death is survived
-        s.survive_engine_death(e, "releasing memory")
+        s.survive_engine_death(e, "releasing memory", new_version=False)
         return s.engines.call("release_memory", list(TAGS))[0].after

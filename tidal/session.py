@@ -210,10 +210,11 @@ class Session:
                 dead.append(i)
         return dead
 
-    def restart_engines(self, dead: list[int], why: str, *, new_version: bool = False):
+    def restart_engines(self, dead: list[int], why: str, *, new_version: bool = True):
         """Restart (or reconnect) the dead engines, then resync every engine to the trainer's weights
         (``resync_engines``); returns the resync's ``SyncReport``. Past ``--max-engine-restarts`` the run
-        stops with one line."""
+        stops with one line. ``new_version=False`` where the trainer's weights are the ones it last
+        pushed (the synchronous loop, while generating): the resync keeps their version."""
         limit = self.cfg.rollout.max_engine_restarts
         for i in dead:
             self.engine_restarts += 1
@@ -228,12 +229,11 @@ class Session:
         self.step_restarts += len(dead)
         return self.resync_engines(new_version=new_version)
 
-    def resync_engines(self, *, new_version: bool = False):
+    def resync_engines(self, *, new_version: bool = True):
         """Every engine back to generating with the trainer's weights: engine memory resumed (weights
         before the sync, the KV cache after it, as in a step's sync), the strategy reconnected to the
-        engine set, then a full sync. Its version is the current one (the weights did not change since
-        it was pushed, so a restart leaves the version alone) unless ``new_version`` (the weights
-        changed and were not pushed yet: an engine died before a step's sync had begun)."""
+        engine set, then a full sync: of a new version, or with ``new_version=False`` of the version the
+        trainer last pushed (its weights did not change since, so a restart leaves the version alone)."""
         from tidal.cluster.groups import get
 
         engines = self.engines
@@ -250,7 +250,7 @@ class Session:
         get([a.resume_memory.remote(["kv_cache"]) for a, st in zip(engines.actors, states) if st != "AWAKE"])
         return report
 
-    def survive_engine_death(self, exc: BaseException, phase: str, *, new_version: bool = False):
+    def survive_engine_death(self, exc: BaseException, phase: str, *, new_version: bool):
         """An engine died outside generation (``phase``: "releasing memory", "syncing weights"): restart
         the engines that do not answer and resync every engine (``restart_engines``), so that all of them
         generate again with the trainer's weights; returns the resync's report. ``exc`` is raised again

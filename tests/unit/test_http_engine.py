@@ -158,9 +158,10 @@ def test_bad_addresses_and_replies_are_one_line(server, tmp_path):
         eng.generate(_samples(1), SamplingParams())
 
 
-def test_disk_version_loads_in_the_sglang_shaped_server(tmp_path):
-    """A version folder of tidal's disk transport is a plain safetensors folder to SGLang's reader
-    (its own server: these weights are not the model the shared server's runs sync)."""
+def test_disk_version_key_and_death_on_an_sglang_shaped_server(tmp_path):
+    """On a server of its own (with a key; these weights are not the model the shared server's runs sync):
+    the key is sent, a version folder of tidal's disk transport is a plain safetensors folder to SGLang's
+    reader, and a server that dies under a request is an engine error naming it."""
     import torch
 
     from tidal.config.schema import WeightSyncConfig as W
@@ -170,32 +171,18 @@ def test_disk_version_loads_in_the_sglang_shaped_server(tmp_path):
     weights = {"model.embed.weight": torch.randn(8, 4), "model.norm.weight": torch.ones(4, dtype=torch.bfloat16)}
     cfg = W(update_weight_transport="disk", update_weight_disk_dir=str(tmp_path))
     path = DiskStrategy(cfg, []).write(weights.items(), 7)
-    srv = Server("--tidal-extras").start()
+    srv = Server("--tidal-extras", "--api-key", "k1").start()
     try:
-        eng = _engine(srv.address)
+        with pytest.raises(EngineReplyError, match="answered 401"):
+            _engine(srv.address)
+        eng = _engine(srv.address, rollout_engine_api_key="k1")
+        assert eng.get_weight_version() == -1
         result = eng.update_weights_from_disk(path, 7)
         got = eng.weight_checksums()
     finally:
         srv.stop()
     assert (result.complete, result.engine_version) == (True, 7)
     assert {n: got[n] for n in weights} == {n: tensor_checksum(t) for n, t in weights.items()}
-
-
-def test_api_key_is_sent(tmp_path):
-    srv = Server("--api-key", "k1").start()
-    try:
-        with pytest.raises(EngineReplyError, match="answered 401"):
-            _engine(srv.address)
-        eng = _engine(srv.address, rollout_engine_api_key="k1")
-        assert eng.get_weight_version() == -1
-    finally:
-        srv.stop()
-
-
-def test_engine_death_mid_request_is_an_engine_error():
-    srv = Server().start()
-    eng = _engine(srv.address)
-    srv.stop()
     with pytest.raises(EngineDiedError, match=f"engine {srv.address}: POST /generate failed"):
         eng.generate(_samples(1), SamplingParams())
 
@@ -412,9 +399,10 @@ def test_loop_survives_a_server_that_stops_answering(ray_cluster, tmp_path, capl
 
 @pytest.mark.slow
 def test_embedded_engine_deaths_a_hang_and_a_trainer_death(ray_cluster, tmp_path, monkeypatch):
-    """Embedded engines: one killed between generating and releasing its memory (outside generation),
-    one frozen (SIGSTOP) while it generates (found by its health probe), each restarted and resynced at
-    the version it had; then a killed trainer ends the run in one line naming the checkpoint."""
+    """Embedded engines, in one rollout: one frozen (SIGSTOP) while it generates, found by its health
+    probe, and one killed between generating and releasing its memory (outside generation); each is
+    restarted and resynced at the version it had. Then a killed trainer ends the run in one line naming
+    the checkpoint."""
     import signal
 
     import ray
@@ -423,7 +411,7 @@ def test_embedded_engine_deaths_a_hang_and_a_trainer_death(ray_cluster, tmp_path
     from tidal.rollout import orchestrate
 
     argv = [
-        "--num-rollout", "3", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+        "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
         "--rollout-max-response-len", "3", "--device", "cpu", "--output-dir", str(tmp_path / "run"), "--no-progress",
         "--save", str(tmp_path / "ck"), "--save-interval", "1", "--offload-rollout", "--engine-health-timeout", "3",
     ]  # fmt: skip
@@ -432,7 +420,7 @@ def test_embedded_engine_deaths_a_hang_and_a_trainer_death(ray_cluster, tmp_path
     generate = orchestrate.generate_rollout
 
     def with_faults(s, rollout_id):
-        if rollout_id == 1:
+        if rollout_id == 0:
             os.kill(ray.get(s.engines.actors[0].pid.remote()), signal.SIGSTOP)
         out = generate(s, rollout_id)
         if rollout_id == 0:
@@ -445,18 +433,17 @@ def test_embedded_engine_deaths_a_hang_and_a_trainer_death(ray_cluster, tmp_path
 
     def on_step(s, rollout_id, row):
         check(s, rollout_id, row)
-        if rollout_id == 1:
+        if rollout_id == 0:
             ray.kill(s.trainer.actors[0])
 
     with pytest.raises(RunFailed) as exc:
         train(cfg, on_step=on_step)
     msg = str(exc.value)
     assert msg.startswith("trainer rank 0 died") and "\n" not in msg
-    assert f"resume with --load {tmp_path / 'ck'} (newest checkpoint: iter_0000001)" in msg, msg
+    assert f"resume with --load {tmp_path / 'ck'} (newest checkpoint: iter_0000000)" in msg, msg
     rows = [json.loads(x) for x in open(os.path.join(cfg.logging.output_dir, "metrics.jsonl"))]
-    assert [r["engine_restarts"] for r in rows] == [1, 1]
-    assert rows[0]["gen_samples"] == rows[1]["gen_samples"] == 4
-    assert seen == [1, 2, 3]  # the resyncs after the restarts kept the versions (1, then 2)
+    assert [r["engine_restarts"] for r in rows] == [2] and rows[0]["gen_samples"] == 4
+    assert seen == [1, 2]  # both resyncs kept version 1; the step's own sync pushed 2
 
 
 def test_restarts_past_the_limit_are_one_line():

@@ -102,7 +102,7 @@ def run_engines(s, samples: list[Sample], sampling: SamplingParams, group_size: 
                 why = why or _cause(e)
         todo = {i: todo[i] for i in dead}
         if dead:
-            s.restart_engines(dead, why)
+            s.restart_engines(dead, why, new_version=False)  # the trainer holds the weights it last pushed
     done.sort(key=lambda x: x.index)
     return done
 
