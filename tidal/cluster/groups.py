@@ -99,9 +99,9 @@ class EngineGroup:
                     i, device=self.placement.device, address=self.addresses[i], **self.sections
                 )
         else:
-            from tidal.rollout.actor import EngineActor
+            from tidal.rollout.actor import ProbedEngineActor
 
-            cls = ray.remote(concurrency_groups={"probe": 2})(EngineActor)  # health() beside a running generate
+            cls = ray.remote(concurrency_groups={"probe": 2})(ProbedEngineActor)  # health() beside a generate
         slot = self.placement.engines[i]
         return cls.options(**actor_options(self.placement, slot)).remote(
             i, device=self.placement.device, **self.sections

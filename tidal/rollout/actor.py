@@ -166,17 +166,13 @@ class EngineActor(RolloutEngine):
     def continue_generation(self) -> None:
         """See ``pause_generation``."""
 
-    @ray.method(concurrency_group="probe")
     def health(self) -> EngineHealth:
-        """Answered beside a running ``generate`` (its own concurrency group, ``cluster.groups``): an engine
-        whose process stopped (frozen, or stuck holding the GIL) does not answer, a busy one does."""
         engine = self._engine()
         return EngineHealth(self.engine_rank, engine.get_weight_version(), engine.residency.state.value)
 
     def randomize_weights(self, seed: int) -> None:
         self._engine().randomize_weights(seed)
 
-    @ray.method(concurrency_group="probe")
     def pid(self) -> int:
         """This engine's process id (to signal it from outside, as the restart tests do)."""
         return os.getpid()
@@ -192,3 +188,18 @@ class EngineActor(RolloutEngine):
 
     def residency(self) -> str:
         return self._engine().residency.state.value
+
+
+class ProbedEngineActor(EngineActor):
+    """``EngineActor`` whose ``health`` and ``pid`` answer from their own concurrency group, beside a running
+    ``generate``: an engine whose process stopped (frozen, or stuck holding the GIL) does not answer, a busy
+    one does. Start it with ``ray.remote(concurrency_groups={"probe": 2})`` (``cluster.groups`` does);
+    ``EngineActor`` itself stays a plain actor class for ``ray.remote`` alone."""
+
+    @ray.method(concurrency_group="probe")
+    def health(self) -> EngineHealth:
+        return super().health()
+
+    @ray.method(concurrency_group="probe")
+    def pid(self) -> int:
+        return super().pid()
