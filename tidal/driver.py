@@ -75,7 +75,6 @@ def _last(e: BaseException) -> str:
 def _loop(s, on_step) -> dict:
     """The steps of one run inside an open session (see the module docstring)."""
     from tidal.rollout import orchestrate
-    from tidal.rollout.engine import TAGS
 
     cfg = s.cfg
     trainer, display = s.trainer, s.display
@@ -140,6 +139,8 @@ def rollout_only(s, on_step=None) -> dict:
 def release_engines(s):
     """Release every engine's memory; returns engine 0's memory figures after it. An engine that dies
     here is restarted and resynced (``Session.survive_engine_death``), then every engine is released."""
+    from tidal.rollout.engine import TAGS
+
     try:
         return s.engines.call("release_memory", list(TAGS))[0].after
     except Exception as e:  # noqa: BLE001 - only an engine's death is survived
