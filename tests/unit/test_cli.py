@@ -90,6 +90,9 @@ def test_ctrl_c_stops_ray_and_every_actor(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # A shell without job control starts background jobs with SIGINT ignored, and Python keeps it
+        # ignored: give the run the default disposition a terminal's foreground job has.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 300
