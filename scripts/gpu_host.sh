@@ -7,11 +7,11 @@
 #   bash scripts/gpu_host.sh STEP ...
 #
 # Steps: env, tests, train-default, train-offload, startup, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
-# bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, profile-ipc, megatron (or its halves megatron-loop, megatron-state), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
+# bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, bench-async-mps, profile-ipc, megatron (or its halves megatron-loop, megatron-state), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); MEM_GIB, MEM_CYCLES, MEM100_GIB
 # (bench-memory*); SYNC_MODELS, SYNC_MODES, SYNC_SOURCES, SYNC_ARGS (bench-sync); TRAINER_ARGS
-# (bench-trainer); FAST_CASES, FAST_ARGS (bench-fast); SERVE_ARGS (bench-serve); MULTITURN_ARGS (bench-multiturn); ASYNC_MODES, ASYNC_ROLLOUTS, ASYNC_ARGS (bench-async); TAIL (lines of each log printed).
+# (bench-trainer); FAST_CASES, FAST_ARGS (bench-fast); SERVE_ARGS (bench-serve); MULTITURN_ARGS (bench-multiturn); ASYNC_MODES, ASYNC_ROLLOUTS, ASYNC_ARGS, ASYNC_TAG (bench-async, bench-async-mps); TAIL (lines of each log printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -52,7 +52,20 @@ for s in "$@"; do
     bench-serve) run bench-serve 420 python3 -m tidal.bench.serve --shape qwen2.5-0.5b-shape --requests 512 --prompt-len 64 --new-tokens 256 ${SERVE_ARGS:-} ;;
     bench-multiturn) run bench-multiturn 300 python3 -m tidal.bench.multiturn --shape qwen2.5-0.5b-shape --trajectories 256 --turns 4 --prompt-len 512 --obs-len 128 --new-tokens 64 --prefix-cache-mb 16384 ${MULTITURN_ARGS:-} ;;
     train-guess) run train-guess 200 python3 -m tidal.cli train --no-progress --task guess --num-rollout 30 --output-dir "$OUT/run-guess" ;;
-    bench-async) TAIL=16 run bench-async 560 python3 -m tidal.bench.async_modes --modes ${ASYNC_MODES:-sync,one-step,full} --preset qwen2.5-0.5b-1gpu --num-rollout ${ASYNC_ROLLOUTS:-6} --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-async" ${ASYNC_ARGS:-} ;;
+    bench-async) TAIL=16 run bench-async${ASYNC_TAG:-} 560 python3 -m tidal.bench.async_modes --modes ${ASYNC_MODES:-sync,one-step,full} --preset qwen2.5-0.5b-1gpu --num-rollout ${ASYNC_ROLLOUTS:-6} --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-async${ASYNC_TAG:-}" ${ASYNC_ARGS:-} ;;
+    bench-async-mps)
+      # The same bench with the trainer and engine processes sharing the GPU through a private CUDA MPS daemon
+      # (kernels of both run concurrently instead of time-sliced); ASYNC_ARGS may add --rollout-env-vars with
+      # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE / CUDA_MPS_CLIENT_PRIORITY for the engine. The daemon is stopped after.
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/tidal-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/tidal-mps/log
+      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+      if nvidia-cuda-mps-control -d; then
+        TAIL=16 run bench-async-mps${ASYNC_TAG:-} 560 python3 -m tidal.bench.async_modes --modes ${ASYNC_MODES:-sync,one-step} --preset qwen2.5-0.5b-1gpu --num-rollout ${ASYNC_ROLLOUTS:-6} --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-async-mps${ASYNC_TAG:-}" ${ASYNC_ARGS:-}
+        echo quit | nvidia-cuda-mps-control
+      else
+        echo "=== bench-async-mps: nvidia-cuda-mps-control -d failed; skipped"
+      fi
+      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     profile-ipc) TAIL=20 run profile-ipc 120 python3 scripts/profile_ipc.py ;;
     megatron|megatron-loop|megatron-state)
       k=${s#megatron}; k=${k#-}

@@ -490,6 +490,16 @@ def test_rule_host_policy_is_retain_when_the_host_has_room(argv, env, policy, wh
             "--train-env-vars: value of OMP_NUM_THREADS must be a string",
         ),
         (["--train-env-vars", "[1]"], CPU, "--train-env-vars: expected a dict"),
+        (
+            ["--rollout-env-vars", '{"CUDA_MPS_CLIENT_PRIORITY": "1"}'],
+            CPU,
+            {"rollout_env_vars": {"CUDA_MPS_CLIENT_PRIORITY": "1"}},
+        ),
+        (
+            ["--rollout-env-vars", '{"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": 40}'],
+            CPU,
+            "--rollout-env-vars: value of CUDA_MPS_ACTIVE_THREAD_PERCENTAGE must be a string",
+        ),
         (["--train-env-vars", "{bad"], CPU, "--train-env-vars: expected a JSON object"),
         (
             TINY_GPU + ["--train-env-vars", '{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}'],

@@ -103,7 +103,8 @@ class EngineGroup:
 
             cls = ray.remote(concurrency_groups={"probe": 2})(ProbedEngineActor)  # health() beside a generate
         slot = self.placement.engines[i]
-        return cls.options(**actor_options(self.placement, slot)).remote(
+        env = {str(k): str(v) for k, v in self.sections["rollout"].rollout_env_vars.items()}
+        return cls.options(**actor_options(self.placement, slot, env)).remote(
             i, device=self.placement.device, **self.sections
         )
 

@@ -102,9 +102,10 @@ def _host_policy(ctx: Context) -> tuple[str, str]:
 
 def train_env_vars(ctx: Context) -> None:
     env_vars = ctx.cfg.cluster.train_env_vars
-    for key, value in env_vars.items():
-        if not isinstance(value, str):
-            raise ConfigError(f'--train-env-vars: value of {key} must be a string (write "{value}" in quotes)')
+    for flag, env in (("--train-env-vars", env_vars), ("--rollout-env-vars", ctx.cfg.rollout.rollout_env_vars)):
+        for key, value in env.items():
+            if not isinstance(value, str):
+                raise ConfigError(f'{flag}: value of {key} must be a string (write "{value}" in quotes)')
     if ctx.cfg.memory.memory_backend != "tms":
         return
     for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):

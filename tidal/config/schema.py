@@ -229,6 +229,11 @@ class RolloutConfig:
         "while generating, before it counts as dead (hung) and is restarted.",
         min=1,
     )
+    rollout_env_vars: dict = opt(
+        {},
+        "Extra environment variables for the engine processes, as a JSON object (e.g. CUDA MPS's "
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE or CUDA_MPS_CLIENT_PRIORITY for an engine sharing one GPU with the trainer).",
+    )
     max_engine_restarts: int = opt(3, "Engine restarts (or reconnects) a run survives before it stops.", min=0)
     eval_interval: int = opt(0, "Evaluate greedy accuracy on held-out prompts every N rollouts (0 disables).", min=0)
     debug_rollout_only: bool = opt(False, "Only generate; never train (turns colocate and offload off).")

@@ -365,7 +365,7 @@ rule(
 
 rule(
     "train-env-vars",
-    "`--train-env-vars` is a JSON object of strings; under tms it cannot enable expandable segments, and NCCL user buffers "
+    "`--train-env-vars` and `--rollout-env-vars` are JSON objects of strings; under tms it cannot enable expandable segments, and NCCL user buffers "
     "cannot be combined with `--offload-train` (its grad buffers are paused without backup).",
 )(memory_rules.train_env_vars)
 
