@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -112,6 +113,46 @@ def test_logprobs_are_the_policy_and_match_teacher_forcing(model):
     assert (got - want).abs().max().item() < 1e-5
     # The processed (temperature-scaled, truncated) distribution is measurably different.
     assert (got - want / 0.7).abs().max().item() > 1e-2
+
+
+class _PauseAfter:
+    """A pause request that arrives on the engine's ``k``-th check (a pause from another thread, made deterministic)."""
+
+    def __init__(self, k: int):
+        self.k, self.calls = k, 0
+
+    def is_set(self) -> bool:
+        self.calls += 1
+        return self.calls >= self.k
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_paused_call_returns_partial_rows_that_a_later_call_continues_on_new_weights(fast):
+    eng = make_engine(rollout_fast_decode=fast)
+    eng.set_weight_version(3)
+    sp = SamplingParams(max_new_tokens=24, seed=2)
+    eng.paused = _PauseAfter(4)  # fast decode: at its second host sync (9 tokens); generate: after its second step
+    out = eng.generate(make_samples(eng, repeat=2), sp)
+    aborted = [s for s in out if s.status == "aborted"]
+    assert aborted and {s.status for s in out} <= {"aborted", "completed"}
+    assert all(0 < len(s.response_ids) < 24 and eng.tokenizer.eos_token_id not in s.response_ids for s in aborted)
+    before = {s.index: (list(s.response_ids), list(s.response_logprobs), s.status) for s in out}
+    eng.paused = threading.Event()  # continue_generation; the weights are now version 4 (same values)
+    eng.set_weight_version(4)
+    out = eng.generate(out, sp)
+    assert {s.status for s in out} <= {"completed", "truncated"}
+    for s in out:
+        ids, lps, status = before[s.index]
+        assert s.response_ids[: len(ids)] == ids and s.response_logprobs[: len(ids)] == lps
+        assert len(s.response_ids) == len(s.response_logprobs) == len(s.token_versions) <= 24
+        if status == "completed":  # finished before the pause: left as it was
+            assert s.response_ids == ids and s.response_versions == [] and s.weight_version == 3
+        else:
+            assert s.weight_version == 3 and s.token_versions == [3] * len(ids) + [4] * (len(s.response_ids) - len(ids))
+    # Each continued token was sampled from prompt + response so far: its log-prob is the policy's there.
+    forced = teacher_forced_logprobs(eng.model, [s.prompt_ids for s in out], [s.response_ids for s in out])
+    got = torch.tensor([x for s in out for x in s.response_logprobs])
+    assert (got - torch.tensor([x for f in forced for x in f])).abs().max().item() < 1e-4
 
 
 def test_sampling_is_deterministic_given_a_seed(engine):

@@ -161,10 +161,14 @@ class EngineActor(RolloutEngine):
         self._engine().flush_cache()
 
     def pause_generation(self) -> None:
-        """Nothing to pause: a ``generate`` call runs to its end inside this actor and none is queued."""
+        """A running ``generate`` returns at its next step boundary, rows it cut short ``aborted`` (their tokens
+        so far kept, continued by a later call); calls made before ``continue_generation`` return at once.
+        ``ProbedEngineActor`` answers it beside a running call."""
+        self._engine().pause_generation()
 
     def continue_generation(self) -> None:
-        """See ``pause_generation``."""
+        """Generate again after ``pause_generation`` (same concurrency group as ``generate``: in order)."""
+        self._engine().continue_generation()
 
     def health(self) -> EngineHealth:
         engine = self._engine()
@@ -191,7 +195,7 @@ class EngineActor(RolloutEngine):
 
 
 class ProbedEngineActor(EngineActor):
-    """``EngineActor`` whose ``health`` and ``pid`` answer from their own concurrency group, beside a running
+    """``EngineActor`` whose ``health``, ``pid`` and ``pause_generation`` answer from their own concurrency group, beside a running
     ``generate``: an engine whose process stopped (frozen, or stuck holding the GIL) does not answer, a busy
     one does. Start it with ``ray.remote(concurrency_groups={"probe": 2})`` (``cluster.groups`` does);
     ``EngineActor`` itself stays a plain actor class for ``ray.remote`` alone."""
@@ -203,3 +207,7 @@ class ProbedEngineActor(EngineActor):
     @ray.method(concurrency_group="probe")
     def pid(self) -> int:
         return super().pid()
+
+    @ray.method(concurrency_group="probe")
+    def pause_generation(self) -> None:
+        super().pause_generation()

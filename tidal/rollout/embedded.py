@@ -33,8 +33,10 @@ with anything released and syncing into released weights, before any memory is t
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -50,13 +52,15 @@ from tidal.memory.residency import EngineResidency, EngineState
 from tidal.model import build_model, load_tokenizer, resolve_model
 from tidal.rollout.engine import TAGS
 from tidal.rollout.generate import (
+    Interrupt,
     PolicyLogprobRecorder,
     StopStrings,
     cache_keyword,
     check_sampling,
-    finish_response,
+    extend_response,
     left_pad,
     shared_prefill,
+    unfinished,
 )
 from tidal.rollout.types import Sample, SamplingParams
 from tidal.weight_sync.checksum import tensor_checksum
@@ -153,6 +157,9 @@ class EmbeddedEngine:
         )
         self._calls = 0
         self._flushed_version: int | None = None
+        # Set by pause_generation (from another thread, beside a running generate): the call stops at its next
+        # step boundary and rows it cut short come back aborted; continue_generation clears it.
+        self.paused = threading.Event()
         # Everything alive now lives for the whole run: freezing it out of the collector keeps each
         # flush's gc.collect() to what was created since (hundreds of ms -> ms with transformers loaded).
         gc.collect()
@@ -227,21 +234,29 @@ class EmbeddedEngine:
         self._calls += 1
         torch.manual_seed(seed + _RANK_SEED_STRIDE * self.engine_rank)
         end_ids = list(dict.fromkeys(self._end_ids + list(sampling.stop_token_ids)))
+        todo = unfinished(samples)  # new rows, and rows a paused call cut short (continued from where they were)
         # Similar lengths share a chunk so that little of it is padding.
-        order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_ids))
-        rows = self._rows_per_chunk(max(len(s.prompt_ids) for s in samples), sampling.max_new_tokens)
+        order = sorted(range(len(todo)), key=lambda i: todo[i].total_len)
+        rows = self._rows_per_chunk(max(s.total_len for s in todo), sampling.max_new_tokens) if todo else 1
         for lo in range(0, len(order), rows):
-            part = [samples[i] for i in order[lo : lo + rows]]
-            new_ids, logprobs = self._generate_chunk([s.prompt_ids for s in part], sampling, end_ids)
-            for s, ids, lps in zip(part, new_ids, logprobs):
-                done = finish_response(ids, lps, end_ids=end_ids, stop=sampling.stop, tokenizer=self.tokenizer)
-                s.response_ids, s.response_logprobs, s.response_text, s.status = (
-                    done.ids,
-                    done.logprobs,
-                    done.text,
-                    done.status,
+            part = [todo[i] for i in order[lo : lo + rows]]
+            limits = [sampling.max_new_tokens - len(s.response_ids) for s in part]
+            if self.paused.is_set():  # asked to pause: rows not started stay aborted, with what they have
+                new_ids, logprobs = [[] for _ in part], [[] for _ in part]
+            else:
+                contexts = [list(s.prompt_ids) + list(s.response_ids) for s in part]
+                new_ids, logprobs = self._generate_chunk(contexts, sampling, end_ids, limits)
+            for s, ids, lps, limit in zip(part, new_ids, logprobs, limits):
+                extend_response(
+                    s,
+                    ids[:limit],
+                    lps[:limit],
+                    version=self._version,
+                    max_new_tokens=sampling.max_new_tokens,
+                    end_ids=end_ids,
+                    stop=sampling.stop,
+                    tokenizer=self.tokenizer,
                 )
-                s.weight_version = self._version
         if self._calls == 1:
             # The first call compiled and captured the decode step: its graphs, guards and caches live
             # for the whole run, so they leave the collector too (else every flush walks them: ~0.2 s).
@@ -284,18 +299,27 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def _generate_chunk(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, end_ids: list[int]
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        end_ids: list[int],
+        limits: Sequence[int] | None = None,
     ) -> tuple[list[list[int]], list[list[float]]]:
         """Sample one chunk: new token ids (padded past the end) and their policy log-probs, per row.
 
-        The only place that runs the model for generation; a faster decoding path replaces this.
+        ``limits``: new tokens per row (default ``sampling.max_new_tokens``; the generate path samples
+        up to the largest, the caller cuts). A ``pause_generation`` stops the chunk at its next step
+        boundary with the tokens so far. The only place that runs the model for generation; a faster
+        decoding path replaces this.
         """
         # Fast decode path (tidal.rollout.fast): static KV cache, on-device sampling, CUDA graphs.
         from tidal.rollout.fast.plug import fast_generate_chunk
 
-        fast = fast_generate_chunk(self._decoder(), prompts, sampling, end_ids)
+        fast = fast_generate_chunk(self._decoder(), prompts, sampling, end_ids, limits, self.paused.is_set)
         if fast is not None:
             return fast
+        if limits is not None:
+            sampling = dataclasses.replace(sampling, max_new_tokens=max(limits))
         ids, mask = left_pad(prompts, self._pad_id, self.device)
         greedy = sampling.temperature == 0
         # Greedy decoding takes no sampling knobs (transformers warns about them when given).
@@ -318,7 +342,7 @@ class EmbeddedEngine:
             return_dict_in_generate=True,
         )
         recorder = PolicyLogprobRecorder()
-        stopping = StoppingCriteriaList()
+        stopping = StoppingCriteriaList([Interrupt(self.paused.is_set)])
         if any(sampling.stop):
             stopping.append(StopStrings(sampling.stop, self.tokenizer, prompt_width=ids.shape[1]))
         out = self.model.generate(
@@ -332,6 +356,14 @@ class EmbeddedEngine:
         new = out.sequences[:, ids.shape[1] :]
         logprobs = recorder.finish(out.sequences)
         return new.cpu().tolist(), logprobs.cpu().tolist()
+
+    def pause_generation(self) -> None:
+        """SGLang's ``pause_generation`` in ``abort`` mode: a running call returns at its next step boundary,
+        rows it cut short ``aborted`` with the tokens they have, and calls made while paused return at once."""
+        self.paused.set()
+
+    def continue_generation(self) -> None:
+        self.paused.clear()
 
     def flush_cache(self) -> None:
         """Drop the stored prefixes of multi-turn requests, then on CUDA ``gc.collect()`` and

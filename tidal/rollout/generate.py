@@ -16,6 +16,10 @@ decide what a response *is*:
 - ``StopStrings``: ends a row once its response text contains a stop string.
 - ``finish_response``: cuts a row after its first EOS / stop token / stop string (tokens after it
   are padding or sampled past the end) and assigns its status.
+- ``Interrupt`` and ``extend_response``: a generate call the engine was asked to pause
+  (``pause_generation``) stops at the next step; a row it cut short is ``aborted`` and keeps what it
+  sampled, and a later call continues it from prompt + response so far with the budget left, each
+  token's weight version recorded (``--partial-rollout``, docs/async.md).
 - ``shared_prefill``: a rollout samples each prompt several times (a GRPO group); the rows of one
   prompt are identical, so their prompt's keys and values are computed once and copied to every
   row that repeats it, instead of once per row as ``generate`` alone would (n times fewer prefill
@@ -34,7 +38,7 @@ import torch
 from transformers import LogitsProcessor, StoppingCriteria
 
 from tidal.errors import UserError
-from tidal.rollout.types import SamplingParams
+from tidal.rollout.types import Sample, SamplingParams
 
 
 def left_pad(
@@ -232,3 +236,58 @@ def teacher_forced_logprobs(
         for i, (p, r) in enumerate(zip(ps, rs)):
             out.append(logp[i, len(p) - 1 : len(p) - 1 + len(r)].cpu().tolist())
     return out
+
+
+class Interrupt(StoppingCriteria):
+    """Ends every row at once when ``should_stop()`` answers True (the engine was asked to pause)."""
+
+    def __init__(self, should_stop) -> None:
+        self.should_stop = should_stop
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), bool(self.should_stop()), dtype=torch.bool, device=input_ids.device)
+
+
+def unfinished(samples: Sequence[Sample]) -> list[Sample]:
+    """The samples a generate call works on: new ones, and ones an earlier call left ``aborted``."""
+    return [s for s in samples if s.status in ("pending", "aborted")]
+
+
+def extend_response(
+    sample: Sample,
+    ids: Sequence[int],
+    logprobs: Sequence[float],
+    *,
+    version: int,
+    max_new_tokens: int,
+    end_ids: Iterable[int],
+    stop: Sequence[str],
+    tokenizer,
+) -> None:
+    """Append one call's new tokens (sampled by weights ``version``) to ``sample``'s response so far.
+
+    The whole response is cut again (``finish_response``; a stop string may span the two pieces). A
+    row that neither ended nor reached ``max_new_tokens`` was cut short by a pause: ``aborted``.
+    ``weight_version`` is the version of the first token (the oldest); ``response_versions`` holds
+    one version per token once a response spans two or more (empty: every token is ``weight_version``'s).
+    """
+    before = sample.token_versions
+    if not sample.response_ids:
+        sample.weight_version = version
+    done = finish_response(
+        list(sample.response_ids) + list(ids),
+        list(sample.response_logprobs) + list(logprobs),
+        end_ids=end_ids,
+        stop=stop,
+        tokenizer=tokenizer,
+    )
+    if done.status == "truncated" and len(done.ids) < max_new_tokens:
+        done.status = "aborted"
+    versions = (before + [version] * len(ids))[: len(done.ids)]
+    sample.response_ids, sample.response_logprobs, sample.response_text, sample.status = (
+        done.ids,
+        done.logprobs,
+        done.text,
+        done.status,
+    )
+    sample.response_versions = versions if len(set(versions)) > 1 else []

@@ -259,11 +259,14 @@ class FastDecoder:
         top_k: int = 0,
         stop_ids: Sequence[int] = (),
         seed: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> DecodeResult:
         """Generate for every prompt; see ``DecodeResult``.
 
         ``max_new_tokens`` is one limit or one per row. ``seed`` reseeds the sampling generator (on
-        CUDA the device's default generator); without it the stream continues.
+        CUDA the device's default generator); without it the stream continues. ``should_stop`` is
+        asked at each of the wave's host syncs (every ``check_every`` steps): once it answers True
+        the call returns the tokens so far (rows not started: none), ``stats["interrupted"]`` set.
         """
         t_start = time.perf_counter()
         n = len(prompts)
@@ -279,9 +282,13 @@ class FastDecoder:
         stats = {"waves": 0, "steps": 0, "compactions": 0, "prefill_s": 0.0, "decode_s": 0.0, "buckets": []}
         captures0, capture_s0 = self.graphs.captures, self.graphs.capture_s
         stop_set = set(stops)
+        stats["interrupted"] = False
         for lo in range(0, n, self.rows):
+            if should_stop is not None and should_stop():
+                stats["interrupted"] = True
+                break
             idx = list(range(lo, min(n, lo + self.rows)))
-            out_tok, out_lp = self._wave([prompts[i] for i in idx], [limits[i] for i in idx], mode, stats)
+            out_tok, out_lp = self._wave([prompts[i] for i in idx], [limits[i] for i in idx], mode, stats, should_stop)
             rows = cut_at_stops(out_tok.tolist(), out_lp.tolist(), [limits[i] for i in idx], stop_set)
             for i, (tok, lp, hit) in zip(idx, rows):
                 tokens[i], logprobs[i], stopped[i] = tok, lp, hit
@@ -342,9 +349,15 @@ class FastDecoder:
         return self.rows
 
     def _wave(
-        self, prompts: list[Sequence[int]], limits: list[int], mode: SamplingMode, stats: dict
+        self,
+        prompts: list[Sequence[int]],
+        limits: list[int],
+        mode: SamplingMode,
+        stats: dict,
+        should_stop: Callable[[], bool] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Generate one wave (at most ``rows`` prompts); returns host ``[n, max_new]`` tokens and log-probs."""
+        """Generate one wave (at most ``rows`` prompts); returns host ``[n, columns]`` tokens and log-probs
+        (``max_new`` columns, fewer when ``should_stop`` cut the wave short)."""
         dev = self.device
         n = len(prompts)
         width = max(len(p) for p in prompts)
@@ -381,12 +394,16 @@ class FastDecoder:
         t1 = time.perf_counter()
         stats["prefill_s"] += t1 - t0
 
-        steps = 0
+        steps, columns = 0, max_new
         for t in range(1, max_new):
             if (t - 1) % self.check_every == 0:
                 active = torch.nonzero(~self.s_done[:bs]).squeeze(1)
                 left = int(active.numel())  # the loop's one host sync, every check_every steps
                 if left == 0:
+                    break
+                if should_stop is not None and should_stop():
+                    columns = t  # columns [0, t) hold the tokens sampled so far
+                    stats["interrupted"] = True
                     break
                 smaller = self._bucket(left)
                 if self.compaction and smaller < bs:
@@ -400,8 +417,8 @@ class FastDecoder:
                 stats["buckets"].append((bs, kv_len, mode.name))
             self.graphs.run(key, lambda b=bs, k=kv_len: self._step(b, k, mode), self._state())
             steps += 1
-        out_tok = self.s_out_tok[:n, :max_new].cpu()
-        out_lp = self.s_out_lp[:n, :max_new].cpu()
+        out_tok = self.s_out_tok[:n, :columns].cpu()
+        out_lp = self.s_out_lp[:n, :columns].cpu()
         stats["decode_s"] += time.perf_counter() - t1
         stats["steps"] += steps
         return out_tok, out_lp

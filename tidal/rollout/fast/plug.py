@@ -70,19 +70,28 @@ def build_decoder(model, cfg, *, device_type: str, pad_id: int, backend, name: s
 
 
 def fast_generate_chunk(
-    dec: FastDecoder | str, prompts: Sequence[Sequence[int]], sampling: SamplingParams, end_ids: list[int]
+    dec: FastDecoder | str,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingParams,
+    end_ids: list[int],
+    limits: Sequence[int] | None = None,
+    should_stop=None,
 ) -> tuple[list[list[int]], list[list[float]]] | None:
-    """New token ids and their policy log-probs per row, or None to fall back to ``generate``."""
+    """New token ids and their policy log-probs per row, or None to fall back to ``generate``.
+
+    ``limits``: new tokens per row (default ``sampling.max_new_tokens`` for each); ``should_stop``:
+    asked at the decoder's host syncs, True cuts the call short (``FastDecoder.generate``)."""
     if dec == OFF or len(end_ids) > dec.max_stop_ids:
         return None
     # No seed: the engine has seeded torch for this call (CPU: the decoder draws its seed from it;
     # CUDA: the default generator the graphs use is the one torch.manual_seed set).
     res = dec.generate(
         prompts,
-        max_new_tokens=int(sampling.max_new_tokens),
+        max_new_tokens=int(sampling.max_new_tokens) if limits is None else [int(x) for x in limits],
         temperature=float(sampling.temperature),
         top_p=float(sampling.top_p),
         top_k=int(sampling.top_k),
         stop_ids=end_ids,
+        should_stop=should_stop,
     )
     return res.tokens, res.logprobs
