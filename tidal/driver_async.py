@@ -26,6 +26,11 @@ died shows it there, not in the middle of a sync), then the weights are pushed:
     collect the calls in flight (old weights); sync        no call starts until the sync is done
     [eval] [save]
 
+With ``--partial-rollout`` (full only) the calls in flight are not waited for before a sync: each
+engine is asked to pause (``pause_generation``), its call returns at the next step boundary with the
+rows it cut short ``aborted``, and after the sync those chunks are sent back and continued from
+where they stopped on the new weights, each token's weight version recorded in the sample.
+
 Prompts are counted by serial (``tidal.rollout.buffer.PromptCursor``): a checkpoint records the
 first prompt not yet trained or dropped and the finished ones after it, so a resumed run neither
 skips nor repeats one; groups in flight at a stop (SIGTERM, the end) are generated again on resume.
@@ -111,6 +116,7 @@ class _Loop:
                 "train_samples": len(samples),
                 "async/staleness_mean": sum(stale) / max(1, len(stale)),
                 "async/staleness_max": max(stale, default=0),
+                "async/partial_samples": sum(1 for x in samples if x.response_versions),
                 "async/filtered_groups": self.filtered,
                 "samples_per_s": len(samples) / wall if wall > 0 else 0.0,
                 "trainer_busy_frac": t.get("train_s", 0.0) / wall if wall > 0 else 0.0,
@@ -196,11 +202,15 @@ class Full(_Loop):
 
         metrics = self.train(rollout_id, groups, t, keep_generating)
         with t("drain", s.display):  # the calls in flight finish on the old weights (an update would wait for them)
+            if self.r.partial_rollout:  # ... or stop at their next step, to be continued on the new weights
+                self.flight.pause()
             self.buffer.put(self.collect(self.flight.drain()))
         with t("sync", s.display):  # no call starts during the sync
             self.flight.restart_idle_dead()
             metrics["_sync"] = sync_weights(s)
+        self.flight.resume()
         self.fill()
+        metrics["async/paused_groups"], self.flight.paused_groups = self.flight.paused_groups, 0
         metrics.update(
             {
                 "async/dropped_groups": dropped,

@@ -7,3 +7,9 @@ has rewards that differ: the loop always has a gradient, whatever the random pol
 
 def parity(prompt, response, label):
     return float(sum(map(ord, response)) % 2)
+
+
+def first_char_eighth(prompt, response, label):
+    """1 when the response's first character code is a multiple of 8 (about one sample in eight): a group of
+    eight is all-zero about a third of the time, so dynamic sampling has groups to filter and groups to keep."""
+    return float(bool(response) and ord(response[0]) % 8 == 0)

@@ -137,6 +137,44 @@ def test_full_learns_within_max_staleness_across_sigterm_resume_and_an_engine_re
     assert end["restarts"] == 1
 
 
+@pytest.mark.slow
+def test_full_partial_rollout_continues_requests_on_new_weights_under_dynamic_sampling(ray_cluster, tmp_path):
+    """``--partial-rollout``: the calls in flight at each sync are paused and continued on the new weights.
+    The same small run checks over-sampling and dynamic sampling in the full loop."""
+    rm = os.path.join(os.path.dirname(__file__), "reward_plugins.py") + ":first_char_eighth"
+    flags = ["--async", "full", "--partial-rollout", "--actor-num-gpus-per-node", "1", "--num-rollout", "4"]
+    flags += ["--rollout-batch-size", "8", "--over-sampling-batch-size", "12", "--async-buffer-size", "96"]
+    flags += ["--max-staleness", "3", "--rollout-max-response-len", "24", "--dynamic-sampling", "--custom-rm-path", rm]
+    cfg = _cfg(tmp_path, "partial", *flags, "--log-samples", "64")
+    rows, end = [], {}
+
+    def on_step(s, rollout_id, row):
+        if rollout_id >= 0:
+            rows.append(row)
+            end.update(low=s.cursor.low, done=list(s.async_loop.dropped_serials))
+
+    train(cfg, on_step=on_step)
+    assert [r["train_samples"] for r in rows] == [64] * 4
+    assert sum(r["async/paused_groups"] for r in rows) > 0 and sum(r["async/partial_samples"] for r in rows) > 0
+    versions = {r["step"]: r["sync/version"] for r in rows}
+    recs = _samples(cfg)
+    for r in rows:
+        assert r["async/partial_samples"] == sum(1 for x in recs if x["step"] == r["step"] and "response_versions" in x)
+    groups: dict[int, list[float]] = {}
+    for rec in recs:
+        held = versions[rec["step"]] - 1  # the version the trainer trained from
+        runs = rec.get("response_versions", [[rec["weight_version"], rec["response_length"]]])
+        assert runs[0][0] == rec["weight_version"] and sum(n for _, n in runs) == rec["response_length"], rec
+        assert [v for v, _ in runs] == sorted({v for v, _ in runs}) and runs[-1][0] <= held, rec
+        assert held - rec["weight_version"] <= 3, rec
+        groups.setdefault(rec["group"], []).append(rec["reward"])
+    # Dynamic sampling: every trained group had a gradient; filtered groups were done, never trained.
+    assert all(len(set(rewards)) > 1 for rewards in groups.values())
+    assert sum(r["async/filtered_groups"] for r in rows) > 0
+    assert len(groups) == 4 * 8 and not set(groups) & set(end["done"])
+    assert set(range(end["low"])) <= set(groups) | set(end["done"])
+
+
 def test_bench_summary_figures_from_step_rows():
     from tidal.bench.async_modes import summarize, table
 

@@ -969,7 +969,14 @@ def test_explain_does_not_show_api_keys():
         (["--async", "full"], CPU, {"async_buffer_size": 32, "max_staleness": 1}),
         (["--async", "full", "--max-staleness", "3"], CPU, {"async_buffer_size": 96}),
         (["--async", "full", "--async-buffer-size", "8"], CPU, "below --rollout-batch-size 32"),
-        (["--async", "full", "--partial-rollout"], CPU, "--partial-rollout is not supported"),
+        (["--async", "full", "--partial-rollout"], CPU, {"partial_rollout": True}),
+        (["--async", "one-step", "--partial-rollout"], CPU, "--async one-step has none"),
+        (
+            ["--async", "full", "--partial-rollout", "--custom-generate-function-path", "m:f"],
+            CPU,
+            "not with --custom-generate-function-path",
+        ),
+        (["--async", "full", "--partial-rollout", "--task", "guess"], CPU, "not with a multi-turn environment"),
         (["--async", "full", "--debug-rollout-only"], CPU, "--debug-rollout-only has none"),
         # Colocated by choice: both resident; an explicit offload is refused in one line.
         (["--async", "one-step", "--colocate"], CPU, {"colocate": True, "offload_train": False}),

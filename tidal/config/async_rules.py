@@ -10,8 +10,8 @@ rule and the offload decision, because they settle placement and offload:
 - Samples come from older weights, so the engine's log-probs are the behaviour policy: without
   ``--use-tis`` or ``--use-rollout-logprobs`` given, ``--use-tis`` is derived (an explicit
   ``--no-use-tis`` is kept).
-- ``--partial-rollout`` is refused: an embedded ``generate`` call runs to its end on the weights it
-  started with (requests in flight finish on the old weights).
+- ``--partial-rollout`` (full only, the embedded engine's own generate step): requests in flight at a
+  sync are paused and continued on the new weights.
 """
 
 from __future__ import annotations
@@ -35,10 +35,7 @@ def async_mode(ctx: Context) -> None:
                 raise ConfigError(f"--{name.replace('_', '-')} is only used with --async; add --async or drop the flag")
         return
     if r.partial_rollout:
-        raise ConfigError(
-            "--partial-rollout is not supported: an engine's generate call finishes on the weights it started with "
-            "(requests in flight finish on the old weights); drop the flag"
-        )
+        _partial_rollout(ctx)
     if r.debug_rollout_only:
         raise ConfigError(f"--async {r.async_mode} overlaps generation with training; --debug-rollout-only has none")
     if r.async_mode == "one-step":
@@ -63,6 +60,30 @@ def async_mode(ctx: Context) -> None:
             )
     _placement(ctx)
     _behaviour_policy(ctx)
+
+
+def _partial_rollout(ctx: Context) -> None:
+    """``--partial-rollout``: requests in flight at a sync are paused and continued on the new weights. It needs
+    the full loop (one-step waits for its generation before syncing) and the embedded engine's own generate step."""
+    from tidal.config.agent_rules import is_multi_turn
+
+    r = ctx.cfg.rollout
+    if r.async_mode != "full":
+        raise ConfigError(
+            "--partial-rollout continues requests in flight at a weight update; --async one-step has none (it syncs "
+            "after its generation ended): use --async full or drop the flag"
+        )
+    why = None
+    if r.rollout_engine != "embedded":
+        why = f"--rollout-engine {r.rollout_engine} (continuing an aborted HTTP request is not supported yet)"
+    elif r.custom_generate_function_path:
+        why = "--custom-generate-function-path (a custom generate step cannot be paused part-way)"
+    elif is_multi_turn(ctx.cfg):
+        why = "a multi-turn environment (its turns are whole generate calls)"
+    if why:
+        raise ConfigError(
+            f"--partial-rollout works with the embedded engine's own generate step, not with {why}; drop it"
+        )
 
 
 def _over_sampling(ctx: Context) -> None:

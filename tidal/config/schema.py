@@ -273,7 +273,9 @@ class RolloutConfig:
         min=1,
     )
     partial_rollout: bool = opt(
-        False, "Continue requests in flight at a weight update on the new weights (not supported: refused)."
+        False,
+        "--async full: requests in flight at a weight update are paused and continued on the new weights, each "
+        "token's weight version recorded.",
     )
     over_sampling_batch_size: int | None = opt(
         None,

@@ -289,7 +289,7 @@ rule(
     "`--async one-step|full` turns offload off (an explicit offload flag is refused) and, unless `--colocate` is given, "
     "places engines on their own devices when there are spare ones (on one GPU both stay resident); it derives "
     "`--use-tis` unless a correction is chosen; `--async-buffer-size` defaults to rollout-batch-size x "
-    "max(1, max-staleness); `--partial-rollout` is refused; `--over-sampling-batch-size` defaults to rollout-batch-size.",
+    "max(1, max-staleness); `--partial-rollout` needs `--async full` and the embedded engine's own generate step; `--over-sampling-batch-size` defaults to rollout-batch-size.",
 )(async_rules.async_mode)
 
 

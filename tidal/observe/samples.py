@@ -65,6 +65,8 @@ def sample_record(step: int, s: Sample) -> dict:
         "weight_version": int(s.weight_version),
         "finish_reason": FINISH_REASON.get(s.status, s.status),
         "response_length": len(s.response_ids),
+        # --partial-rollout: a response continued on newer weights, as [version, tokens] runs
+        **({"response_versions": _runs(s.response_versions)} if s.response_versions else {}),
         # multi-turn: who wrote which span (role, tokens); the policy's tokens are the trained ones
         **(
             {"turns": [[t.role, t.end - t.start] for t in s.turns], "policy_tokens": s.num_policy_tokens}
@@ -72,6 +74,17 @@ def sample_record(step: int, s: Sample) -> dict:
             else {}
         ),
     }
+
+
+def _runs(values: list[int]) -> list[list[int]]:
+    """``[3, 3, 4]`` -> ``[[3, 2], [4, 1]]``."""
+    out: list[list[int]] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([int(v), 1])
+    return out
 
 
 def sample_line(record: dict, width: int = 160) -> str:

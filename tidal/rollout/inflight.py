@@ -47,6 +47,9 @@ class InFlight:
         self.s = s
         self.n = s.cfg.rollout.n_samples_per_prompt
         self.calls: dict = {}  # ray ref -> Chunk
+        self.paused: list[Chunk] = []  # --partial-rollout: chunks a pause cut short, continued after the sync
+        self.paused_groups = 0  # groups cut short since the last step line
+        self.pausing: dict = {}  # engine -> the actor paused before this sync
         self.seed = s.cfg.rollout.rollout_seed
         self.window = time.perf_counter()  # engine busy time is counted from here (the step's start)
 
@@ -59,7 +62,29 @@ class InFlight:
         return [i for i in range(len(self.s.engines)) if i not in busy]
 
     def groups_in_flight(self) -> int:
-        return sum(len(c.serials) for c in self.calls.values())
+        return sum(len(c.serials) for c in (*self.calls.values(), *self.paused))
+
+    def pause(self) -> None:
+        """``--partial-rollout``, before a sync: every engine with a call out stops it at its next step
+        boundary (``pause_generation``, answered beside the call); the calls come back with the rows they
+        cut short ``aborted`` and are kept in ``paused`` by ``wait``."""
+        import ray
+
+        self.pausing = {c.engine: c.actor for c in self.calls.values()}
+        refs = [a.pause_generation.remote() for a in self.pausing.values()]
+        # Not raised here: an engine that died or hangs shows it through its call (``wait``).
+        ray.wait(refs, num_returns=len(refs), timeout=self.s.cfg.rollout.engine_health_timeout)
+
+    def resume(self) -> None:
+        """After the sync: the paused engines generate again, and every chunk cut short is sent back to its
+        engine, to be continued from where it stopped on the new weights."""
+        for i, a in self.pausing.items():
+            if a is self.s.engines.actors[i]:  # a restarted engine's new actor was never paused
+                a.continue_generation.remote()  # in order before the generate below (same concurrency group)
+        self.pausing = {}
+        chunks, self.paused = self.paused, []
+        for chunk in chunks:
+            self._submit(chunk)
 
     def start(self, engine: int, prompts: list[tuple[int, tuple]]) -> None:
         """Generate the prompts ``[(serial, item)]`` (consecutive or not) on ``engine``; one call."""
@@ -100,6 +125,11 @@ class InFlight:
                 continue
             now = time.perf_counter()
             out.busy_s += now - max(chunk.started, self.window)
+            if any(x.status == "aborted" for x in samples):  # a pause cut it short: continued after the sync
+                chunk.samples = samples
+                self.paused.append(chunk)
+                self.paused_groups += len(chunk.serials)
+                continue
             self._finish(samples, now - chunk.started, out)
         # An engine already replaced (restarted while this call was out) is not restarted again.
         restart = sorted({c.engine for c, _ in dead if c.actor is self.s.engines.actors[c.engine]})
