@@ -366,10 +366,38 @@ def test_rollout_benchmark_reports_both_paths_on_cpu(capsys):
 
     from tidal.bench import rollout as bench
 
-    bench.main(["--prompts", "2", "--samples", "2", "--new-tokens", "4", "--repeats", "1", "--device", "cpu"])
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    bench.main(
+        ["--prompts", "2", "--samples", "2", "--new-tokens", "4", "--repeats", "1", "--device", "cpu", "--profile"]
+    )
+    out = capsys.readouterr()
+    lines = [json.loads(line) for line in out.out.splitlines() if line.startswith("{")]
+    rows = [r for r in lines if "profile" not in r]
     assert [r["path"] for r in rows] == ["fast", "generate"]
+    # --profile: one summary line after each path's line, its table on stderr.
+    profiles = [r for r in lines if "profile" in r]
+    assert [p["profile"] for p in profiles] == ["rollout fast", "rollout generate"]
+    for p in profiles:
+        assert p["clock"] == "cpu" and 0 < p["total_s"] and p["launches"] > 0
+        assert abs(sum(p["by_category"].values()) - p["total_s"]) < 1e-3 and p["by_category"]["matmul"] > 0
+        assert any(name.startswith("aten::") for name, _, _ in p["top"])
+    assert "torch.profiler: rollout fast" in out.err
     for r in rows:
         assert r["rows"] == 4 and r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["hf_generate_tokens_per_s"] > 0
         assert r["logprob_max_abs_diff"] < 1e-4, r
         assert r["compiled"] is False and r["peak_gpu_bytes"] == 0
+
+
+def test_profile_categories_of_cuda_kernel_names():
+    """The ``--profile`` summaries sort kernels by what their names say they are (names as the H200 shows them)."""
+    from tidal.bench.profiling import category
+
+    assert category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "matmul"
+    assert category("nvjet_tst_128x64_64x8_2x1_v_bz_TNN") == "matmul"
+    assert category("pytorch_flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<64>>") == "attention"
+    assert category("fmha_cutlassF_bf16_aligned_64x64_rf_sm80") == "attention"
+    assert category("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "triton"
+    assert category("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>") == "softmax"
+    assert category("void at::native::index_elementwise_kernel<128, 4>") == "copy_index"
+    assert category("ncclDevKernel_AllGather_RING_LL") == "communication"
+    assert category("void at::native::vectorized_elementwise_kernel<4, at::native::AddFunctor<float>>") == "elementwise"
+    assert category("some_custom_kernel") == "other"

@@ -15,7 +15,11 @@ engine's generation step: ``fast`` = ``tidal.rollout.fast``, ``generate`` = tran
 - ``compiled``: whether the fast path ran its compiled decode step (the CUDA default; ``--no-compile``
   turns it off);
 - with ``--with-cb``, ``cb_generate_batch_tokens_per_s``: transformers continuous batching on the
-  same prompts (the measurement behind the engine's choice of padded ``generate``).
+  same prompts (the measurement behind the engine's choice of padded ``generate``);
+- with ``--profile``, one more warm ``generate`` of the same batch under ``torch.profiler``: its table
+  (kernels by device time on CUDA, where the decode runs as replayed CUDA graphs; operators by CPU
+  time elsewhere) on stderr, and a ``{"profile": ...}`` JSON line after the path's line with the
+  total, the split by kernel category and the top kernels (``tidal.bench.profiling``).
 
 The model is randomly initialised (presets need no download), so responses are noise; what is
 measured is the cost per token and the agreement of the log-probs.
@@ -29,6 +33,7 @@ import time
 
 import torch
 
+from tidal.bench.profiling import profiled
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig
 from tidal.rollout.embedded import EmbeddedEngine
 from tidal.rollout.generate import left_pad, teacher_forced_logprobs
@@ -126,6 +131,18 @@ def _compiled(engine: EmbeddedEngine) -> bool:
     return getattr(dec, "_compiled_forward", None) is not None
 
 
+def engine_generate_fresh(engine: EmbeddedEngine, args: argparse.Namespace, sampling: SamplingParams):
+    """A call of ``engine.generate`` on a fresh copy of the benchmark batch, synchronised at its end."""
+    batch = make_samples(engine, args.prompts, args.samples, args.prompt_len, args.seed)
+
+    def call():
+        out = engine.generate(batch, sampling)
+        _sync(engine.device)
+        return out
+
+    return call
+
+
 def run(args: argparse.Namespace, shape: str, path: str) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # Unset: the engine's default (compiled on CUDA), as in a resolved configuration.
@@ -185,6 +202,9 @@ def run(args: argparse.Namespace, shape: str, path: str) -> dict:
         "completed_frac": round(sum(s.status == "completed" for s in out) / len(out), 3),
         "compiled": _compiled(engine),
     }
+    if args.profile:
+        _, summary = profiled(engine_generate_fresh(engine, args, sampling), engine.device.type, f"rollout {path}")
+        result["profile"] = summary.as_dict()
     if args.with_cb:
         cb_runs = [cb_generate_tokens(engine, batch, sampling) for _ in range(args.repeats)]
         cb_tokens, cb_seconds = min(cb_runs, key=lambda r: r[1])
@@ -209,12 +229,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--paths", default="fast,generate", help="engine generation steps to time: fast, generate")
     p.add_argument("--no-compile", action="store_true", help="decode uncompiled on CUDA (--no-rollout-compile)")
     p.add_argument("--with-cb", action="store_true", help="also time transformers continuous batching (generate_batch)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more warm generate under torch.profiler: table on stderr, summary line",
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     for shape in args.shape.split(","):
         for path in args.paths.split(","):
-            print(json.dumps(run(args, shape.strip(), path.strip())), flush=True)
+            result = run(args, shape.strip(), path.strip())
+            profile = result.pop("profile", None)
+            print(json.dumps(result), flush=True)
+            if profile is not None:
+                print(json.dumps(profile), flush=True)
 
 
 if __name__ == "__main__":

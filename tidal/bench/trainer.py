@@ -19,6 +19,10 @@ One rank in this process (a 1-rank FSDP2 group; the code path of every rank). Pr
     copy_gbps                the limit: a large host memcpy (CPU) or pinned D2H copy (CUDA)
     save_s / save_gbps       an atomic checkpoint of weights + optimizer (written while paused)
     write_gbps               the limit: the same bytes written as one safetensors file, same run
+
+With ``--profile`` the measured train call runs under torch.profiler: a table of kernels by device
+time (operators by CPU time on the CPU) on stderr and a second JSON line, ``{"profile": "train",
+...}``, with the total, the split by kernel category and the top kernels (``tidal.bench.profiling``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import tempfile
 import time
 
 import torch
+
+from tidal.bench.profiling import profiled
 
 
 def _port() -> int:
@@ -106,20 +112,6 @@ def _limit_tokens_per_s(actor, samples) -> float:
     return sum(lengths) / (time.perf_counter() - t)
 
 
-def _profiled(fn, device: str):
-    """Run ``fn`` under torch.profiler and print its top operators (by device time on CUDA) to stderr."""
-    import sys
-
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=acts) as prof:
-        out = fn()
-    key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=30), file=sys.stderr)
-    return out
-
-
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
@@ -182,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     samples = _samples(args.samples, args.prompt_len, args.response_len, vocab)
     actor.train(samples, 0)  # warm-up: allocator, optimizer state
     batch = _samples(args.samples, args.prompt_len, args.response_len, vocab, seed=1)
+    profile = None
     if args.profile:
-        m = _profiled(lambda: actor.train(batch, 1), args.device)
+        m, summary = profiled(lambda: actor.train(batch, 1), args.device, "train")
+        profile = summary.as_dict()
     else:
         m = actor.train(batch, 1)
     limit = _limit_tokens_per_s(actor, samples)
@@ -216,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         "write_gbps": round(s["checkpoint/bytes"] / write_s / 1e9, 3),
     }
     print(json.dumps(row))
+    if profile is not None:
+        print(json.dumps(profile))
     actor.shutdown()
     return 0
 

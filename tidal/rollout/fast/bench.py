@@ -278,7 +278,10 @@ def _fixed_case(run: _Run, case: str, opts: dict, fixed: dict, hf_tps: float) ->
         extra.update(_logprob_checks(run, res))
     line = _line(case, args, dec, res, seconds, peak, hf_tps, **extra)
     if args.profile == case:
-        _profile(functools.partial(_timed, dec, prompts, **fixed), device)
+        from tidal.bench.profiling import profiled
+
+        _, summary = profiled(functools.partial(_timed, dec, prompts, **fixed), device.type, f"fast-bench {case}")
+        run.emit(summary.as_dict())
     if case == "fast":
         # Release (drops graphs) then generate again: the capture cost a moving memory backend pays.
         cuda = device.type == "cuda"
@@ -426,19 +429,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-
-
-def _profile(fn, device: torch.device) -> None:
-    """Run ``fn`` under torch.profiler; print the top operators and kernels by device time to stderr."""
-    import sys
-
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        fn()
-    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=30), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:

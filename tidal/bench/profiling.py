@@ -1,0 +1,120 @@
+"""torch.profiler around one measured call, for the benchmarks' ``--profile`` flags.
+
+``profiled(fn, device, label)`` runs ``fn`` once under ``torch.profiler`` and returns its result and
+a ``ProfileSummary``: on CUDA the device kernels (which is what a replayed CUDA graph shows: its
+kernels, not the operators that launched them at capture), on the CPU the operators, each with its
+self time, sorted by it. ``by_category`` adds the kernels up by what their names say they are
+(communication, attention, matrix multiplies, inductor-fused triton kernels, sampling, softmax, copies and
+indexing, reductions, the rest), so that a decode or train step's breakdown reads off one line. The table goes to
+stderr, the summary is one JSON-able dict (the benchmark prints it on stdout).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# (category, substrings of a lower-cased kernel or operator name); the first match wins.
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("communication", ("nccl", "allgather", "reducescatter", "allreduce")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient_attention", "softmax_warp")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("triton", ("triton_",)),
+    ("sampling", ("exponential", "multinomial", "philox", "uniform", "normal", "argmax")),
+    ("softmax", ("softmax", "logsumexp")),
+    ("copy_index", ("copy", "index", "scatter", "gather", "cat", "fill", "memset", "memcpy", "where")),
+    ("reduce", ("reduce", "sum", "max", "norm")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "aten::")),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+@dataclass
+class ProfileSummary:
+    """Where the time of one profiled call went (seconds of device time on CUDA, CPU time elsewhere)."""
+
+    label: str
+    clock: str  # "device" (CUDA kernels) or "cpu" (operators' self time)
+    wall_s: float
+    total_s: float
+    kernels: int  # distinct kernel (or operator) names
+    launches: int
+    by_category: dict[str, float] = field(default_factory=dict)
+    top: list[tuple[str, float, int]] = field(default_factory=list)  # (name, seconds, calls)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["top"] = [[n[:120], round(s, 6), c] for n, s, c in self.top]
+        out["by_category"] = {k: round(v, 6) for k, v in self.by_category.items()}
+        out["total_s"], out["wall_s"] = round(self.total_s, 6), round(self.wall_s, 6)
+        return {"profile": out.pop("label"), **out}
+
+
+def _self_us(evt, device: bool) -> float:
+    if device:
+        for name in ("self_device_time_total", "self_cuda_time_total"):
+            if hasattr(evt, name):
+                return float(getattr(evt, name))
+        return 0.0
+    return float(evt.self_cpu_time_total)
+
+
+def _is_device(evt) -> bool:
+    kind = getattr(evt, "device_type", None)
+    return kind is not None and str(kind).endswith("CUDA")
+
+
+def summarize(events, label: str, wall_s: float, device: bool, top: int = 15) -> ProfileSummary:
+    """A summary of ``prof.key_averages()``: device kernels when ``device``, else CPU operators."""
+    rows = []
+    for evt in events:
+        if device != _is_device(evt):
+            continue
+        us = _self_us(evt, device)
+        if us > 0:
+            rows.append((evt.key, us / 1e6, int(evt.count)))
+    rows.sort(key=lambda r: -r[1])
+    by_cat: dict[str, float] = {}
+    for name, s, _ in rows:
+        by_cat[category(name)] = by_cat.get(category(name), 0.0) + s
+    return ProfileSummary(
+        label=label,
+        clock="device" if device else "cpu",
+        wall_s=wall_s,
+        total_s=sum(r[1] for r in rows),
+        kernels=len(rows),
+        launches=sum(r[2] for r in rows),
+        by_category=dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
+        top=rows[:top],
+    )
+
+
+def profiled(fn: Callable[[], Any], device: str, label: str, row_limit: int = 40) -> tuple[Any, ProfileSummary]:
+    """Run ``fn`` once under torch.profiler; print the table by self time to stderr; (result, summary)."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = str(device).startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        out = fn()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(f"--- torch.profiler: {label} (sorted by {key}) ---", file=sys.stderr)
+    print(averages.table(sort_by=key, row_limit=row_limit), file=sys.stderr)
+    return out, summarize(averages, label, wall, cuda)
