@@ -6,12 +6,12 @@
 #
 #   bash scripts/gpu_host.sh STEP ...
 #
-# Steps: env, tests, train-default, train-offload, startup, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
+# Steps: env, tests, train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
 # bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, bench-async-mps, profile-ipc, megatron (or its halves megatron-loop, megatron-state), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
-# (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); MEM_GIB, MEM_CYCLES, MEM100_GIB
+# (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); STARTUP05_RUNS, STARTUP05_ARGS, STARTUP05_TAG (startup-0.5b: its runs share one fresh compile cache, so the first is cold and the rest warm); MEM_GIB, MEM_CYCLES, MEM100_GIB
 # (bench-memory*); SYNC_MODELS, SYNC_MODES, SYNC_SOURCES, SYNC_ARGS (bench-sync); TRAINER_ARGS
-# (bench-trainer); FAST_CASES, FAST_ARGS (bench-fast); SERVE_ARGS (bench-serve); MULTITURN_ARGS (bench-multiturn); ASYNC_MODES, ASYNC_ROLLOUTS, ASYNC_ARGS, ASYNC_TAG (bench-async, bench-async-mps); TAIL (lines of each log printed).
+# (bench-trainer); ROLLOUT_ARGS, ROLLOUT_TAG (bench-rollout, e.g. ROLLOUT_ARGS='--paths fast --profile'); FAST_CASES, FAST_ARGS (bench-fast); SERVE_ARGS (bench-serve); MULTITURN_ARGS (bench-multiturn); ASYNC_MODES, ASYNC_ROLLOUTS, ASYNC_ARGS, ASYNC_TAG (bench-async, bench-async-mps); TAIL (lines of each log printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -38,13 +38,14 @@ for s in "$@"; do
     tests) TAIL=30 run tests "${TESTS_LIMIT:-420}" python3 -m pytest -q -m gpu ${TESTS_PATHS:-tests/gpu} -p no:cacheprovider -o addopts="" -rfE --durations=10 ;;
     train-default) run train-default 150 python3 -m tidal.bench.reward_curve --num-rollout 40 --output-dir "$OUT/run-default" ;;
     train-offload) run train-offload 120 python3 -m tidal.cli train --no-progress --offload --num-rollout 5 --output-dir "$OUT/run-offload" ;;
+    startup-0.5b) TAIL=6 run startup-0.5b${STARTUP05_TAG:-} 540 bash -c 'd=$(mktemp -d /tmp/tidal-cc.XXXX); python3 -m tidal.bench.startup --runs ${STARTUP05_RUNS:-2} -- --preset qwen2.5-0.5b-1gpu --num-rollout 1 --rollout-batch-size 64 --rollout-max-response-len 256 --compile-cache-dir "$d" '"${STARTUP05_ARGS:-}" ;;
     startup) TAIL=5 run startup 300 python3 -m tidal.bench.startup --runs 3 -- --num-rollout ${STARTUP_ROLLOUTS:-5} ;;
     train-0.5b) run train-0.5b${TRAIN05_TAG:-} 200 python3 -m tidal.cli train --no-progress --preset qwen2.5-0.5b-1gpu --num-rollout ${TRAIN05_ROLLOUTS:-5} --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-0.5b${TRAIN05_TAG:-}" ${TRAIN05_ARGS:-} ;;
     bench-memory) run bench-memory 200 python3 -m tidal.bench.memory --gib ${MEM_GIB:-16} --cycles ${MEM_CYCLES:-5} --disk-dir /var/tmp/tidal-disk ;;
     bench-sync) run bench-sync 300 python3 -m tidal.bench.weight_sync --model ${SYNC_MODELS:-qwen2.5-0.5b-shape,qwen3-4b-shape} --modes ${SYNC_MODES:-full,delta} --transports tensor --sources ${SYNC_SOURCES:-backup,device} ${SYNC_ARGS:-} ;;
     bench-sync-disk) TAIL=20 run bench-sync-disk 420 python3 -m tidal.bench.weight_sync --model ${SYNC_MODELS:-qwen3-4b-shape} --modes delta --transports tensor,disk --sources backup --disk-dir /var/tmp ${SYNC_ARGS:-} ;;
     bench-codec-disk) TAIL=20 run bench-codec-disk 420 bash -c 'for e in overwrite xor; do python3 -m tidal.bench.delta_codec --format both --encoding $e --reps 3 --disk-dir /var/tmp || exit 1; done' ;;
-    bench-rollout) run bench-rollout 200 python3 -m tidal.bench.rollout --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 ;;
+    bench-rollout) TAIL=${TAIL:-12} run bench-rollout${ROLLOUT_TAG:-} 240 python3 -m tidal.bench.rollout --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 ${ROLLOUT_ARGS:-} ;;
     bench-fast) TAIL=20 run bench-fast 300 python3 -m tidal.rollout.fast.bench --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 --varlen-min 16 --varlen-max 1024 --skip-hf-varlen --cases ${FAST_CASES:-fast,fast-eager,fast-tms,fast-varlen,fast-varlen-nocompact} ${FAST_ARGS:-} ;;
     bench-memory-preload) run bench-memory-preload 200 python3 -m tidal.bench.memory --gib ${MEM_GIB:-16} --cycles ${MEM_CYCLES:-5} --hook-mode preload --policies release,retain ;;
     bench-memory-100) run bench-memory-100 240 python3 -m tidal.bench.memory --gib ${MEM100_GIB:-4} --cycles 100 --policies retain ;;

@@ -83,10 +83,12 @@ def _loop(s, on_step) -> dict:
     if offload_train:
         s.timeline_mark("trainer init", trainer.call("pause").after)
     row: dict = sync_weights(s, first=True)
+    s.mark_startup("startup_synced_s")
     if on_step is not None:
         on_step(s, start - 1, row)
-    # The curve's first point: greedy eval accuracy of the starting weights (kept in step 0's row).
-    initial = {}
+    # The curve's first point: greedy eval accuracy of the starting weights (kept in step 0's row),
+    # and where the time before it went.
+    initial = dict(s.startup)
     if cfg.rollout.eval_interval and start == 0:
         initial = {f"{k}_initial": v for k, v in orchestrate.evaluate(s).items()}
         initial["eval_initial_elapsed_s"] = round(s.run.elapsed(), 3)

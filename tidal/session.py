@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from tidal.cluster.groups import EngineGroup, TrainerGroup
 from tidal.cluster.placement import create_placement_group, plan_placement
 from tidal.cluster.ray_cluster import start_ray, stop_ray
+from tidal.compile_cache import cache_env
 from tidal.config.schema import TidalConfig
 from tidal.dtypes import default_dtype_name
 from tidal.errors import RunFailed, UserError, WeightSyncError, is_engine_death
@@ -56,6 +57,9 @@ class Session:
         self._last_saved: int | None = None
         self.cursor = None  # --async: the prompt cursor whose data position checkpoints record (tidal.rollout.buffer)
         self.last_sync_version = 0  # the weight version of the last sync (restarts resync under a new one)
+        # Where the time before the first step goes: seconds since the process started at each stage,
+        # and the actors' own build times (step 0's row carries them, ``startup_*``).
+        self.startup: dict[str, float] = {}
 
     # ---- setup / teardown -------------------------------------------------------------------
     def __enter__(self) -> Session:
@@ -73,6 +77,7 @@ class Session:
         inputs = _in_background(_read_inputs, cfg, spec)
         try:
             self._start_cluster(spec.config_dict().get("model_type"), trainer_env)
+            self.mark_startup("startup_ray_s")
             self.tokenizer, self.dataset, self.agent = inputs.result()
             from tidal.memory.telemetry import MemoryTimeline
 
@@ -100,6 +105,7 @@ class Session:
         rollout_only = cfg.rollout.debug_rollout_only  # no trainer: no ranks, no bundles, no trainer memory
         placement = plan_placement(cfg.cluster, self.device, num_engines, with_trainer=not rollout_only)
         env = worker_env(placement)
+        env.update(cache_env(cfg.cluster.compile_cache_dir))  # torch.compile's caches, kept across runs
         preload = []
         if cfg.rollout.rollout_engine == "embedded" and not trainer_env:
             actors = len(placement.engines) + len(placement.trainers)
@@ -148,7 +154,12 @@ class Session:
         )
         engine_init = self.engines.call_async("init")
         info = get(self.trainer.call_async("init"))[0]
-        get(engine_init)
+        engine_info = get(engine_init)
+        self.mark_startup("startup_actors_s")
+        self.startup["startup_trainer_init_s"] = round(info.get("init_s", 0.0), 3)
+        self.startup["startup_trainer_build_s"] = round(info.get("build_s", 0.0), 3)
+        builds = [e.get("build_s", 0.0) for e in engine_info if isinstance(e, dict)]
+        self.startup["startup_engine_build_s"] = round(max(builds, default=0.0), 3)
         self.display.info(
             f"trainer: {len(placement.trainers)} rank(s), {info.get('num_params', 0) / 1e6:.2f}M params on {self.device}; "
             f"engines: {len(self.engines)} ({'colocated' if placement.colocated else 'disaggregated'})"
@@ -160,6 +171,14 @@ class Session:
                 "engines released", self.engines.call("release_memory", ["kv_cache", "weights"])[0].after
             )
         self.trainer.call("connect_engines", self.engines.actors, default_dtype_name(self.device))
+
+    def mark_startup(self, name: str) -> None:
+        """Record seconds since this process started under ``name`` (a ``startup_*`` figure of step 0)."""
+        import time
+
+        import psutil
+
+        self.startup[name] = round(time.time() - psutil.Process().create_time(), 3)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         import ray

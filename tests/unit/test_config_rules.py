@@ -144,6 +144,19 @@ def test_rule_rollout_compile(argv, env, expect):
 @pytest.mark.parametrize(
     "argv, env, expect",
     [
+        ([], CPU, {"init_on_device": False}),
+        (TINY_GPU, GPU1, {"init_on_device": True}),
+        (TINY_GPU + ["--no-init-on-device"], GPU1, {"init_on_device": False}),
+        (["--init-on-device"], CPU, {"init_on_device": True}),
+    ],
+)
+def test_rule_init_on_device(argv, env, expect):
+    check(argv, env, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, env, expect",
+    [
         ([], CPU, {"param_dtype": "fp32"}),
         (TINY_GPU, GPU1, {"param_dtype": "bf16"}),
         (TINY_GPU + ["--param-dtype", "fp32"], GPU1, {"param_dtype": "fp32"}),

@@ -63,6 +63,13 @@ def _run(tmp_path, *flags):
     assert [r["step"] for r in rows] == [0, 1]
     for key in ("reward_mean", "elapsed_s", "generate_s", "train_s", "sync_s", "loss"):
         assert key in rows[0], key
+    # Step 0 says where the time before it went (Ray up, actors built, first sync) and only step 0 does.
+    # Ray was up before this run (the shared cluster), so that mark counts only the inputs' check.
+    marks = [rows[0][k] for k in ("startup_ray_s", "startup_actors_s", "startup_synced_s")]
+    assert marks == sorted(marks) and marks[-1] <= rows[0]["elapsed_s"], rows[0]
+    assert 0 < rows[0]["startup_trainer_build_s"] <= rows[0]["startup_trainer_init_s"]
+    assert rows[0]["startup_engine_build_s"] > 0
+    assert not any(k.startswith("startup_") for k in rows[1])
     assert os.path.exists(os.path.join(cfg.logging.output_dir, "curves.png"))
     _check_samples(cfg.logging.output_dir, steps=[0, 1], versions={0: 1, 1: 2})
     assert os.path.getsize(os.path.join(cfg.logging.output_dir, "memory.png")) > 0

@@ -389,7 +389,7 @@ def test_rollout_benchmark_reports_both_paths_on_cpu(capsys):
 
 def test_profile_categories_of_cuda_kernel_names():
     """The ``--profile`` summaries sort kernels by what their names say they are (names as the H200 shows them)."""
-    from tidal.bench.profiling import category
+    from tidal.profiling import category
 
     assert category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "matmul"
     assert category("nvjet_tst_128x64_64x8_2x1_v_bz_TNN") == "matmul"

@@ -22,3 +22,22 @@ def test_medians_leave_out_failed_runs():
     rows = [{"rc": 0, "total_s": 3.0}, {"rc": 0, "total_s": 5.0}, {"rc": 1, "total_s": 0.1}, {"rc": 0, "total_s": None}]
     assert _median(rows, "total_s") == 4.0
     assert _median([{"rc": 1, "total_s": 1.0}], "total_s") is None
+
+
+def test_step0_breakdown_reads_the_first_row(tmp_path):
+    from tidal.bench.startup import step0_breakdown
+
+    rows = [
+        '{"step": 0, "elapsed_s": 9.5, "generate_s": 2.0, "train_s": 1.5, "startup_ray_s": 3.1, "startup_actors_s": 6.0, "reward_mean": 0.1}',
+        '{"step": 1, "elapsed_s": 10.0, "generate_s": 0.1, "startup_ray_s": 99}',
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    got = step0_breakdown(str(tmp_path))
+    assert got == {
+        "step0_elapsed_s": 9.5,
+        "step0_generate_s": 2.0,
+        "step0_train_s": 1.5,
+        "startup_ray_s": 3.1,
+        "startup_actors_s": 6.0,
+    }
+    assert step0_breakdown(str(tmp_path / "missing")) == {}

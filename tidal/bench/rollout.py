@@ -19,7 +19,7 @@ engine's generation step: ``fast`` = ``tidal.rollout.fast``, ``generate`` = tran
 - with ``--profile``, one more warm ``generate`` of the same batch under ``torch.profiler``: its table
   (kernels by device time on CUDA, where the decode runs as replayed CUDA graphs; operators by CPU
   time elsewhere) on stderr, and a ``{"profile": ...}`` JSON line after the path's line with the
-  total, the split by kernel category and the top kernels (``tidal.bench.profiling``).
+  total, the split by kernel category and the top kernels (``tidal.profiling``).
 
 The model is randomly initialised (presets need no download), so responses are noise; what is
 measured is the cost per token and the agreement of the log-probs.
@@ -33,8 +33,8 @@ import time
 
 import torch
 
-from tidal.bench.profiling import profiled
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig
+from tidal.profiling import profiled
 from tidal.rollout.embedded import EmbeddedEngine
 from tidal.rollout.generate import left_pad, teacher_forced_logprobs
 from tidal.rollout.types import Sample, SamplingParams

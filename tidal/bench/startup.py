@@ -6,7 +6,10 @@ Run: ``python -m tidal.bench.startup`` (``--runs 3``; ``--with-trl`` also times
 
 Each run is a fresh process timed from outside, as a user's shell would: ``first_step_s`` is the
 wall time from the command's start to its first step line on the console (``step    0 |``: Ray
-started, actors built, weights synced, one rollout generated and trained), ``total_s`` to its exit.
+started, actors built, weights synced, one rollout generated and trained), ``total_s`` to its exit;
+``startup_*`` and ``step0_*`` say where that time went (step 0's row of the run's metrics.jsonl:
+seconds since the process started when Ray was up, the actors built and the first sync done, the
+actors' build times, and step 0's phases, whose generate and train include compiling).
 With ``--with-trl`` the two commands run in turn (tidal, TRL, tidal, ...) so that a machine whose
 speed drifts slows both alike. Prints one JSON line per run, then the medians next to the limits
 they are measured against: ``first_step_s`` <= 8 s on a 2-core CPU, and tidal's ``total_s`` no
@@ -47,6 +50,19 @@ def time_command(cmd: list[str], first_line: str | None = None) -> dict:
     }
 
 
+def step0_breakdown(run_dir: str) -> dict:
+    """Where step 0's time went, from the run's metrics.jsonl: the ``startup_*`` marks (seconds since
+    the process started: Ray up, actors built, first sync done; the actors' build times) and the
+    step's own phases (the first generate and train include compiling and graph capture)."""
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            row = json.loads(f.readline())
+    except (OSError, ValueError):
+        return {}
+    keep = ("elapsed_s", "generate_s", "train_s", "sync_s", "release_s", "resume_s", "pause_s")
+    return {f"step0_{k}": row[k] for k in keep if k in row} | {k: v for k, v in row.items() if k.startswith("startup_")}
+
+
 def _median(rows: list[dict], key: str) -> float | None:
     values = [r[key] for r in rows if r.get(key) is not None and r["rc"] == 0]
     return round(statistics.median(values), 2) if values else None
@@ -64,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.runs):
             out = os.path.join(tmp, f"run{i}")
             cmd = [py, "-m", "tidal", "train", "--no-progress", "--output-dir", out, *args.train_flags]
-            row = {"command": "tidal train", "run": i, **time_command(cmd, "step    0 |")}
+            row = {"command": "tidal train", "run": i, **time_command(cmd, "step    0 |"), **step0_breakdown(out)}
             print(json.dumps(row), flush=True)
             tidal_rows.append(row)
             if args.with_trl:

@@ -22,7 +22,7 @@ One rank in this process (a 1-rank FSDP2 group; the code path of every rank). Pr
 
 With ``--profile`` the measured train call runs under torch.profiler: a table of kernels by device
 time (operators by CPU time on the CPU) on stderr and a second JSON line, ``{"profile": "train",
-...}``, with the total, the split by kernel category and the top kernels (``tidal.bench.profiling``).
+...}``, with the total, the split by kernel category and the top kernels (``tidal.profiling``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from tidal.bench.profiling import profiled
+from tidal.profiling import profiled
 
 
 def _port() -> int:

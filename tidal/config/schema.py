@@ -43,6 +43,12 @@ class ClusterConfig:
     rollout_num_gpus_per_engine: int = opt(1, "Devices per rollout engine (the embedded engine uses one).", min=1)
     num_cpus_per_actor: float = opt(1.0, "CPUs reserved per trainer rank in the placement group.", min=0)
     train_env_vars: dict = opt({}, "Extra environment variables for training processes, as a JSON object.")
+    compile_cache_dir: str = opt(
+        "~/.cache/tidal/compile",
+        "Where the actors of a local cluster keep torch.compile's caches (inductor FX graphs, AOTAutograd, "
+        "triton kernels) across runs, so a run after the first skips most compiling; empty: torch's own "
+        "defaults (under /tmp).",
+    )
 
 
 @dataclass
@@ -52,6 +58,12 @@ class ModelConfig:
     )
     tokenizer: str | None = opt(None, "Tokenizer folder (default: the model's).")
     trust_remote_code: bool = opt(False, "Allow model code from the model folder.")
+    init_on_device: bool | None = opt(
+        None,
+        "Draw a preset's random initial weights on the device it trains and decodes on (the device's generator: "
+        "a fraction of a second for a 0.5B preset where the host takes tens of seconds; the same numbers on the "
+        "same GPU model); off: on the host (the same numbers on any machine). Default: on with CUDA.",
+    )
 
 
 @dataclass
@@ -283,6 +295,11 @@ class RolloutConfig:
         "continue until rollout-batch-size groups are kept.",
         min=1,
     )
+
+
+def init_on_device_default(device: str) -> bool:
+    """``--init-on-device`` when unset: on with CUDA (the host is then the slow place to draw weights)."""
+    return device == "cuda"
 
 
 def rollout_compile_default(device: str) -> bool:

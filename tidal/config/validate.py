@@ -35,7 +35,7 @@ from tidal.config.args import coerce, fields, flag_of
 from tidal.config.environment import Environment
 from tidal.config.plan import MemoryPlan, ModelShape, build_plan, model_shape
 from tidal.config.provenance import Provenance
-from tidal.config.schema import TidalConfig, rollout_compile_default
+from tidal.config.schema import TidalConfig, init_on_device_default, rollout_compile_default
 from tidal.dtypes import default_dtype_name, short_name
 from tidal.errors import ConfigError, UserError
 
@@ -161,6 +161,16 @@ def _rollout_compile(ctx: Context) -> None:
     if ctx.cfg.rollout.rollout_compile is None:
         on = rollout_compile_default(ctx.cfg.cluster.device)
         ctx.derive("rollout_compile", on, "rollout-compile", f"default on {ctx.cfg.cluster.device}")
+
+
+@rule(
+    "init-on-device",
+    "`--init-on-device` defaults to on with CUDA and off on CPU (where the host is the device).",
+)
+def _init_on_device(ctx: Context) -> None:
+    if ctx.cfg.model.init_on_device is None:
+        on = init_on_device_default(ctx.cfg.cluster.device)
+        ctx.derive("init_on_device", on, "init-on-device", f"default on {ctx.cfg.cluster.device}")
 
 
 @rule("param-dtype", "`--param-dtype auto` is fp32 on CPU and bf16 on CUDA.")
@@ -454,7 +464,7 @@ def unresolved_fields(cfg: TidalConfig) -> list[str]:
         "device", "param_dtype", "memory_backend", "rollout_num_gpus", "offload_train", "offload_rollout",
         "update_weight_transport", "global_batch_size", "eps_clip_high", "output_dir",
         "rollout_compile", "use_critic", "offload_host_memory", "rollout_prefix_cache_mb", "over_sampling_batch_size",
-        "disable_grad_buffers_cpu_backup",
+        "disable_grad_buffers_cpu_backup", "init_on_device",
     }  # fmt: skip
     out = []
     for info in fields():

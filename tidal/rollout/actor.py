@@ -110,6 +110,7 @@ class EngineActor(RolloutEngine):
             "device": str(self.engine.device),
             "torch_threads": torch.get_num_threads(),
             "memory_backend": self.engine.backend.name,
+            "build_s": self.engine.build_s,
         }
 
     def _engine(self):

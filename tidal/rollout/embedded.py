@@ -37,13 +37,21 @@ import dataclasses
 import gc
 import logging
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, TrainerConfig, WeightSyncConfig
+from tidal.config.schema import (
+    MemoryConfig,
+    ModelConfig,
+    RolloutConfig,
+    TrainerConfig,
+    WeightSyncConfig,
+    init_on_device_default,
+)
 from tidal.dtypes import as_dtype, default_dtype
 from tidal.errors import ResidencyError, UserError, WeightSyncError
 from tidal.memory import make_backend
@@ -118,6 +126,7 @@ class EmbeddedEngine:
         chunk_bytes: int | None = None,
     ) -> None:
         self.rollout = rollout
+        self.model_cfg = model_cfg
         self.weight_sync_cfg = weight_sync if weight_sync is not None else WeightSyncConfig()
         self.device = torch.device(device)
         self.engine_rank = engine_rank
@@ -132,7 +141,9 @@ class EmbeddedEngine:
         self.backend = make_backend(memory, device=self.device.type, role="engine")
         self.last_memory: MemoryFigures | None = None  # process memory after the last release / resume
         self._fast_decoder = None  # built on first generate (tidal.rollout.fast.plug)
+        t_build = time.perf_counter()
         self.model = self._build(seed)
+        self.build_s = time.perf_counter() - t_build
         self.model.requires_grad_(False)
         # Every name a sender may use, tied aliases included (lm_head.weight -> the embedding).
         self._params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters(remove_duplicate=False))
@@ -168,22 +179,28 @@ class EmbeddedEngine:
     def _build(self, seed: int) -> torch.nn.Module:
         """The policy in the engine dtype on the engine device, its weights allocated as class ``weights``.
 
-        A preset is initialised exactly as the trainer initialises it (fp32, on the host, from
-        ``seed``) and only then cast and moved: drawing the init in bf16 or from the CUDA generator
-        would give different numbers. Only parameters are cast; buffers such as the rotary
-        ``inv_freq`` keep their fp32 precision.
+        A preset is initialised exactly as the trainer initialises it (fp32, from ``seed``, on the
+        host or with ``--init-on-device`` on the device, as the trainer does) and only then cast:
+        drawing the init in bf16 would give different numbers. Only parameters are cast, each into
+        the weights region (the fp32 model built on the device is a temporary); buffers such as the
+        rotary ``inv_freq`` keep their fp32 precision.
         """
         if not self.spec.is_preset:
             with self.backend.region(StateClass.WEIGHTS):
                 model = build_model(self.spec, dtype=self.dtype, seed=seed, device=self.device).eval()
             return _buffers_out_of_region(model, self.device)
-        model = build_model(self.spec, dtype=torch.float32, seed=seed, device="cpu").eval()
+        on_device = self.model_cfg.init_on_device
+        on_device = init_on_device_default(self.device.type) if on_device is None else on_device
+        init_device = self.device if on_device else torch.device("cpu")
+        model = build_model(self.spec, dtype=torch.float32, seed=seed, device=init_device).eval()
         if self.dtype == torch.float32 and self.device.type == "cpu":
             return model
         with torch.no_grad(), self.backend.region(StateClass.WEIGHTS):
             for p in model.parameters():
-                p.data = p.data.to(device=self.device, dtype=self.dtype)
+                p.data = p.data.to(device=self.device, dtype=self.dtype, copy=True)
         model.config.dtype = self.dtype
+        if init_device.type == "cuda":
+            torch.cuda.empty_cache()  # the fp32 temporaries' blocks
         return _buffers_out_of_region(model, self.device)
 
     # ------------------------------------------------------------------ generation

@@ -44,7 +44,14 @@ from collections.abc import Iterator
 
 import torch
 
-from tidal.config.schema import AlgorithmConfig, MemoryConfig, ModelConfig, TrainerConfig, WeightSyncConfig
+from tidal.config.schema import (
+    AlgorithmConfig,
+    MemoryConfig,
+    ModelConfig,
+    TrainerConfig,
+    WeightSyncConfig,
+    init_on_device_default,
+)
 from tidal.dtypes import as_dtype, default_dtype_name
 from tidal.errors import ConfigError
 from tidal.memory.base import MemoryResult, StateClass
@@ -134,10 +141,13 @@ class TrainerActor(Trainer):
         self.mp = mixed_precision(self.compute_dtype)
 
         self.memory = make_backend(self.memory_cfg, device=self.device_type, role="trainer", offload_train=self.offload)
+        t_build = time.perf_counter()
+        # The region wraps the sharding only (a model built on the device is a temporary).
+        self.model = self._build_sharded(build_model, trainable=True)
+        if self.algo.use_kl_loss:
+            self.ref_model = self._build_sharded(build_model, trainable=False)
+        build_s = time.perf_counter() - t_build
         with self.memory.region(StateClass.WEIGHTS):
-            self.model = self._build_sharded(build_model, trainable=True)
-            if self.algo.use_kl_loss:
-                self.ref_model = self._build_sharded(build_model, trainable=False)
             if self.algo.use_critic:
                 from tidal.trainer.critic import Critic
 
@@ -168,6 +178,8 @@ class TrainerActor(Trainer):
             "use_kl_loss": self.ref_model is not None,
             "critic_params": sum(p.numel() for p in self.critic.model.parameters()) if self.critic else 0,
             "init_s": time.perf_counter() - t0,
+            "build_s": build_s,  # policy (and reference) built from the seed and sharded
+            "init_on_device": self._init_device().type != "cpu",
         }
 
     def _place(self) -> None:
@@ -205,6 +217,12 @@ class TrainerActor(Trainer):
             total_steps=self.total_steps,
         )
 
+    def _init_device(self) -> torch.device:
+        """Where presets draw their initial weights: this rank's device with ``--init-on-device``, else the host."""
+        on = self.model_cfg.init_on_device
+        on = init_on_device_default(self.device_type) if on is None else on
+        return self.device if on else torch.device("cpu")
+
     def _build_sharded(self, build_model, *, trainable: bool) -> torch.nn.Module:
         return build_sharded(
             build_model,
@@ -213,6 +231,8 @@ class TrainerActor(Trainer):
             seed=self.cfg.seed,
             trainable=trainable,
             gradient_checkpointing=self.cfg.gradient_checkpointing,
+            init_device=self._init_device(),
+            region=lambda: self.memory.region(StateClass.WEIGHTS),
         )
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -1,13 +1,17 @@
 """Building and sharding the FSDP2 models of a trainer rank: the policy, the reference and the critic.
 
-Every rank builds the model on the host from the same seed (so the shards agree without a
-broadcast), then ``fully_shard`` wraps every decoder layer and the root over the rank's mesh, with
-fp32 master parameters and, when the compute dtype is lower, a mixed-precision policy whose
-all-gathered copy is in that dtype (gradients reduced in fp32).
+Every rank builds the model from the same seed (so the shards agree without a broadcast): on the
+host, or with ``--init-on-device`` a preset on the rank's device (its generator draws the same
+numbers on every rank of the same GPU model, in a fraction of the host's time), then
+``fully_shard`` wraps every decoder layer and the root over the rank's mesh, with fp32 master
+parameters and, when the compute dtype is lower, a mixed-precision policy whose all-gathered copy is
+in that dtype (gradients reduced in fp32). Only the sharding runs inside the memory backend's
+weights region: the full model built on the device is a temporary, freed once the shards exist.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -52,13 +56,21 @@ def build_sharded(
     seed: int,
     trainable: bool,
     gradient_checkpointing: bool,
+    init_device: str | torch.device = "cpu",
+    region: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> torch.nn.Module:
-    """Build on the host from the shared seed, then shard with ``shard_fn``; a frozen model is in eval mode."""
-    model = build_model(spec, dtype=torch.float32, seed=seed, device="cpu")
+    """Build from the shared seed on ``init_device`` (a preset; a folder loads on the host), then shard
+    with ``shard_fn`` inside ``region``; a frozen model is in eval mode."""
+    device = init_device if spec.is_preset else "cpu"
+    model = build_model(spec, dtype=torch.float32, seed=seed, device=device)
     model.config.use_cache = False
     if trainable and gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not trainable:
         model.requires_grad_(False)
         model.eval()
-    return shard_fn(model)
+    with region():
+        sharded = shard_fn(model)
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the full model's blocks, now that the shards hold their own copies
+    return sharded

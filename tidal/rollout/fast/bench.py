@@ -278,7 +278,7 @@ def _fixed_case(run: _Run, case: str, opts: dict, fixed: dict, hf_tps: float) ->
         extra.update(_logprob_checks(run, res))
     line = _line(case, args, dec, res, seconds, peak, hf_tps, **extra)
     if args.profile == case:
-        from tidal.bench.profiling import profiled
+        from tidal.profiling import profiled
 
         _, summary = profiled(functools.partial(_timed, dec, prompts, **fixed), device.type, f"fast-bench {case}")
         run.emit(summary.as_dict())
