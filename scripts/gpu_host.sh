@@ -10,8 +10,8 @@
 # bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, bench-async-mps, profile-ipc, megatron (or its halves megatron-loop, megatron-state), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); STARTUP05_RUNS, STARTUP05_ARGS, STARTUP05_TAG (startup-0.5b: its runs share one fresh compile cache, so the first is cold and the rest warm); MEM_GIB, MEM_CYCLES, MEM100_GIB
-# (bench-memory*); SYNC_MODELS, SYNC_MODES, SYNC_SOURCES, SYNC_ARGS (bench-sync); TRAINER_ARGS
-# (bench-trainer); ROLLOUT_ARGS, ROLLOUT_TAG (bench-rollout, e.g. ROLLOUT_ARGS='--paths fast --profile'); FAST_CASES, FAST_ARGS (bench-fast); SERVE_ARGS (bench-serve); MULTITURN_ARGS (bench-multiturn); ASYNC_MODES, ASYNC_ROLLOUTS, ASYNC_ARGS, ASYNC_TAG (bench-async, bench-async-mps); TAIL (lines of each log printed).
+# (bench-memory*); SYNC_MODELS, SYNC_MODES, SYNC_SOURCES, SYNC_ARGS (bench-sync); TRAINER_ARGS, TRAINER_TAG
+# (bench-trainer); ROLLOUT_ARGS, ROLLOUT_TAG (bench-rollout, e.g. ROLLOUT_ARGS='--paths fast --profile'); FAST_CASES, FAST_ARGS, FAST_TAG (bench-fast); SERVE_ARGS (bench-serve); MULTITURN_ARGS (bench-multiturn); ASYNC_MODES, ASYNC_ROLLOUTS, ASYNC_ARGS, ASYNC_TAG (bench-async, bench-async-mps); TAIL (lines of each log printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -46,10 +46,10 @@ for s in "$@"; do
     bench-sync-disk) TAIL=20 run bench-sync-disk 420 python3 -m tidal.bench.weight_sync --model ${SYNC_MODELS:-qwen3-4b-shape} --modes delta --transports tensor,disk --sources backup --disk-dir /var/tmp ${SYNC_ARGS:-} ;;
     bench-codec-disk) TAIL=20 run bench-codec-disk 420 bash -c 'for e in overwrite xor; do python3 -m tidal.bench.delta_codec --format both --encoding $e --reps 3 --disk-dir /var/tmp || exit 1; done' ;;
     bench-rollout) TAIL=${TAIL:-12} run bench-rollout${ROLLOUT_TAG:-} 240 python3 -m tidal.bench.rollout --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 ${ROLLOUT_ARGS:-} ;;
-    bench-fast) TAIL=20 run bench-fast 300 python3 -m tidal.rollout.fast.bench --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 --varlen-min 16 --varlen-max 1024 --skip-hf-varlen --cases ${FAST_CASES:-fast,fast-eager,fast-tms,fast-varlen,fast-varlen-nocompact} ${FAST_ARGS:-} ;;
+    bench-fast) TAIL=20 run bench-fast${FAST_TAG:-} 300 python3 -m tidal.rollout.fast.bench --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 --varlen-min 16 --varlen-max 1024 --skip-hf-varlen --cases ${FAST_CASES:-fast,fast-eager,fast-tms,fast-varlen,fast-varlen-nocompact} ${FAST_ARGS:-} ;;
     bench-memory-preload) run bench-memory-preload 200 python3 -m tidal.bench.memory --gib ${MEM_GIB:-16} --cycles ${MEM_CYCLES:-5} --hook-mode preload --policies release,retain ;;
     bench-memory-100) run bench-memory-100 240 python3 -m tidal.bench.memory --gib ${MEM100_GIB:-4} --cycles 100 --policies retain ;;
-    bench-trainer) TAIL=45 run bench-trainer 240 python3 -m tidal.bench.trainer --device cuda --model qwen2.5-0.5b-shape --samples 512 --prompt-len 32 --response-len 256 --max-tokens-per-gpu 8192 ${TRAINER_ARGS:---profile} ;;
+    bench-trainer) TAIL=${TAIL:-45} run bench-trainer${TRAINER_TAG:-} 300 python3 -m tidal.bench.trainer --device cuda --model qwen2.5-0.5b-shape --samples 512 --prompt-len 32 --response-len 256 --max-tokens-per-gpu 8192 ${TRAINER_ARGS:---profile} ;;
     bench-serve) run bench-serve 420 python3 -m tidal.bench.serve --shape qwen2.5-0.5b-shape --requests 512 --prompt-len 64 --new-tokens 256 ${SERVE_ARGS:-} ;;
     bench-multiturn) run bench-multiturn 300 python3 -m tidal.bench.multiturn --shape qwen2.5-0.5b-shape --trajectories 256 --turns 4 --prompt-len 512 --obs-len 128 --new-tokens 64 --prefix-cache-mb 16384 ${MULTITURN_ARGS:-} ;;
     train-guess) run train-guess 200 python3 -m tidal.cli train --no-progress --task guess --num-rollout 30 --output-dir "$OUT/run-guess" ;;

@@ -7,6 +7,9 @@
 
 One rank in this process (a 1-rank FSDP2 group; the code path of every rank). Prints one JSON line:
 
+    first_train_s            the warm-up call (the first: allocator growth, AdamW state, compiling)
+    first_loss / loss        the two calls' losses, and the measured call's entropy and gradient norm (same
+    entropy / grad_norm      samples and seed: equal across kernels up to rounding)
     train_tokens_per_s       ``TrainerActor.train`` on one rollout (old log-prob recompute, loss,
                              backward, clipping, AdamW), real tokens / seconds
     limit_tokens_per_s       the same micro-batches through the bare transformers model and the same
@@ -128,6 +131,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--profile", action="store_true", help="print a torch.profiler table of the measured train call to stderr"
     )
+    ap.add_argument(
+        "--compile-layers", action="store_true", help="torch.compile every decoder layer (--compile-layers)"
+    )
     return ap.parse_args(argv)
 
 
@@ -142,7 +148,10 @@ def _trainer(args: argparse.Namespace):
         _port(),
         model=ModelConfig(model=args.model),
         trainer=TrainerConfig(
-            lr=1e-6, max_tokens_per_gpu=args.max_tokens_per_gpu, recompute_logprobs=args.recompute_logprobs
+            lr=1e-6,
+            max_tokens_per_gpu=args.max_tokens_per_gpu,
+            recompute_logprobs=args.recompute_logprobs,
+            compile_layers=args.compile_layers,
         ),
         algorithm=AlgorithmConfig(),
         memory=MemoryConfig(offload_train=True),
@@ -172,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     info = actor.init()
     vocab = actor.model.config.vocab_size
     samples = _samples(args.samples, args.prompt_len, args.response_len, vocab)
-    actor.train(samples, 0)  # warm-up: allocator, optimizer state
+    t_first = time.perf_counter()
+    first = actor.train(samples, 0)  # warm-up: allocator, optimizer state, compiling
+    first_s = time.perf_counter() - t_first
     batch = _samples(args.samples, args.prompt_len, args.response_len, vocab, seed=1)
     profile = None
     if args.profile:
@@ -191,7 +202,14 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "params": info["num_params"],
         "tokens": m["tokens"],
+        "compile_layers": args.compile_layers,
+        "first_train_s": round(first_s, 3),
         "train_s": round(m["train_s"], 3),
+        # The same samples and seed give the same losses whatever the kernels (to rounding).
+        "first_loss": round(float(first["loss"]), 6),
+        "loss": round(float(m["loss"]), 6),
+        "entropy": round(float(m["entropy"]), 6),
+        "grad_norm": round(float(m["grad_norm"]), 6),
         "train_tokens_per_s": round(m["tokens_per_s"], 1),
         "limit_tokens_per_s": round(limit, 1),
         "train_vs_limit": round(m["tokens_per_s"] / limit, 3),

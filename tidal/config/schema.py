@@ -112,6 +112,12 @@ class TrainerConfig:
     compile_logprobs: bool = opt(
         True, "torch.compile the log-prob/entropy chunk kernels (CUDA with triton; off: the eager kernels)."
     )
+    compile_layers: bool = opt(
+        False,
+        "torch.compile the forward of every decoder layer (policy, reference, critic) before sharding: fused "
+        "norms, rotary and activations in forward and backward (CUDA with triton; the first step compiles, "
+        "later runs read --compile-cache-dir).",
+    )
     dist_timeout_min: int = opt(30, "Timeout of the trainer's process-group collectives, in minutes.", min=1)
     param_dtype: str = opt(
         "auto", "Compute dtype of parameters: fp32 on CPU, bf16 on GPU when auto.", choices=("auto", "fp32", "bf16")

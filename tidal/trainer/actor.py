@@ -236,7 +236,7 @@ class TrainerActor(Trainer):
         )
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
-        return shard(model, self.groups.mesh, self.mp, self.model_cfg.model)
+        return shard(model, self.groups.mesh, self.mp, self.model_cfg.model, compile_layers=self.cfg.compile_layers)
 
     # ---- tensors per state class (called by the memory backend at every pause) -----------------
     def _weight_tensors(self):

@@ -28,8 +28,13 @@ def mixed_precision(compute_dtype: torch.dtype):
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
 
 
-def shard(model: torch.nn.Module, mesh, mp, model_name: str) -> torch.nn.Module:
-    """FSDP2 on a host model: every decoder layer, then the root (policy, reference and critic alike)."""
+def shard(model: torch.nn.Module, mesh, mp, model_name: str, compile_layers: bool = False) -> torch.nn.Module:
+    """FSDP2 on a host model: every decoder layer, then the root (policy, reference and critic alike).
+
+    ``compile_layers``: each layer's ``forward`` goes through ``torch.compile`` (one graph shared by
+    every layer: their code is the same and parameters are graph inputs). Only ``forward`` is
+    replaced, so FSDP2's hooks around it (all-gather before, reshard after) stay eager.
+    """
     from torch.distributed.fsdp import fully_shard
 
     kw = {"mesh": mesh}
@@ -43,6 +48,8 @@ def shard(model: torch.nn.Module, mesh, mp, model_name: str) -> torch.nn.Module:
             "use a transformers causal LM"
         )
     for layer in layers:
+        if compile_layers:
+            layer.forward = torch.compile(layer.forward)
         fully_shard(layer, **kw)
     fully_shard(model, **kw)  # moves the remaining (root) parameters onto the device too
     return model
