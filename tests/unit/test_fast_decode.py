@@ -337,3 +337,49 @@ def test_greedy_fused_core_matches_eager_sampling():
     a = sample(logits, sampling_mode(0, 1, 0, 50), one, one)
     b = sample(logits, sampling_mode(0, 1, 0, 50), one, one, fused=plain_core)
     assert torch.equal(a[0], b[0]) and torch.allclose(a[1], b[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("name", [*NAMES, "tiny-qwen3"])
+def test_fused_projections_match_the_model_and_follow_weight_changes(models, name):
+    """``fused=True`` (stacked q/k/v and gate/up weights): the same greedy tokens and log-probs as the
+    model's own forward, for Llama, Qwen2 (biases) and Qwen3 (q/k norms), and the stacked copies follow
+    the model when its weights change in place between calls (a weight sync) or come back as garbage
+    after a memory backend's release (they are kv_cache memory)."""
+    import copy
+
+    model = copy.deepcopy(models[name])
+    prompts = _prompts(7, seed=21)
+    backend = PortableBackend(engine_policy(), device="cpu", label="engine")
+    fused = FastDecoder(
+        model, max_batch=8, max_seq_len=48, fused=True, region=lambda: backend.region(StateClass.KV_CACHE)
+    )
+    backend.register(StateClass.KV_CACHE, fused.kv_tensors)
+    plain = FastDecoder(model, max_batch=8, max_seq_len=48)
+    for _ in range(2):
+        res = fused.generate(prompts, max_new_tokens=9, temperature=0)
+        ref = plain.generate(prompts, max_new_tokens=9, temperature=0)
+        assert res.stats["fused"] and res.stats["fused_fallback_reason"] is None
+        assert res.tokens == ref.tokens
+        assert _max_diff(res.logprobs, ref.logprobs) < 1e-5
+        assert _max_diff(res.logprobs, teacher_forced_logprobs(model, prompts, res.tokens)) < 1e-5
+        with torch.no_grad():  # a "sync": every parameter rewritten in place
+            for p in model.parameters():
+                p.mul_(1.5).add_(0.01)
+    backend.pause([StateClass.KV_CACHE])
+    backend.resume([StateClass.KV_CACHE])
+    for t in fused.kv_tensors():
+        if t.is_floating_point():
+            t.fill_(math.nan)
+    assert (
+        fused.generate(prompts, max_new_tokens=9, temperature=0).tokens
+        == plain.generate(prompts, max_new_tokens=9, temperature=0).tokens
+    )
+
+
+def test_fused_projections_fall_back_for_other_families():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tidal.rollout.fast.fused import unsupported_reason
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    assert "gpt2" in unsupported_reason(gpt2)

@@ -146,7 +146,12 @@ def engine_generate_fresh(engine: EmbeddedEngine, args: argparse.Namespace, samp
 def run(args: argparse.Namespace, shape: str, path: str) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # Unset: the engine's default (compiled on CUDA), as in a resolved configuration.
-    rollout = RolloutConfig(rollout_seed=args.seed, rollout_compile=False if args.no_compile else None)
+    rollout = RolloutConfig(
+        rollout_seed=args.seed,
+        rollout_compile=False if args.no_compile else None,
+        rollout_fused_decode=args.fused,
+        rollout_kv_block=args.kv_block,
+    )
     # The engine's generation step: the fast decode path (tidal.rollout.fast) or transformers generate.
     rollout.rollout_fast_decode = path == "fast"
     engine = EmbeddedEngine(ModelConfig(model=shape), rollout, MemoryConfig(), device=device, seed=args.seed)
@@ -201,6 +206,8 @@ def run(args: argparse.Namespace, shape: str, path: str) -> dict:
         "peak_gpu_bytes": int(peak),
         "completed_frac": round(sum(s.status == "completed" for s in out) / len(out), 3),
         "compiled": _compiled(engine),
+        "fused": bool(getattr(getattr(engine, "_fast_decoder", None), "_fused", None)),
+        "kv_block": args.kv_block,
     }
     if args.profile:
         _, summary = profiled(engine_generate_fresh(engine, args, sampling), engine.device.type, f"rollout {path}")
@@ -228,6 +235,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--paths", default="fast,generate", help="engine generation steps to time: fast, generate")
     p.add_argument("--no-compile", action="store_true", help="decode uncompiled on CUDA (--no-rollout-compile)")
+    p.add_argument("--fused", action="store_true", help="stacked q/k/v and gate/up matmuls (--rollout-fused-decode)")
+    p.add_argument(
+        "--kv-block", type=int, default=256, help="attention-length step of decode graphs (--rollout-kv-block)"
+    )
     p.add_argument("--with-cb", action="store_true", help="also time transformers continuous batching (generate_batch)")
     p.add_argument(
         "--profile",

@@ -267,6 +267,11 @@ class RolloutConfig:
     rollout_compile: bool | None = opt(
         None, "torch.compile the decode step (attention stays eager); default: on with CUDA, off on CPU."
     )
+    rollout_fused_decode: bool = opt(
+        False,
+        "Decode steps with one stacked q/k/v matmul and one gate/up matmul per layer (Llama/Qwen2/Qwen3; "
+        "the stacked weights are refreshed from the model at every generate and are kv_cache memory).",
+    )
     rollout_prefix_cache_mb: int | None = opt(
         None,
         "Prompt KV the fast decode path keeps between calls, reused when a request extends an earlier one "

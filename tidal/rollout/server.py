@@ -46,6 +46,7 @@ ENGINE_ROLLOUT_FIELDS = (
     "rollout_kv_block",
     "rollout_compile",
     "rollout_prefix_cache_mb",  # multi-turn: the server keeps prompt KV between turns too
+    "rollout_fused_decode",
 )
 
 

@@ -158,6 +158,8 @@ def _line(case: str, args, dec: FastDecoder, res, seconds: float, peak: int, hf_
         "capture_s": round(stats.get("capture_s", 0.0), 4),
         "graph_captures": stats.get("graph_captures"),
         "buckets": stats.get("buckets"),
+        "fused": stats.get("fused"),
+        "kv_block": dec.kv_block,
     }
     line.update(extra)
     return line
@@ -188,6 +190,7 @@ class _Run:
             mem_fraction=args.mem_fraction,
             pad_id=self.pad,
             kv_block=args.kv_block,
+            fused=args.fused,
         )
         opts.update(kw)
         return FastDecoder(self.model, **opts)
@@ -417,6 +420,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-hf-varlen", action="store_true", help="skip generate on the variable-length batch")
     p.add_argument("--mem-fraction", type=float, default=0.45, help="device memory the engine may hold at its peak")
     p.add_argument("--kv-block", type=int, default=256, help="attention length granularity of decode steps")
+    p.add_argument("--fused", action="store_true", help="stacked q/k/v and gate/up matmuls (tidal.rollout.fast.fused)")
     p.add_argument("--fp32-rows", type=int, default=64, help="rows checked against an fp32 teacher-forced pass")
     p.add_argument(
         "--cases",

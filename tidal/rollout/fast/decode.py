@@ -31,6 +31,10 @@ cache and the step's state buffers), for a memory backend to release as class ``
 that frees and re-allocates them in place changes their addresses: the graphs notice (their address
 signature) and are recaptured; one that keeps addresses (torch_memory_saver) keeps the graphs.
 Contents are never trusted across calls: the cache is zeroed at the start of every ``generate``.
+
+Size: a little over 500 lines, because the wave loop, the step, compaction and the buffers they
+share are one state machine over the same static tensors; the parts that stand alone (attention,
+graphs, cache plan, sampling, prefixes, fused projections) are their own modules.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import torch
 
 from tidal.errors import UserError
 from tidal.rollout.fast import attention
+from tidal.rollout.fast.fused import FusedDecodeForward, unsupported_reason
 from tidal.rollout.fast.graphs import GraphSet
 from tidal.rollout.fast.prefix import PrefixStore, reuse_prefixes, take_prompt
 from tidal.rollout.fast.request import DecodeResult, batch_buckets, check_request, cut_at_stops
@@ -68,7 +73,10 @@ class FastDecoder:
     model forward and sampling through ``torch.compile`` (attention excluded); a failure to compile
     turns it off with one log line (``compile_fallback_reason``). ``graphs_in_region`` captures
     graphs inside ``region`` too, so that a backend that pauses the region (torch_memory_saver) also
-    pauses the graphs' memory pool.
+    pauses the graphs' memory pool. ``fused`` runs decode steps through
+    ``tidal.rollout.fast.fused.FusedDecodeForward`` (stacked q/k/v and gate/up weights, refreshed from
+    the model at every ``generate``) where the model family allows it (``fused_fallback_reason`` says
+    why not, when it does not).
     """
 
     def __init__(
@@ -91,6 +99,7 @@ class FastDecoder:
         compile: bool = False,
         graphs_in_region: bool = False,
         prefix_cache_bytes: int = 0,
+        fused: bool = False,
     ) -> None:
         reason = attention.check_supported(model)
         if reason is not None:
@@ -133,6 +142,14 @@ class FastDecoder:
         self.compile_fallback_reason: str | None = None
         self._compiled_forward = None
         self._fused_sampler = None
+        self._fused: FusedDecodeForward | None = None
+        self.fused_fallback_reason: str | None = None
+        if fused:
+            self.fused_fallback_reason = unsupported_reason(model)
+            if self.fused_fallback_reason is None:
+                self._fused = FusedDecodeForward(model)
+            else:
+                log.info("fast decode: projections not fused (%s)", self.fused_fallback_reason)
         if compile:
             attention.register()
             self._compiled_forward = torch.compile(self._forward_logits, dynamic=True)
@@ -153,7 +170,8 @@ class FastDecoder:
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            return int(self.mem_fraction * total) - weights
+            stacked = self._fused.nbytes() if self._fused is not None else 0
+            return int(self.mem_fraction * total) - weights - stacked
         return _CPU_DEFAULT_BUDGET
 
     def plan(self, max_seq_len: int | None = None) -> dict:
@@ -187,6 +205,8 @@ class FastDecoder:
             # Outputs by wave row; the extra last row absorbs writes of empty slots.
             self.s_out_tok = torch.zeros((rows + 1, max_len), dtype=torch.long, device=dev)
             self.s_out_lp = torch.zeros((rows + 1, max_len), dtype=torch.float32, device=dev)
+            if self._fused is not None:
+                self._fused.allocate(dev)
         self.rows = rows
         self.graphs.clear()
         log.info(
@@ -201,7 +221,8 @@ class FastDecoder:
         """Every tensor of memory class kv_cache: the cache and the decode state (empty when released)."""
         if self.cache is None:
             return []
-        return [self.cache.buf, *self._state(), self.s_start, self.s_limit, self.s_rowmap, self.s_cols]
+        stacked = self._fused.buffers if self._fused is not None else []
+        return [self.cache.buf, *self._state(), self.s_start, self.s_limit, self.s_rowmap, self.s_cols, *stacked]
 
     def _state(self) -> list[torch.Tensor]:
         """Buffers a decode step mutates (saved around graph warm-up) or reads per call."""
@@ -224,6 +245,8 @@ class FastDecoder:
         if self.prefixes is not None:
             self.prefixes.clear()
         self.cache = None
+        if self._fused is not None:
+            self._fused.release()
         for name in [n for n in vars(self) if n.startswith("s_")]:
             delattr(self, name)
         self.rows = 0
@@ -274,6 +297,8 @@ class FastDecoder:
         if n == 0:
             return DecodeResult([], [], [], {})
         self._make_ready(max(len(p) for p in prompts) + max(limits))
+        if self._fused is not None:
+            self._fused.refresh()  # the weights may have changed since the last call (a sync, a resume)
         mode = self._set_sampling(temperature, top_p, top_k, stops, seed)
 
         tokens: list[list[int]] = [[] for _ in range(n)]
@@ -301,6 +326,8 @@ class FastDecoder:
             fallback_reason=self.graphs.fallback_reason,
             compiled=self._compiled_forward is not None,
             compile_fallback_reason=self.compile_fallback_reason,
+            fused=self._fused is not None,
+            fused_fallback_reason=self.fused_fallback_reason,
             graph_captures=self.graphs.captures - captures0,
             capture_s=self.graphs.capture_s - capture_s0,
             graphs_cached=len(self.graphs.graphs),
@@ -485,6 +512,8 @@ class FastDecoder:
 
     def _forward_logits(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Last-position logits ``[rows, vocab]`` of one decode step (attention through the active context)."""
+        if self._fused is not None:
+            return self._fused(ids, mask, pos)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=1)
         return out.logits[:, -1]
 
