@@ -178,8 +178,11 @@ def run(args: argparse.Namespace, shape: str, path: str) -> dict:
     out, seconds = _timed(engine_generate, args.repeats)
     peak = torch.cuda.max_memory_allocated(engine.device) if engine.device.type == "cuda" else 0
     tokens = sum(len(s.response_ids) for s in out)
-    hf_runs = [hf_generate_tokens(engine, batch, sampling) for _ in range(args.repeats)]
-    hf_tokens, hf_seconds = min(hf_runs, key=lambda r: r[1])
+    hf_tps = None
+    if not args.skip_hf:
+        hf_runs = [hf_generate_tokens(engine, batch, sampling) for _ in range(args.repeats)]
+        hf_tokens, hf_seconds = min(hf_runs, key=lambda r: r[1])
+        hf_tps = round(hf_tokens / hf_seconds, 1)
 
     forced = teacher_forced_logprobs(
         engine.model,
@@ -200,7 +203,7 @@ def run(args: argparse.Namespace, shape: str, path: str) -> dict:
         "tokens": tokens,
         "seconds": round(seconds, 4),
         "tokens_per_s": round(tokens / seconds, 1),
-        "hf_generate_tokens_per_s": round(hf_tokens / hf_seconds, 1),
+        "hf_generate_tokens_per_s": hf_tps,
         "logprob_max_abs_diff": float(diffs.max()),
         "logprob_mean_abs_diff": float(diffs.mean()),
         "peak_gpu_bytes": int(peak),
@@ -235,6 +238,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--paths", default="fast,generate", help="engine generation steps to time: fast, generate")
     p.add_argument("--no-compile", action="store_true", help="decode uncompiled on CUDA (--no-rollout-compile)")
+    p.add_argument(
+        "--skip-hf", action="store_true", help="skip transformers generate (runs comparing engine settings in one job)"
+    )
     p.add_argument("--fused", action="store_true", help="stacked q/k/v and gate/up matmuls (--rollout-fused-decode)")
     p.add_argument(
         "--kv-block", type=int, default=256, help="attention-length step of decode graphs (--rollout-kv-block)"
