@@ -21,7 +21,11 @@ step; ``http_step_rows``: rows of each), and of the fastest burst's ``http_burst
 part the server's engine spent generating (``http_engine_seconds``) and the whole split by stage
 (``http_split_seconds``, see ``split``; from the server's ``/request_timings``, on the host's
 monotonic clock), with the server's mean seconds per request to parse and to render
-(``http_per_request_ms``). Then the same split as lines, next to the in-process seconds.
+(``http_per_request_ms``), and the CPU seconds of the engine's thread during its generate in
+both (``inproc_engine_cpu_seconds``, ``http_engine_cpu_seconds``) with the server's event loop's
+CPU seconds meanwhile (``http_loop_cpu_seconds_during_step``: work of the loop that competes with
+the decode loop for the GIL) and the seconds in the garbage collector during the generate in both
+(``inproc_gc_seconds``, ``http_gc_seconds_during_step``). Then the same split as lines, next to the in-process seconds.
 Response tokens are counted after cutting at EOS, as the engine returns them.
 """
 
@@ -60,17 +64,22 @@ def _engine(args, device: str):
     return EmbeddedEngine(ModelConfig(model=args.shape), rollout, MemoryConfig(), device=device)
 
 
-def _inproc_once(engine, prompts, args) -> float:
-    """Tokens/s of one in-process generate of every prompt as one batch."""
+def _inproc_once(engine, prompts, args) -> tuple[float, float, float]:
+    """Tokens/s of one in-process generate of every prompt as one batch, the CPU seconds its thread spent,
+    and the seconds spent in the garbage collector meanwhile."""
     from tidal.rollout.types import Sample, SamplingParams
 
     sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens, seed=args.seed)
     batch = [Sample(index=i, group=i, prompt=None, prompt_ids=list(p)) for i, p in enumerate(prompts)]
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    from tidal.serve.batcher import GcClock
+
+    GcClock.start()
+    t0, c0, gc0 = time.perf_counter(), time.thread_time(), GcClock.seconds
     out = engine.generate(batch, sp)
-    return sum(len(s.response_ids) for s in out) / (time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    return sum(len(s.response_ids) for s in out) / seconds, time.thread_time() - c0, GcClock.seconds - gc0
 
 
 def _start_server(args, device: str) -> tuple[subprocess.Popen, str]:
@@ -183,11 +192,16 @@ def _http_once(url: str, clients: _Clients) -> dict:
         "server_parse_ms": 1000 * sum(t["queued"] - t["arrived"] for t in timings) / len(timings),
         "render_ms": 1000 * sum(t["rendered"] - t["resumed"] for t in timings) / len(timings),
     }
+    loop_cpu = [s["loop_cpu_seconds"] for s in steps]
     return {
         "rate": out["tokens"] / wall,
         "rows": [s["rows"] for s in steps],
         "wall": wall,
         "step_s": sum(s["seconds"] for s in steps),
+        "step_cpu_s": sum(s["engine_cpu_seconds"] for s in steps),
+        "loop_cpu_s": None if None in loop_cpu else sum(loop_cpu),
+        "gc_s": sum(s["gc_seconds"] for s in steps),
+        "gc_passes": [sum(s["gc_passes"][g] for s in steps) for g in range(3)],
         "split": split(t0, list(timings), out["done"]),
         "per_request": per_request,
     }
@@ -219,13 +233,13 @@ def measure(args, device: str) -> dict:
         clients = _Clients(url, prompts, args)
         _inproc_once(engine, prompts, args)
         _http_once(url, clients)
-        inproc, best = 0.0, None
+        inproc, best = (0.0, 0.0, 0.0), None
         for _ in range(args.repeats):
             inproc = max(inproc, _inproc_once(engine, prompts, args))
             got = _http_once(url, clients)
             if best is None or got["rate"] > best["rate"]:
                 best = got
-        return {"inproc": inproc, "http": best["rate"], **best}
+        return {"inproc": inproc[0], "inproc_cpu_s": inproc[1], "inproc_gc_s": inproc[2], "http": best["rate"], **best}
     finally:
         if clients is not None:
             clients.close()
@@ -270,6 +284,14 @@ def main(argv: list[str] | None = None) -> int:
         "http_step_rows": step_rows,
         "http_burst_seconds": round(m["wall"], 3),
         "http_engine_seconds": round(m["step_s"], 3),
+        # CPU seconds of the engine's thread during its generate, in-process and in the server, and of the
+        # server's event loop meanwhile (a busy loop holds the GIL the decode loop needs between launches).
+        "inproc_engine_cpu_seconds": round(m["inproc_cpu_s"], 3),
+        "http_engine_cpu_seconds": round(m["step_cpu_s"], 3),
+        "http_loop_cpu_seconds_during_step": None if m["loop_cpu_s"] is None else round(m["loop_cpu_s"], 3),
+        "inproc_gc_seconds": round(m["inproc_gc_s"], 4),
+        "http_gc_seconds_during_step": round(m["gc_s"], 4),
+        "http_gc_passes_during_step": m["gc_passes"],
         "http_split_seconds": {k: round(v, 3) for k, v in m["split"].items()},
         "http_per_request_ms": {k: round(v, 3) for k, v in m["per_request"].items()},
     }
@@ -289,6 +311,13 @@ def _table(row: dict) -> str:
     ]
     for name, sec in row["http_split_seconds"].items():
         lines.append(f"  {name:<15} {sec:8.3f} s  {100 * sec / row['http_burst_seconds']:5.1f} %")
+    loop = row["http_loop_cpu_seconds_during_step"]
+    lines.append(
+        f"  engine step: {row['http_engine_seconds']:.3f} s, its thread's CPU {row['http_engine_cpu_seconds']:.3f} s "
+        f"(in-process {limit:.3f} s, CPU {row['inproc_engine_cpu_seconds']:.3f} s); "
+        f"event loop CPU meanwhile {'unknown' if loop is None else f'{loop:.3f} s'}; garbage collector "
+        f"{row['http_gc_seconds_during_step']:.4f} s (in-process {row['inproc_gc_seconds']:.4f} s)"
+    )
     return "\n".join(lines)
 
 

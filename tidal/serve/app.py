@@ -70,6 +70,7 @@ class ServerState:
         self.api_key = api_key
         self.weight_version = str(engine.get_weight_version())
         self.end_ids = [engine.tokenizer.eos_token_id] if engine.tokenizer.eos_token_id is not None else []
+        self.vocab_size: int = engine.model.config.get_text_config().vocab_size  # read once: a slow attribute
         self.started = time.time()
         self.timings: deque[RequestTiming] = deque(maxlen=8192)  # of the latest /generate requests
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import gc
 import logging
 import threading
 import time
@@ -47,6 +48,12 @@ class StepInfo:
     seconds: float = 0.0  # the engine's generate call alone
     started: float = 0.0  # time.monotonic() when the engine call began and ended (the request timings' clock)
     ended: float = 0.0
+    # CPU seconds during the engine call of the engine's thread and of the event loop's thread: the loop
+    # busy while the engine decodes takes the GIL from it (None where the loop's clock is unreadable).
+    engine_cpu_seconds: float = 0.0
+    loop_cpu_seconds: float | None = None
+    gc_seconds: float = 0.0  # in the garbage collector meanwhile (any thread)
+    gc_passes: tuple[int, int, int] = (0, 0, 0)  # its collections of generations 0, 1, 2
 
 
 @dataclasses.dataclass
@@ -58,11 +65,15 @@ class GenerateResult:
 
 @dataclasses.dataclass
 class _Job:
-    future: concurrent.futures.Future
+    future: asyncio.Future  # of the event loop that submitted the job; settled there (``_settle``)
     prompts: list[list[int]] | None = None  # generate job
     sampling: SamplingParams | None = None
     fn: Callable[[], Any] | None = None  # any other engine call
     eager: bool = False  # part of a batch the client sent as one request: no burst to wait for
+    # Built on the event loop at submit time, while the engine thread waits for the burst's end, so the
+    # step starts without a pass over every row first.
+    samples: list[Sample] = dataclasses.field(default_factory=list)
+    key: tuple = ()
 
     @property
     def is_generate(self) -> bool:
@@ -92,6 +103,7 @@ class EngineWorker:
         self._arrivals = 0  # jobs submitted so far
         self._rows = 0  # rows of the generate jobs queued
         self._event_loop: asyncio.AbstractEventLoop | None = None  # the event loop the handlers run on
+        self._loop_thread: int | None = None  # its thread's ident
         self._jobs: deque[_Job] = deque()
         self._cv = threading.Condition()
         self._paused = False
@@ -99,6 +111,7 @@ class EngineWorker:
         self.steps = 0
         self.busy = False
         self.recent: deque[StepInfo] = deque(maxlen=64)
+        GcClock.start()
         self._thread = threading.Thread(target=self._loop, name="tidal-serve-engine", daemon=True)
         self._thread.start()
 
@@ -108,15 +121,25 @@ class EngineWorker:
         self, prompts: list[list[int]], sampling: SamplingParams, *, eager: bool = False
     ) -> GenerateResult:
         """``eager``: the rows came as one batched request; the step need not wait for more to arrive."""
-        job = _Job(concurrent.futures.Future(), prompts=prompts, sampling=sampling, eager=eager)
-        return await self._submit(job)
+        return await self.submit_generate(prompts, sampling, eager=eager)
+
+    def submit_generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, *, eager: bool = False
+    ) -> asyncio.Future:
+        """Queue the rows now (no task in between, so the queue holds them when this returns); the future
+        gets their ``GenerateResult``. Call it on the event loop."""
+        loop = asyncio.get_running_loop()
+        samples = [Sample(index=0, group=0, prompt=None, prompt_ids=list(p)) for p in prompts]
+        job = _Job(loop.create_future(), prompts, sampling, eager=eager, samples=samples, key=_key(sampling))
+        return self._submit(job, loop)
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` on the engine thread, after every job queued before it."""
-        return await self._submit(_Job(concurrent.futures.Future(), fn=fn))
+        loop = asyncio.get_running_loop()
+        return await self._submit(_Job(loop.create_future(), fn=fn), loop)
 
-    async def _submit(self, job: _Job) -> Any:
-        self._event_loop = asyncio.get_running_loop()
+    def _submit(self, job: _Job, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        self._event_loop, self._loop_thread = loop, threading.get_ident()
         with self._cv:
             if self._closed:
                 raise RuntimeError("the server is shutting down")
@@ -128,7 +151,7 @@ class EngineWorker:
             # a burst need not (it would take the GIL from the event loop that is parsing the rest).
             if len(self._jobs) == 1 or not job.is_generate or job.eager or self._rows >= self.fill_rows:
                 self._cv.notify()
-        return await asyncio.wrap_future(job.future)
+        return job.future
 
     def pause(self, mode: str) -> int:
         """Hold queued generates (``abort``: finish them now as aborted); returns how many were aborted."""
@@ -137,14 +160,16 @@ class EngineWorker:
             aborted = 0
             if mode == "abort":
                 keep: deque[_Job] = deque()
+                done = []
                 for job in self._jobs:
                     if job.is_generate:
-                        job.future.set_result(GenerateResult([], None, aborted=True))
-                        aborted += 1
+                        done.append((job, GenerateResult([], None, aborted=True), None))
                         self._rows -= len(job.prompts)
                     else:
                         keep.append(job)
                 self._jobs = keep
+                _settle_soon(done)
+                aborted = len(done)
             return aborted
 
     def resume(self) -> None:
@@ -163,8 +188,7 @@ class EngineWorker:
     def close(self) -> None:
         with self._cv:
             self._closed = True
-            for job in self._jobs:
-                job.future.set_exception(RuntimeError("the server is shutting down"))
+            _settle_soon([(job, None, RuntimeError("the server is shutting down")) for job in self._jobs])
             self._jobs.clear()
             self._cv.notify()
 
@@ -245,34 +269,99 @@ class EngineWorker:
     @staticmethod
     def _run_call(job: _Job) -> None:
         try:
-            job.future.set_result(job.fn())
+            settled = (job, job.fn(), None)
         except BaseException as e:  # noqa: BLE001 - handed to the waiting request
-            job.future.set_exception(e)
+            settled = (job, None, e)
+        _settle_soon([settled])
 
     def _run_step(self, jobs: list[_Job]) -> None:
         groups: dict[tuple, list[_Job]] = {}
         for job in jobs:
-            groups.setdefault(_key(job.sampling), []).append(job)
+            groups.setdefault(job.key, []).append(job)
         for group in groups.values():
-            samples = [
-                Sample(index=i, group=i, prompt=None, prompt_ids=list(p))
-                for i, p in enumerate(p for job in group for p in job.prompts)
-            ]
+            samples = [s for job in group for s in job.samples]
+            for i, s in enumerate(samples):
+                s.index = s.group = i
             self.steps += 1
             info = StepInfo(step=self.steps, requests=len(group), rows=len(samples))
             info.started = time.monotonic()
+            clocks, gc0, passes = _cpu_clocks(self._loop_thread), GcClock.seconds, list(GcClock.passes)
             try:
                 out = self.engine.generate(samples, group[0].sampling)
             except BaseException as e:  # noqa: BLE001 - every request of the step gets the error
-                for job in group:
-                    job.future.set_exception(e)
+                _settle_soon([(job, None, e) for job in group])
                 continue
             info.ended = time.monotonic()
             info.seconds = info.ended - info.started
+            info.engine_cpu_seconds, info.loop_cpu_seconds = _cpu_spent(self._loop_thread, clocks)
+            info.gc_seconds = GcClock.seconds - gc0
+            info.gc_passes = tuple(b - a for a, b in zip(passes, GcClock.passes))
             self.recent.append(info)
             log.debug("engine step %d: %d requests, %d rows, %.3f s", info.step, info.requests, info.rows, info.seconds)
-            lo = 0
+            settled, lo = [], 0
             for job in group:
-                part = out[lo : lo + len(job.prompts)]
+                settled.append((job, GenerateResult(out[lo : lo + len(job.prompts)], info), None))
                 lo += len(job.prompts)
-                job.future.set_result(GenerateResult(part, info))
+            _settle_soon(settled)
+
+
+def _settle(items: list[tuple[_Job, Any, BaseException | None]]) -> None:
+    """On the event loop: each job's future gets its result or error (a request that went away is skipped)."""
+    for job, result, error in items:
+        if job.future.done():
+            continue
+        if error is None:
+            job.future.set_result(result)
+        else:
+            job.future.set_exception(error)
+
+
+def _settle_soon(items: list[tuple[_Job, Any, BaseException | None]]) -> None:
+    """Hand every result of a step to the event loop in one call: one wake-up of the loop, and its handlers
+    all resume in the same turn, instead of one thread-safe call (a wake-up and a callback chain) per request."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for item in items:
+        by_loop.setdefault(item[0].future.get_loop(), []).append(item)
+    for loop, part in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_settle, part)
+        except RuntimeError:
+            pass  # that loop is closed: nobody waits on these futures any more
+
+
+class GcClock:
+    """Seconds this process has spent in the cyclic garbage collector since ``start()`` (a ``gc.callbacks``
+    hook; each collection stops every thread, the engine's decode loop included)."""
+
+    seconds = 0.0
+    passes = [0, 0, 0]  # collections of each generation
+    _began = 0.0
+    _on = False
+
+    @classmethod
+    def start(cls) -> None:
+        if not cls._on:
+            cls._on = True
+            gc.callbacks.append(cls._hook)
+
+    @classmethod
+    def _hook(cls, phase: str, info: dict) -> None:
+        if phase == "start":
+            cls._began = time.perf_counter()
+        else:
+            cls.seconds += time.perf_counter() - cls._began
+            cls.passes[info["generation"]] += 1
+
+
+def _cpu_clocks(loop_thread: int | None) -> tuple[float, float | None]:
+    """CPU seconds so far of this thread and of the event loop's thread (None where unreadable)."""
+    try:
+        other = time.clock_gettime(time.pthread_getcpuclockid(loop_thread)) if loop_thread is not None else None
+    except (AttributeError, OSError):  # not Linux, or that thread ended
+        other = None
+    return time.thread_time(), other
+
+
+def _cpu_spent(loop_thread: int | None, since: tuple[float, float | None]) -> tuple[float, float | None]:
+    now = _cpu_clocks(loop_thread)
+    return now[0] - since[0], (now[1] - since[1] if now[1] is not None and since[1] is not None else None)

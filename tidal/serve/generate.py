@@ -141,16 +141,20 @@ class GenerateHandler:
         params = _per_prompt(req.sampling_params or SamplingParamsIn(), count, "sampling_params")
         logprob = _per_prompt(req.return_logprob, count, "return_logprob")
         rids = _per_prompt(req.rid, count, "rid") if req.rid is not None else [uuid.uuid4().hex for _ in prompts]
-        vocab = engine.model.config.get_text_config().vocab_size
+        vocab = self.server.vocab_size
         for i, p in enumerate(prompts):
-            if any(not 0 <= t < vocab for t in p):
+            if min(p) < 0 or max(p) >= vocab:
                 raise UserError(f"prompt {i} holds token ids outside the vocabulary of {vocab}")
         sampling = [to_sampling(sp, vocab) for sp in params]
         if timing is not None:
             timing.rid, timing.queued = rids[0], time.monotonic()
-        results: list[GenerateResult] = await asyncio.gather(
-            *(self.server.worker.generate([p] * sp.n, s, eager=batch) for p, sp, s in zip(prompts, params, sampling))
-        )
+        # Queued here and now, not from a task a turn later, so the engine sees a burst once its last request
+        # is parsed; one request of one prompt (a rollout's usual shape) awaits its future without a gather.
+        futures = [
+            self.server.worker.submit_generate([p] * sp.n, s, eager=batch)
+            for p, sp, s in zip(prompts, params, sampling)
+        ]
+        results: list[GenerateResult] = [await futures[0]] if len(futures) == 1 else await asyncio.gather(*futures)
         latency = time.perf_counter() - t0
         ran = [r.step for r in results if r.step is not None]
         if timing is not None:

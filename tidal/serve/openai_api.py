@@ -106,8 +106,8 @@ async def _run(state, prompts: list[list[int]], n: int, sp: SamplingParams) -> l
     """Every sample of every prompt (``n`` per prompt, prompt by prompt), through the engine worker."""
     import asyncio
 
-    vocab = state.engine.model.config.get_text_config().vocab_size
-    if any(not 0 <= t < vocab for p in prompts for t in p):
+    vocab = state.vocab_size
+    if any(min(p) < 0 or max(p) >= vocab for p in prompts if p):
         raise UserError(f"prompt holds token ids outside the vocabulary of {vocab}")
     res = await asyncio.gather(*(state.worker.generate([p] * n, sp) for p in prompts))
     return [s for r in res for s in r.samples]

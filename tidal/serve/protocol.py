@@ -149,5 +149,7 @@ class PullWeightsReqInput(_Body):
 
 def present_unsupported(body: BaseModel, names: tuple[str, ...]) -> list[str]:
     """Fields of ``names`` that the client set to something other than null/false/0."""
-    extra: dict[str, Any] = body.model_extra or {}
+    extra: dict[str, Any] | None = body.model_extra
+    if not extra:
+        return []
     return [n for n in names if extra.get(n) not in (None, False, 0, [], {})]

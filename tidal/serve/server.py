@@ -13,6 +13,7 @@ server prints one line, ``tidal serve: listening on http://HOST:PORT``, once the
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -77,6 +78,9 @@ def serve(cfg: TidalConfig) -> int:
     engine = build_engine(cfg)
     state = make_state(cfg, engine)
     app = build_app(state)
+    # What is alive now (modules, the model's objects, the tokenizer) lives as long as the server: keep it out of
+    # the garbage collector's full passes, which otherwise walk all of it while every thread, decode included, waits.
+    gc.freeze()
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"tidal serve: listening on http://{shown}:{port}", flush=True)
