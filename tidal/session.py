@@ -244,9 +244,22 @@ class Session:
                 )
             log.warning("engine %d died (%s); restarting it (%d/%d)", i, why, self.engine_restarts, limit)
             self.display.info(f"engine {i} died ({why}); restarting it ({self.engine_restarts}/{limit})")
-            self.engines.restart(i)
+            self.engines.restart(i, initial_weights=self.trainer is None)
         self.step_restarts += len(dead)
+        if self.trainer is None:
+            return self._agree_without_trainer()
         return self.resync_engines(new_version=new_version)
+
+    def _agree_without_trainer(self) -> None:
+        """``--debug-rollout-only``: no trainer exists and none ever pushed weights, so every engine, a
+        restarted one too, holds the weights it was started with; nothing to resync. They must still
+        report one weight version, or the rollout would mix policies."""
+        versions = self.engines.call("get_weight_version")
+        if len(set(versions)) > 1:
+            raise WeightSyncError(
+                f"engines report weight versions {versions} after a restart with --debug-rollout-only (no trainer "
+                "to resync them); start every engine from the same weights"
+            )
 
     def resync_engines(self, *, new_version: bool = True):
         """Every engine back to generating with the trainer's weights: engine memory resumed (weights

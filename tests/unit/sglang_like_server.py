@@ -9,8 +9,9 @@ health. It holds weights by name and generates a deterministic toy sequence (it 
 
 Run: ``python sglang_like_server.py --port P [--die-on-generate K] [--tidal-extras] [--api-key KEY]``.
 ``--die-on-generate K`` exits the process on the K-th /generate request, before answering (an engine
-that dies mid-run); ``--hang-on-generate K`` makes it answer nothing, ``/health`` included, for
-``--hang-seconds`` from the K-th request on, then exit (an engine that stops answering). ``--tidal-extras`` adds ``GET /weight_checksums`` and ``POST /randomize_weights``
+that dies mid-run); ``--hang-on-generate K[,K2...]`` makes it answer nothing, ``/health`` included, for
+``--hang-seconds`` from the K-th request on, then answer again (an engine that stops answering for a
+while). ``--tidal-extras`` adds ``GET /weight_checksums`` and ``POST /randomize_weights``
 (xxh3-128 of each tensor's bytes; what ``tidal serve`` offers for ``--check-weight-update-equal``).
 """
 
@@ -49,7 +50,7 @@ def build_app(args) -> FastAPI:
     @app.get("/health")
     def health():
         if state.get("hung"):
-            time.sleep(args.hang_seconds + 5)
+            time.sleep(args.hang_seconds + 5)  # asked during the hang: never answered in time
         return PlainTextResponse("")
 
     @app.get("/model_info")
@@ -61,10 +62,10 @@ def build_app(args) -> FastAPI:
         state["generates"] += 1
         if args.die_on_generate and state["generates"] == args.die_on_generate:
             os._exit(17)
-        if args.hang_on_generate and state["generates"] == args.hang_on_generate:
-            state["hung"] = True  # answers nothing (not even /health) for a while, then exits
+        if state["generates"] in args.hang_on_generate:
+            state["hung"] = True  # answers nothing (not even /health) for a while
             time.sleep(args.hang_seconds)
-            os._exit(18)
+            state["hung"] = False
         if state["released"]:
             raise HTTPException(400, f"memory released: {sorted(state['released'])}")
         ids = body["input_ids"]
@@ -210,7 +211,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--die-on-generate", type=int, default=0)
-    p.add_argument("--hang-on-generate", type=int, default=0)
+    p.add_argument("--hang-on-generate", type=lambda v: {int(k) for k in v.split(",")}, default=set())
     p.add_argument("--hang-seconds", type=float, default=10.0)
     p.add_argument("--tidal-extras", action="store_true")
     p.add_argument("--api-key", default=None)

@@ -117,15 +117,17 @@ class EngineGroup:
     def call(self, method: str, *args: Any, **kwargs: Any) -> list:
         return get(self.call_async(method, *args, **kwargs))
 
-    def restart(self, i: int) -> None:
+    def restart(self, i: int, *, initial_weights: bool = False) -> None:
         """Engine ``i`` back up: the same actor restarts (or reconnects) its server when it still
-        answers, else a new actor replaces it in the same bundle."""
+        answers, else a new actor replaces it in the same bundle. ``initial_weights``: the weights a
+        server starts with are the ones to generate with (no trainer, ``--debug-rollout-only``), so
+        it needs no sync first; a new embedded actor always starts from them."""
         import ray
 
         old = self.actors[i]
         if self.kind == "sglang":
             try:
-                get(old.restart.remote())
+                get(old.restart.remote(initial_weights=initial_weights))
                 return
             except Exception as e:  # noqa: BLE001 - the actor itself is gone: replace it below
                 if not is_engine_death(e):

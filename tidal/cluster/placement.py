@@ -71,6 +71,8 @@ def plan_placement(cluster: ClusterConfig, device: str, num_engines: int, *, wit
 
 def create_placement_group(placement: Placement, timeout_s: float = 120.0) -> Placement:
     """Reserve the bundles; fail with a clear message when the cluster cannot hold them."""
+    if not placement.bundles:
+        return placement  # nothing to reserve (--debug-rollout-only against external engines: no trainer, no engine bundle)
     import ray
     from ray.util.placement_group import placement_group
 

@@ -134,10 +134,12 @@ class HttpEngineActor(RolloutEngine):
         return info
 
     @ray.method(concurrency_group="probe")
-    def restart(self) -> dict:
+    def restart(self, initial_weights: bool = False) -> dict:
         """Bring the server back: restart a started one, or wait for an external one to answer again.
 
         What it held is gone either way: weights are undefined until the next sync, memory is awake.
+        ``initial_weights``: the weights the server starts with are the ones wanted (no trainer exists
+        to sync any, ``--debug-rollout-only``), so it generates again at once.
         """
         if self.server is not None:
             self.server.stop()
@@ -152,7 +154,7 @@ class HttpEngineActor(RolloutEngine):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)
-        self._stale, self._residency = True, "AWAKE"
+        self._stale, self._residency = not initial_weights, "AWAKE"
         return {"engine_rank": self.engine_rank, "address": self.address}
 
     def server_pid(self) -> int | None:
