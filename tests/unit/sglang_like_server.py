@@ -38,7 +38,7 @@ VOCAB = 64
 
 def build_app(args) -> FastAPI:
     app = FastAPI()
-    state = {"version": "default", "weights": {}, "released": set(), "generates": 0, "groups": {}}
+    state = {"version": "default", "weights": {}, "released": set(), "generates": 0, "groups": {}, "group_calls": []}
     lock = threading.Lock()
 
     @app.middleware("http")
@@ -136,7 +136,20 @@ def build_app(args) -> FastAPI:
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=body["master_address"])]
         pg = dist.ProcessGroupGloo(prefixed, body["rank_offset"], body["world_size"], opts)
         state["groups"][body["group_name"]] = (pg, store)
+        state["group_calls"].append(["init", body["group_name"], body["master_port"]])
         return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    @app.post("/destroy_weights_update_group")
+    def destroy_group(body: dict):
+        if state["groups"].pop(body["group_name"], None) is None:
+            return JSONResponse({"success": False, "message": f"no group {body['group_name']}"}, status_code=400)
+        state["group_calls"].append(["destroy", body["group_name"]])
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    @app.get("/group_calls")
+    def group_calls():
+        """For the tests (not SGLang's): every group joined and left, in order."""
+        return state["group_calls"]
 
     @app.post("/update_weights_from_distributed")
     def from_distributed(body: dict):

@@ -362,15 +362,21 @@ def test_broadcast_in_sglang_layout_to_the_sglang_shaped_server(ray_cluster):
 @pytest.mark.slow
 def test_loop_survives_a_server_that_stops_answering(ray_cluster, tmp_path, caplog):
     """The server hangs on the rollout's /generate (and /health) for a while: after --engine-health-timeout
-    the engine counts as dead, and tidal reconnects once the server answers again and resyncs it. Then a
-    --debug-rollout-only run (no trainer) survives the same hang: the engine generates again with the
-    weights the server holds, with no resync."""
+    the engine counts as dead, and tidal reconnects once the server answers again and resyncs it over a
+    new broadcast group, the server leaving the old one first. Then a --debug-rollout-only run (no
+    trainer) survives the same hang: the engine generates again with the weights the server holds, with
+    no resync."""
     srv = Server("--tidal-extras").start("--hang-on-generate", "1,3", "--hang-seconds", "5")
     flags = ["--rollout-external-engine-addrs", srv.address, "--engine-start-timeout", "120"]
     flags += ["--engine-health-timeout", "3", "--num-rollout", "1"]
     seen: list[int] = []
     try:
-        rows = _train(tmp_path / "train", *flags, "--check-weight-update-equal", on_step=_bitwise(seen))
+        rows = _train(
+            tmp_path / "train", *flags, "--no-colocate", "--update-weight-transport", "broadcast",
+            "--check-weight-update-equal", on_step=_bitwise(seen),
+        )  # fmt: skip
+        calls = httpx.get(f"http://{srv.address}/group_calls").json()
+        assert [c[0] for c in calls] == ["init", "destroy", "init"] and calls[0][2] != calls[2][2], calls
         # Found by the probe while the server still ran (hung).
         assert (
             "engine 0 died (no /health answer within 3 s (--engine-health-timeout)); restarting it (1/3)" in caplog.text

@@ -154,6 +154,9 @@ class EngineActor(RolloutEngine):
     ) -> None:
         return self._engine().init_weights_update_group(master_addr, master_port, rank, world_size, backend)
 
+    def destroy_weights_update_group(self) -> None:
+        self._engine().destroy_weights_update_group()
+
     def get_weight_version(self) -> int:
         return self._engine().get_weight_version()
 

@@ -505,6 +505,9 @@ class EmbeddedEngine:
     ) -> None:
         self._receiver_().init_group(master_addr, master_port, rank, world_size, backend)
 
+    def destroy_weights_update_group(self) -> None:
+        self._receiver_().destroy_group()
+
     def get_weight_version(self) -> int:
         return self._version
 

@@ -110,6 +110,11 @@ class RolloutEngine(abc.ABC):
         """Join the trainer's weight broadcast group as ``rank`` (blocks until the group formed)."""
 
     @abc.abstractmethod
+    def destroy_weights_update_group(self) -> None:
+        """Leave the broadcast group (SGLang's ``/destroy_weights_update_group``): the trainer forms a new
+        one when it reconnects the engine set after a restart."""
+
+    @abc.abstractmethod
     def get_weight_version(self) -> int:
         """Version of the weights the engine serves now (-1 before the first sync)."""
 

@@ -291,6 +291,9 @@ class HttpEngineActor(RolloutEngine):
                 f"engine {self.address}: POST /init_weights_update_group answered success=false: {short(str(reply.get('message', '')))}"
             )
 
+    def destroy_weights_update_group(self) -> None:
+        self._c().post("/destroy_weights_update_group", {"group_name": SGLANG_GROUP})
+
     def update_weights_from_distributed(self, bucket: BucketHeader, version: int) -> WeightUpdateResult:
         entries = list(bucket.entries)
         if not entries:

@@ -125,6 +125,8 @@ class Trainer(ABC):
         if self.rank == 0:
             from tidal.weight_sync import make_strategy
 
+            if self.strategy is not None:
+                self.strategy.close()  # a reconnect after a restart: the old engine set's groups and sockets go
             # The engines' own checkpoint folder (None for a preset): version 0 of a delta-over-disk stream.
             self.strategy = make_strategy(
                 sync_cfg, engines, device=self.device_type, colocated=colocated, base_dir=self.model_path

@@ -11,6 +11,7 @@ the tensors' bytes back to back, with each tensor's checksum in the header (``te
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import ray
@@ -21,6 +22,10 @@ from tidal.weight_sync.bucket import BucketHeader
 from tidal.weight_sync.checksum import checksum_bytes
 from tidal.weight_sync.group import broadcast, make_group, master_store, sglang_group
 from tidal.weight_sync.stream import Bucket, StreamingStrategy
+
+log = logging.getLogger(__name__)
+
+_LEAVE_TIMEOUT_S = 10.0  # engines leaving the group on close
 
 
 class BroadcastStrategy(StreamingStrategy):
@@ -72,7 +77,18 @@ class BroadcastStrategy(StreamingStrategy):
         return refs
 
     def close(self) -> None:
-        # Dropping the group and the store closes their sockets; engines drop theirs on their next join.
+        """Every engine that still answers leaves the group (as slime does before it reconnects the engines
+        after a restart); dropping the group and the store closes the trainer's sockets. An engine that
+        died or does not answer within ``_LEAVE_TIMEOUT_S`` is skipped: a new one holds no group."""
+        if self.pg is None:
+            return
+        refs = [e.destroy_weights_update_group.remote() for e in self.engines]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_LEAVE_TIMEOUT_S)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception:  # noqa: BLE001 - a dead engine, or a server that forgot the group: nothing to leave
+                log.debug("an engine did not leave the weight update group", exc_info=True)
         self.pg = None
         self.store = None
 

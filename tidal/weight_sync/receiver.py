@@ -58,6 +58,9 @@ class WeightReceiver:
 
         self.pg, self.store = make_group(None, master_addr, master_port, rank, world_size, backend)
 
+    def destroy_group(self) -> None:
+        self.pg = self.store = None  # the group's sockets close with it
+
     def from_tensor(self, payload: BucketHeader) -> dict:
         return self.apply_bucket(payload, bucket_buffer(payload))
 
