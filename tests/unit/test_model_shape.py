@@ -85,3 +85,22 @@ def test_other_families_and_remote_code_fall_back_to_the_meta_build(tmp_path):
     assert set(FAMILIES) == {"llama", "qwen2", "qwen3"}
     spec = ModelSpec(name="remote", path=str(tmp_path), trust_remote_code=True)
     assert _counted(spec) is None
+
+
+def test_presets_draw_on_the_device_only_when_small_against_it(monkeypatch):
+    """``--init-on-device`` draws a preset on a GPU when its fp32 copy is a small part of that GPU,
+    else on the host (both sides decide alike); never for a folder model or on the CPU."""
+    import torch
+
+    from tidal.model.load import ModelSpec, preset_init_device, resolve_model
+
+    class Props:
+        total_memory = 80 << 30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert preset_init_device(resolve_model("qwen2.5-0.5b-shape"), gpu, True) == gpu  # 2 GB of 80
+    assert preset_init_device(resolve_model("qwen2.5-7b-shape"), gpu, True) == cpu  # 30 GB of 80
+    assert preset_init_device(resolve_model("qwen2.5-0.5b-shape"), gpu, False) == cpu
+    assert preset_init_device(resolve_model("tiny"), cpu, True) == cpu
+    assert preset_init_device(ModelSpec(name="folder", path="/some/model"), gpu, True) == cpu

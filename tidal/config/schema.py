@@ -62,7 +62,8 @@ class ModelConfig:
         None,
         "Draw a preset's random initial weights on the device it trains and decodes on (the device's generator: "
         "a fraction of a second for a 0.5B preset where the host takes tens of seconds; the same numbers on the "
-        "same GPU model); off: on the host (the same numbers on any machine). Default: on with CUDA.",
+        "same GPU model) when its fp32 copy is at most 1/8 of the device, else on the host; off: always on the "
+        "host (the same numbers on any machine). Default: on with CUDA.",
     )
 
 

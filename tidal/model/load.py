@@ -185,6 +185,29 @@ def build_model(
     return model
 
 
+# A preset drawn on the device holds its full fp32 copy there for a moment (next to the trainer's
+# shards or the engine's cast copy, and the other side doing the same on a shared GPU): only when
+# that copy is a small part of the device.
+INIT_ON_DEVICE_MAX_FRACTION = 0.125
+
+
+def preset_init_device(spec: ModelSpec, device: torch.device, on_device: bool) -> torch.device:
+    """Where a preset draws its initial weights: ``device`` when ``on_device`` and it is a GPU whose
+    memory the fp32 model fits in ``INIT_ON_DEVICE_MAX_FRACTION`` of, else the host. Both sides
+    decide from the same numbers (the config and the device's size), so they draw in the same place."""
+    import torch
+
+    from tidal.model.shape import count_decoder
+
+    if not (on_device and spec.is_preset and device.type == "cuda"):
+        return torch.device("cpu")
+    count = count_decoder(spec.arch, spec.config_kwargs)
+    total = torch.cuda.get_device_properties(device).total_memory
+    if count is None or 4 * count.params > INIT_ON_DEVICE_MAX_FRACTION * total:
+        return torch.device("cpu")
+    return device
+
+
 def load_tokenizer(spec: ModelSpec):
     if spec.tokenizer_path is None:
         return char_tokenizer()

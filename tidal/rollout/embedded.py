@@ -58,6 +58,7 @@ from tidal.memory import make_backend
 from tidal.memory.base import MemoryFigures, StateClass
 from tidal.memory.residency import EngineResidency, EngineState
 from tidal.model import build_model, load_tokenizer, resolve_model
+from tidal.model.load import preset_init_device
 from tidal.rollout.engine import TAGS
 from tidal.rollout.generate import (
     Interrupt,
@@ -191,7 +192,7 @@ class EmbeddedEngine:
             return _buffers_out_of_region(model, self.device)
         on_device = self.model_cfg.init_on_device
         on_device = init_on_device_default(self.device.type) if on_device is None else on_device
-        init_device = self.device if on_device else torch.device("cpu")
+        init_device = preset_init_device(self.spec, self.device, on_device)
         model = build_model(self.spec, dtype=torch.float32, seed=seed, device=init_device).eval()
         if self.dtype == torch.float32 and self.device.type == "cpu":
             return model

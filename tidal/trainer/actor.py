@@ -219,9 +219,11 @@ class TrainerActor(Trainer):
 
     def _init_device(self) -> torch.device:
         """Where presets draw their initial weights: this rank's device with ``--init-on-device``, else the host."""
+        from tidal.model.load import preset_init_device
+
         on = self.model_cfg.init_on_device
         on = init_on_device_default(self.device_type) if on is None else on
-        return self.device if on else torch.device("cpu")
+        return preset_init_device(self.spec, self.device, on)
 
     def _build_sharded(self, build_model, *, trainable: bool) -> torch.nn.Module:
         return build_sharded(
