@@ -320,43 +320,41 @@ def _bitwise(seen):
     return on_step
 
 
-def test_broadcast_in_sglang_layout_to_the_sglang_shaped_server(ray_cluster):
+def test_broadcast_in_sglang_layout_to_the_sglang_shaped_server(ray_cluster, server):
     """The broadcast strategy forms the group as SGLang joins it and sends flattened buckets (no
-    alignment gaps); mixed dtypes and odd sizes over several buckets land bitwise."""
+    alignment gaps); mixed dtypes and odd sizes over several buckets land bitwise; closing the strategy
+    has the server leave the group."""
     import ray
     import torch
 
     from tidal.weight_sync.broadcast import BroadcastStrategy
     from tidal.weight_sync.checksum import tensor_checksum
 
-    srv = Server("--tidal-extras").start()
-    try:
-        r = RolloutConfig(rollout_engine="sglang", rollout_external_engine_addrs=[srv.address])
-        actor = (
-            ray.remote(concurrency_groups={"probe": 2})(HttpEngineActor)
-            .options(num_cpus=0)
-            .remote(0, model=ModelConfig(), rollout=r, memory=MemoryConfig(), weight_sync=WeightSyncConfig(),
-                    device="cpu", address=srv.address)
-        )  # fmt: skip
-        ray.get(actor.init.remote())
-        g = torch.Generator().manual_seed(0)
-        weights = {
-            "a.weight": torch.randn(7, 3, generator=g),
-            "b.weight": torch.randn(5, generator=g).to(torch.bfloat16),
-            "c.weight": torch.randn(33, 9, generator=g),
-            "d.bias": torch.randn(3, generator=g),
-        }
-        cfg = WeightSyncConfig(update_weight_transport="broadcast", update_weight_buffer_size=1024)
-        strategy = BroadcastStrategy(cfg, [actor], device="cpu", colocated=False)
-        strategy.connect()
-        report = strategy.sync(weights.items(), 1)
-        assert report.bytes_total == sum(t.numel() * t.element_size() for t in weights.values())
-        assert ray.get(actor.get_weight_version.remote()) == 1
-        got = ray.get(actor.weight_checksums.remote())
-        assert got == {n: tensor_checksum(t) for n, t in weights.items()}
-        strategy.close()
-    finally:
-        srv.stop()
+    r = RolloutConfig(rollout_engine="sglang", rollout_external_engine_addrs=[server.address])
+    actor = (
+        ray.remote(concurrency_groups={"probe": 2})(HttpEngineActor)
+        .options(num_cpus=0)
+        .remote(0, model=ModelConfig(), rollout=r, memory=MemoryConfig(), weight_sync=WeightSyncConfig(),
+                device="cpu", address=server.address)
+    )  # fmt: skip
+    ray.get(actor.init.remote())
+    g = torch.Generator().manual_seed(0)
+    weights = {
+        "a.weight": torch.randn(7, 3, generator=g),
+        "b.weight": torch.randn(5, generator=g).to(torch.bfloat16),
+        "c.weight": torch.randn(33, 9, generator=g),
+        "d.bias": torch.randn(3, generator=g),
+    }
+    cfg = WeightSyncConfig(update_weight_transport="broadcast", update_weight_buffer_size=1024)
+    strategy = BroadcastStrategy(cfg, [actor], device="cpu", colocated=False)
+    strategy.connect()
+    report = strategy.sync(weights.items(), 1)
+    assert report.bytes_total == sum(t.numel() * t.element_size() for t in weights.values())
+    assert ray.get(actor.get_weight_version.remote()) == 1
+    got = ray.get(actor.weight_checksums.remote())
+    assert got == {n: tensor_checksum(t) for n, t in weights.items()}
+    strategy.close()
+    assert [c[0] for c in httpx.get(f"http://{server.address}/group_calls").json()] == ["init", "destroy"]
 
 
 @pytest.mark.slow
