@@ -87,7 +87,7 @@ def _megatron(port: int):
     from tidal.trainer.megatron.trainer import MegatronTrainer
 
     tr = MegatronTrainer(0, 1, "127.0.0.1", port, **_sections("megatron"))
-    tr.device = torch.device("cpu")
+    tr._place()
     tr._parallel_state()
     tr.build()
     return tr

@@ -38,34 +38,25 @@ device memory), see ``tidal.trainer.weights``.
 from __future__ import annotations
 
 import gc
-import os
 import time
 from collections.abc import Iterator
 
 import torch
 
-from tidal.config.schema import (
-    AlgorithmConfig,
-    MemoryConfig,
-    ModelConfig,
-    TrainerConfig,
-    WeightSyncConfig,
-    init_on_device_default,
-)
+from tidal.config.schema import init_on_device_default
 from tidal.dtypes import as_dtype, default_dtype_name
-from tidal.errors import ConfigError
 from tidal.memory.base import MemoryResult, StateClass
-from tidal.memory.residency import TrainerResidency
+from tidal.memory.home import Adopter
 from tidal.rollout.types import Sample
 from tidal.trainer.base import Trainer
 from tidal.trainer.fsdp_state import FSDPState, fsdp_modules, reshard
-from tidal.trainer.groups import TrainerGroups
+from tidal.trainer.groups import place
 from tidal.trainer.microbatch import MicroBatch
 from tidal.trainer.objective import RolloutObjective
 from tidal.trainer.packing import plan_rollout
 from tidal.trainer.schedule import LRSchedule
 from tidal.trainer.sharding import build_sharded, mixed_precision, shard
-from tidal.trainer.step import RolloutSums, check_samples, rollout_metrics, token_stats
+from tidal.trainer.step import RolloutClock, RolloutSums, check_samples, rollout_metrics, token_stats
 from tidal.trainer.weights import iter_full_tensors, local_shard
 
 _CLASSES = (StateClass.WEIGHTS, StateClass.OPTIMIZER, StateClass.GRADS)
@@ -74,45 +65,13 @@ _CLASSES = (StateClass.WEIGHTS, StateClass.OPTIMIZER, StateClass.GRADS)
 class TrainerActor(Trainer):
     """One rank of the FSDP2 trainer; see the module docstring and ``docs/design.md`` for the contract."""
 
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        *,
-        model: ModelConfig,
-        trainer: TrainerConfig,
-        algorithm: AlgorithmConfig,
-        memory: MemoryConfig,
-        weight_sync: WeightSyncConfig,
-        device: str,
-        total_steps: int | None = None,
-        release_process_groups: bool | None = None,
-    ):
-        """``total_steps``: optimizer steps of the whole run, needed only by a decaying LR schedule.
-        ``release_process_groups``: destroy/rebuild the compute group around pause/resume
-        (default: on NCCL only; tests turn it on over gloo to exercise the same path on CPU)."""
-        if device not in ("cpu", "cuda"):
-            raise ConfigError(f"device {device!r}: use cpu or cuda")
-        self.rank, self.world_size = rank, world_size
-        self.master_addr, self.master_port = master_addr, master_port
-        self.model_cfg, self.cfg, self.algo = model, trainer, algorithm
-        self.memory_cfg, self.sync_cfg = memory, weight_sync
-        self.device_type = device
-        self.total_steps = total_steps
-        self.release_groups = (device == "cuda") if release_process_groups is None else release_process_groups
-        self.offload = bool(memory.offload_train)
-        self.residency = TrainerResidency(f"trainer rank {rank}")
-        self.version = 0
-        self.strategy = None
-        self.connected = False
-        self.engine_dtype: torch.dtype | None = None
-        self.ref_model = None
+    def __init__(self, *args, release_process_groups: bool | None = None, **kwargs):
+        """The arguments of ``Trainer.__init__``, and ``release_process_groups``: destroy/rebuild the compute
+        group around pause/resume (default: on NCCL only; tests turn it on over gloo to exercise the same
+        path on CPU)."""
+        super().__init__(*args, **kwargs)
+        self.release_groups = (self.device_type == "cuda") if release_process_groups is None else release_process_groups
         self.critic = None  # PPO's value model (tidal.trainer.critic), with --advantage-estimator ppo
-        self.custom_correction = None
-        self.last_rollout_id = -1
-        self._warned_oversized = False
 
     # ---- setup ------------------------------------------------------------------------------
     def init(self) -> dict:
@@ -159,6 +118,7 @@ class TrainerActor(Trainer):
 
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self._optimizer_and_schedule()
+        self.optimizer_home = Adopter(lambda: self.memory.region(StateClass.OPTIMIZER))
         self.memory.register(StateClass.WEIGHTS, self._weight_tensors)
         self.memory.register(StateClass.OPTIMIZER, self._optimizer_tensors)
         self.memory.register(StateClass.GRADS, self._grad_tensors)
@@ -184,21 +144,7 @@ class TrainerActor(Trainer):
 
     def _place(self) -> None:
         """This rank's device (CUDA: LOCAL_RANK's) and its process groups."""
-        if self.device_type == "cuda":
-            index = int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count())
-            torch.cuda.set_device(index)
-            self.device = torch.device("cuda", index)
-        else:
-            self.device = torch.device("cpu")
-        self.groups = TrainerGroups(
-            self.rank,
-            self.world_size,
-            self.master_addr,
-            self.master_port,
-            device=self.device_type,
-            separate_compute_group=self.release_groups,
-            timeout_min=self.cfg.dist_timeout_min,
-        )
+        self.device, self.groups = place(self, separate_compute_group=self.release_groups)
 
     def _optimizer_and_schedule(self) -> None:
         """AdamW over the trainable parameters and the learning-rate schedule."""
@@ -283,7 +229,7 @@ class TrainerActor(Trainer):
         host in one ``tolist()``; host-side counts come from ``MicroBatch``. (One synchronisation
         after the recompute keeps ``logprob_recompute_s`` a wall-clock figure.)"""
         self.residency.require_active("train")
-        t0 = time.perf_counter()
+        clock = RolloutClock()
         self._warned_oversized |= check_samples(
             samples,
             vocab=int(self.model.config.vocab_size),
@@ -307,30 +253,13 @@ class TrainerActor(Trainer):
         sums = RolloutSums(self.device)
         objective = RolloutObjective(self.algo, self.device, self.custom_correction)
         self._old_logprobs(steps, sums, objective, recompute=not old_from_train_pass)
-        recompute_s = time.perf_counter() - t0
-        optimizer_s, lr = 0.0, 0.0
+        clock.recompute_s = time.perf_counter() - clock.start
         for mbs in steps:
-            step_s, lr = self._optimizer_step(mbs, sums, objective, old_from_train_pass)
-            optimizer_s += step_s
+            step_s, clock.lr = self._optimizer_step(mbs, sums, objective, old_from_train_pass)
+            clock.optimizer_s += step_s
         reshard(self._models)  # the root keeps its all-gathered parameters after forward; free them
-        red, grad_norms = sums.reduce(self.groups)
-        extra = objective.metrics(self.groups)  # collective: every rank
-        train_s = time.perf_counter() - t0
         self.last_rollout_id = rollout_id
-        if self.rank != 0:
-            return {}
-        return rollout_metrics(
-            red,
-            grad_norms,
-            steps=len(steps),
-            lr=lr,
-            train_s=train_s,
-            recompute_s=recompute_s,
-            optimizer_s=optimizer_s,
-            recomputed=not old_from_train_pass,
-            with_kl=self.ref_model is not None,
-            extra=extra,
-        )
+        return rollout_metrics(self, sums, objective, clock, steps=len(steps), recomputed=not old_from_train_pass)
 
     def _old_logprobs(
         self, steps: list[list[MicroBatch]], sums: RolloutSums, objective: RolloutObjective, *, recompute: bool
@@ -388,10 +317,12 @@ class TrainerActor(Trainer):
         sums.add_grad_norm(torch.nn.utils.clip_grad_norm_(self.params, max_norm=max_norm))
         lr = self.schedule.apply(self.optimizer)
         t_opt = time.perf_counter()
-        with self.memory.region(StateClass.OPTIMIZER):
-            self.optimizer.step()
-            if self.critic is not None:
-                objective.critic_step(self.critic)
+        # Outside any region, so the step's temporaries are not backed up; the state its first step creates
+        # is moved into OPTIMIZER afterwards (tidal.memory.home).
+        self.optimizer.step()
+        if self.critic is not None:
+            objective.critic_step(self.critic)
+        self.optimizer_home.adopt(self._optimizer_tensors())
         step_s = time.perf_counter() - t_opt
         self.schedule.advance()
         self.optimizer.zero_grad(set_to_none=True)

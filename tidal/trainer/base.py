@@ -35,10 +35,11 @@ import torch
 
 from tidal.checkpoint.export import ExportSource, export_hf
 from tidal.checkpoint.store import TrainState, load_checkpoint, save_checkpoint
-from tidal.config.schema import WeightSyncConfig
+from tidal.config.schema import AlgorithmConfig, MemoryConfig, ModelConfig, TrainerConfig, WeightSyncConfig
 from tidal.dtypes import as_dtype, default_dtype
 from tidal.errors import ConfigError, ResidencyError
 from tidal.memory.base import MemoryResult
+from tidal.memory.residency import TrainerResidency
 from tidal.weight_sync.base import SyncReport
 
 # --train-backend value -> "module:class"; imported only when chosen.
@@ -67,6 +68,42 @@ class Trainer(ABC):
     connected: bool  # connect_engines() has run
     # The local model folder the weights were loaded from (None for a preset), set by init.
     model_path: str | None = None
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        *,
+        model: ModelConfig,
+        trainer: TrainerConfig,
+        algorithm: AlgorithmConfig,
+        memory: MemoryConfig,
+        weight_sync: WeightSyncConfig,
+        device: str,
+        total_steps: int | None = None,
+    ):
+        """What every backend keeps from its arguments (the signature the cluster builds ranks with).
+        ``total_steps``: optimizer steps of the whole run, needed only by a decaying LR schedule."""
+        if device not in ("cpu", "cuda"):
+            raise ConfigError(f"device {device!r}: use cpu or cuda")
+        self.rank, self.world_size = rank, world_size
+        self.master_addr, self.master_port = master_addr, master_port
+        self.model_cfg, self.cfg, self.algo = model, trainer, algorithm
+        self.memory_cfg, self.sync_cfg = memory, weight_sync
+        self.device_type = device
+        self.total_steps = total_steps
+        self.offload = bool(memory.offload_train)
+        self.residency = TrainerResidency(f"trainer rank {rank}")
+        self.version = 0
+        self.strategy = None
+        self.connected = False
+        self.engine_dtype = None
+        self.ref_model = None
+        self.custom_correction = None
+        self.last_rollout_id = -1
+        self._warned_oversized = False
 
     # ---- backend: lifecycle, training, memory -------------------------------------------------------
     @abstractmethod

@@ -26,8 +26,37 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 
+def rank_device(device: str) -> torch.device:
+    """This rank's device: on CUDA the GPU ``LOCAL_RANK`` names (made current), else the CPU."""
+    if device != "cuda":
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def place(tr, **groups) -> tuple[torch.device, TrainerGroups]:
+    """A trainer rank's device and its ``TrainerGroups`` (``groups``: the keywords after ``device``), from the
+    rank's own fields (``rank``, ``world_size``, ``master_addr``/``master_port``, ``device_type``, ``cfg``)."""
+    device = rank_device(tr.device_type)
+    return device, TrainerGroups(
+        tr.rank,
+        tr.world_size,
+        tr.master_addr,
+        tr.master_port,
+        device=tr.device_type,
+        timeout_min=tr.cfg.dist_timeout_min,
+        **groups,
+    )
+
+
 class TrainerGroups:
-    """Creates the groups and the 1-D device mesh FSDP2 shards over; releases and rebuilds the compute group."""
+    """Creates the groups and the 1-D device mesh FSDP2 shards over; releases and rebuilds the compute group.
+
+    ``world_backend`` is the default group's backend: gloo for FSDP2 (its device collectives use the
+    compute group); the Megatron backend passes ``"cpu:gloo,cuda:nccl"``, so the groups Megatron
+    creates from it carry device tensors over NCCL and host tensors over gloo, and asks for no mesh.
+    """
 
     def __init__(
         self,
@@ -39,6 +68,8 @@ class TrainerGroups:
         device: str,
         separate_compute_group: bool,
         timeout_min: int = 30,
+        world_backend: str = "gloo",
+        mesh: bool = True,
     ):
         self.rank, self.world_size, self.device = rank, world_size, device
         self.separate = separate_compute_group
@@ -49,11 +80,11 @@ class TrainerGroups:
         os.environ["WORLD_SIZE"] = str(world_size)
         if not dist.is_initialized():
             dist.init_process_group(
-                "gloo", init_method="env://", rank=rank, world_size=world_size, timeout=self.timeout
+                world_backend, init_method="env://", rank=rank, world_size=world_size, timeout=self.timeout
             )
         self.host = dist.group.WORLD
         self.compute = self._new_compute_group() if self.separate else self.host
-        self.mesh = DeviceMesh.from_group(self.compute, device)
+        self.mesh = DeviceMesh.from_group(self.compute, device) if mesh else None
         self.released = False
         self.rebuilds = 0
 

@@ -10,6 +10,8 @@ reduced sums into rank 0's metrics.
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -126,20 +128,26 @@ class RolloutSums:
         return dict(zip(names, groups.all_reduce_host(values))), host[n + 1 :]
 
 
-def rollout_metrics(
-    red: dict[str, float],
-    grad_norms: list[float],
-    *,
-    steps: int,
-    lr: float,
-    train_s: float,
-    recompute_s: float,
-    optimizer_s: float,
-    recomputed: bool,
-    with_kl: bool,
-    extra: dict,
-) -> dict:
-    """Rank 0's metrics of one rollout from ``RolloutSums.reduce``'s sums (token-weighted means)."""
+@dataclass
+class RolloutClock:
+    """Wall-clock seconds of one rollout's phases; ``train_s`` counts from ``start``."""
+
+    start: float = field(default_factory=time.perf_counter)
+    recompute_s: float = 0.0
+    optimizer_s: float = 0.0
+    lr: float = 0.0
+
+
+def rollout_metrics(tr, sums: RolloutSums, objective, clock: RolloutClock, *, steps: int, recomputed: bool) -> dict:
+    """Reduce one rollout's ``sums`` and ``objective`` metrics over the trainer's ranks (collective: every
+    rank calls it), then rank 0's metrics (token-weighted means), ``{}`` elsewhere. ``tr`` is the
+    backend rank (its ``groups``, ``rank``, ``ref_model``)."""
+    red, grad_norms = sums.reduce(tr.groups)
+    extra = objective.metrics(tr.groups)
+    train_s = time.perf_counter() - clock.start
+    recompute_s, optimizer_s, lr = clock.recompute_s, clock.optimizer_s, clock.lr
+    if tr.rank != 0:
+        return {}
     denom = max(red["response_tokens"], 1.0)
     out = {
         "loss": red["loss_sum"] / max(1, steps),
@@ -160,6 +168,6 @@ def rollout_metrics(
         "logprob_diff": red["lp_abs_diff"] / red["lp_count"] if red["lp_count"] else 0.0,
     }
     # Without a reference model there is no KL term; 0 keeps the metric schema the same.
-    out["kl"] = red["kl"] / denom if with_kl else 0.0
+    out["kl"] = red["kl"] / denom if tr.ref_model is not None else 0.0
     out.update(extra)
     return out

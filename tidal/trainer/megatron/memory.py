@@ -9,9 +9,12 @@ optimizer state on the host. tidal gets the same result from outside Megatron:
 2. Megatron's ``DistributedDataParallel`` is built inside the GRADS region, so the gradient
    buffers it allocates there are paused without a backup under ``--offload-train``;
 3. with the distributed optimizer DDP also allocates parameter buffers (and re-points every
-   parameter into them); ``rehome`` gives those storages a new memory block allocated inside the
-   WEIGHTS region and frees the old one. The storage object stays, so every view Megatron made
-   of it (``param.data``, the buckets' views) follows; nothing in Megatron is replaced or subclassed.
+   parameter into them); ``tidal.memory.home.rehome`` gives those storages a new memory block
+   allocated inside the WEIGHTS region and frees the old one. The storage object stays, so every view
+   Megatron made of it (``param.data``, the buckets' views) follows; nothing in Megatron is replaced
+   or subclassed;
+4. the optimizer steps outside any region and its state (created by the first step) is moved into
+   OPTIMIZER afterwards (``tidal.memory.home.Adopter``), so the step's temporaries are not backed up.
    (The other way round, building DDP in WEIGHTS and moving the grads out, would leave the freed
    gradient block cached in the WEIGHTS pool, where torch_memory_saver would back it up.)
 
@@ -20,8 +23,6 @@ paused region; the config rule refuses the pair (``tidal.config.memory_rules.gra
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
@@ -36,25 +37,6 @@ def param_buffers(ddp) -> list[torch.Tensor]:
     """DDP's flat parameter buffers (only with the distributed optimizer; else empty)."""
     bufs = list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", []))
     return [b.param_data for b in bufs if getattr(b, "param_data", None) is not None]
-
-
-def rehome(tensors: list[torch.Tensor], region: contextlib.AbstractContextManager, *, zero: bool) -> int:
-    """Move each tensor's storage into a block allocated inside ``region``, in place (views stay valid);
-    the contents are copied unless ``zero`` (then zeroed). Returns the bytes moved."""
-    moved = 0
-    for t in tensors:
-        storage = t.untyped_storage()
-        nbytes = storage.nbytes()
-        with region:
-            fresh = torch.UntypedStorage(nbytes, device=t.device)
-        if not zero:
-            fresh.copy_(storage)
-        storage._swap_data_ptr_(fresh)  # ``storage`` now owns the region's block; ``fresh`` the old one
-        del fresh  # frees the old block
-        if zero:
-            t.zero_()
-        moved += nbytes
-    return moved
 
 
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:

@@ -19,8 +19,9 @@ import time
 
 import torch
 
-from tidal.memory.base import StateClass
+from tidal.trainer.megatron.memory import optimizer_tensors
 from tidal.trainer.microbatch import MicroBatch
+from tidal.trainer.step import RolloutClock, rollout_metrics
 
 
 def token_stats(tr, logits, mb: MicroBatch, width: int, *, entropy: bool = False, entropy_grad: bool = False):
@@ -106,8 +107,8 @@ def optimizer_step(tr, mbs: list[MicroBatch], sums, objective, old_from_train_pa
     schedule_call(tr, tr.ddp, mbs, loss_fn, forward_only=False)
     lr = tr.schedule.apply(tr.optimizer)
     t0 = time.perf_counter()
-    with tr.memory.region(StateClass.OPTIMIZER):
-        _, grad_norm, _ = tr.optimizer.step()
+    _, grad_norm, _ = tr.optimizer.step()  # outside any region: its temporaries are not backed up
+    tr.optimizer_home.adopt(optimizer_tensors(tr.optimizer))  # state the first step created
     step_s = time.perf_counter() - t0
     tr.schedule.advance()
     sums.add_grad_norm(torch.tensor(float(grad_norm or 0.0), device=tr.device))
@@ -125,44 +126,17 @@ def _silence(sums, objective) -> None:
 
 def train_rollout(tr, samples, rollout_id: int) -> dict:
     """One rollout on every rank; rank 0 returns the metrics (the FSDP2 backend's keys)."""
-    t0 = time.perf_counter()
+    clock = RolloutClock()
     steps = tr.plan(samples)
     tr.stage.train()
     old_from_train_pass = len(steps) == 1 and not tr.cfg.recompute_logprobs
     sums, objective = tr.new_sums()
     old_logprobs(tr, steps, sums, objective, recompute=not old_from_train_pass)
-    recompute_s = time.perf_counter() - t0
-    optimizer_s, lr = 0.0, 0.0
+    clock.recompute_s = time.perf_counter() - clock.start
     for mbs in steps:
-        step_s, lr = optimizer_step(tr, mbs, sums, objective, old_from_train_pass)
-        optimizer_s += step_s
+        step_s, clock.lr = optimizer_step(tr, mbs, sums, objective, old_from_train_pass)
+        clock.optimizer_s += step_s
     if not tr.reports:
         _silence(sums, objective)
-    red, grad_norms = sums.reduce(tr.groups)
-    extra = objective.metrics(tr.groups)
-    train_s = time.perf_counter() - t0
     tr.last_rollout_id = rollout_id
-    if tr.rank != 0:
-        return {}
-    denom = max(red["response_tokens"], 1.0)
-    out = {
-        "loss": red["loss_sum"] / max(1, len(steps)),
-        "pg_loss": red["pg_loss"] / denom,
-        "entropy": red["entropy"] / denom,
-        "clipfrac": red["clipfrac"] / denom,
-        "ratio_mean": red["ratio_mean"] / denom,
-        "grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
-        "lr": lr,
-        "tokens": red["tokens"],
-        "response_tokens": red["response_tokens"],
-        "optimizer_steps": len(steps),
-        "tokens_per_s": red["tokens"] / train_s if train_s > 0 else 0.0,
-        "train_s": train_s,
-        "logprob_recompute_s": recompute_s,
-        "logprob_recomputed": 0.0 if old_from_train_pass else 1.0,
-        "optimizer_s": optimizer_s,
-        "logprob_diff": red["lp_abs_diff"] / red["lp_count"] if red["lp_count"] else 0.0,
-        "kl": red["kl"] / denom if tr.ref_model is not None else 0.0,
-    }
-    out.update(extra)
-    return out
+    return rollout_metrics(tr, sums, objective, clock, steps=len(steps), recomputed=not old_from_train_pass)

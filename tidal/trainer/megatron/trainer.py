@@ -28,22 +28,21 @@ from __future__ import annotations
 
 import functools
 import gc
-import os
 import time
 from collections.abc import Iterator
 
 import torch
 
-from tidal.config.schema import AlgorithmConfig, MemoryConfig, ModelConfig, TrainerConfig, WeightSyncConfig
 from tidal.dtypes import as_dtype, default_dtype_name
 from tidal.errors import UserError
 from tidal.memory.base import MemoryResult, StateClass
-from tidal.memory.residency import TrainerResidency
+from tidal.memory.home import Adopter, rehome
 from tidal.rollout.types import Sample
 from tidal.trainer.base import Trainer
+from tidal.trainer.groups import place
 from tidal.trainer.megatron import mapping
 from tidal.trainer.megatron import model as mm
-from tidal.trainer.megatron.memory import grad_buffers, optimizer_tensors, param_buffers, rehome
+from tidal.trainer.megatron.memory import grad_buffers, optimizer_tensors, param_buffers
 from tidal.trainer.megatron.state import MegatronState
 from tidal.trainer.megatron.weights import Topology, iter_hf_weights, shard_shapes
 from tidal.trainer.microbatch import MicroBatch
@@ -59,65 +58,15 @@ CPU_REFUSAL = (
 )
 
 
-class HostGroups:
-    """The world group's host side (gloo: counts, metrics, weight gathers) as ``RolloutSums`` expects it."""
-
-    def __init__(self, world_size: int):
-        import torch.distributed as dist
-
-        self.host, self.world_size = dist.group.WORLD, world_size
-
-    def all_reduce_host(self, values: list[float], op=None) -> list[float]:
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64)
-        if self.world_size > 1:
-            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.host)
-        return t.tolist()
-
-    def barrier(self) -> None:
-        import torch.distributed as dist
-
-        dist.barrier(group=self.host)
-
-
 class MegatronTrainer(Trainer):
     """One rank of the Megatron-core trainer; see the module docstring and ``docs/trainer.md``."""
 
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        *,
-        model: ModelConfig,
-        trainer: TrainerConfig,
-        algorithm: AlgorithmConfig,
-        memory: MemoryConfig,
-        weight_sync: WeightSyncConfig,
-        device: str,
-        total_steps: int | None = None,
-    ):
-        self.rank, self.world_size = rank, world_size
-        self.master_addr, self.master_port = master_addr, master_port
-        self.model_cfg, self.cfg, self.algo = model, trainer, algorithm
-        self.memory_cfg, self.sync_cfg = memory, weight_sync
-        self.device_type = device
-        self.total_steps = total_steps
-        self.offload = bool(memory.offload_train)
+    def __init__(self, *args, **kwargs):
+        """The arguments of ``Trainer.__init__``."""
+        super().__init__(*args, **kwargs)
         # The seed's rule: under --offload-train gradient buffers are paused without a host backup.
-        derived = memory.disable_grad_buffers_cpu_backup
+        derived = self.memory_cfg.disable_grad_buffers_cpu_backup
         self.grads_unbacked = self.offload if derived is None else bool(derived)
-        self.residency = TrainerResidency(f"trainer rank {rank}")
-        self.version = 0
-        self.strategy = None
-        self.connected = False
-        self.engine_dtype: torch.dtype | None = None
-        self.last_rollout_id = -1
-        self.ref_model = None
-        self.custom_correction = None
-        self._warned_oversized = False
 
     # ---- setup -------------------------------------------------------------------------------------
     def init(self) -> dict:
@@ -170,9 +119,10 @@ class MegatronTrainer(Trainer):
         with self.memory.region(StateClass.GRADS):
             self.ddp = self._wrap_ddp(self.stage)
         self.grad_bytes = sum(g.untyped_storage().nbytes() for g in grad_buffers(self.ddp))
-        rehome(param_buffers(self.ddp), self.memory.region(StateClass.WEIGHTS), zero=False)
+        rehome(param_buffers(self.ddp), lambda: self.memory.region(StateClass.WEIGHTS))
         with self.memory.region(StateClass.OPTIMIZER):
             self._optimizer_and_schedule()
+        self.optimizer_home = Adopter(lambda: self.memory.region(StateClass.OPTIMIZER))
         self._register()
         self.local = dict(self.stage.named_parameters())
         self.shapes = shard_shapes(self.local, self.topo, self.groups.host)
@@ -197,28 +147,10 @@ class MegatronTrainer(Trainer):
         }
 
     def _place(self) -> None:
-        """This rank's GPU and one process group (gloo for host tensors, NCCL for device ones)."""
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        index = int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count())
-        torch.cuda.set_device(index)
-        self.device = torch.device("cuda", index)
-        os.environ.update(
-            MASTER_ADDR=str(self.master_addr),
-            MASTER_PORT=str(self.master_port),
-            RANK=str(self.rank),
-            WORLD_SIZE=str(self.world_size),
-        )
-        if not dist.is_initialized():
-            dist.init_process_group(
-                "cpu:gloo,cuda:nccl",
-                init_method="env://",
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=timedelta(minutes=self.cfg.dist_timeout_min),
-            )
+        """This rank's device and the default process group: gloo for host tensors (counts, metrics, weight
+        gathers), NCCL for device tensors on CUDA; Megatron's groups are created from it."""
+        backend = "cpu:gloo,cuda:nccl" if self.device_type == "cuda" else "gloo"
+        self.device, self.groups = place(self, separate_compute_group=False, world_backend=backend, mesh=False)
 
     def _parallel_state(self) -> None:
         """Megatron's parallel state over the initialised process group, and this rank's place in it."""
@@ -248,7 +180,6 @@ class MegatronTrainer(Trainer):
             raise RuntimeError(
                 "Megatron's rank order differs from tidal's (tp-cp-dp-pp); the weight source would be wrong"
             )
-        self.groups = HostGroups(self.world_size)
         # Metrics are counted once per model replica: on TP rank 0 of the last stage.
         self.reports = self.tp_rank == 0 and self.pp_rank == self.par.pp - 1
 
@@ -437,13 +368,11 @@ class MegatronTrainer(Trainer):
         return MegatronState(self)
 
     def shutdown(self) -> None:
-        import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         super().shutdown()
         ps.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.groups.destroy()
 
 
 def schedule_call(trainer: MegatronTrainer, model, mbs: list[MicroBatch], loss_fn, *, forward_only: bool):
