@@ -86,7 +86,7 @@ def _sections(backend: str) -> dict:
 def _megatron(port: int):
     from tidal.trainer.megatron.trainer import MegatronTrainer
 
-    tr = MegatronTrainer(0, 1, "127.0.0.1", port, **_sections("megatron"))
+    tr = MegatronTrainer(0, 1, "127.0.0.1", port, release_process_groups=True, **_sections("megatron"))
     tr._place()
     tr._parallel_state()
     tr.build()
@@ -96,6 +96,26 @@ def _megatron(port: int):
 def _metrics(m: dict) -> dict:
     keys = ("loss", "pg_loss", "kl", "entropy", "grad_norm", "tokens", "response_tokens", "optimizer_steps")
     return {k: float(m[k]) for k in keys}
+
+
+def _groups_after_rebuild(ps, old: list) -> dict:
+    """What the rebuild left: the old groups still referenced from anywhere (reference counts see every
+    holder, containers the garbage collector does not track included), whether Megatron's getters and
+    DDP hand out new groups, and whether every new group is registered with torch.distributed."""
+    new = [g for g in ps._global_process_group_list if g is not None]
+    registered = dist.distributed_c10d._world.pg_map
+    return {
+        "old": len(old),
+        "new": len(new),
+        # held only by ``old`` and getrefcount's argument
+        "stale": [i for i in range(len(old)) if sys.getrefcount(old[i]) > 2],
+        "old_registered": sum(g in registered for g in old),
+        "new_registered": sum(g in registered for g in new),
+        "fresh_getters": all(
+            all(x is not g for g in old)
+            for x in (ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group(), ps.get_model_parallel_group())
+        ),
+    }
 
 
 def main() -> None:
@@ -116,13 +136,17 @@ def main() -> None:
         torch.equal(a, b) for (_, a), (_, b) in zip(sorted(meg.iter_weights()), sorted(fsdp.iter_weights()))
     )
     rollouts = []
+    old = [g for g in ps._global_process_group_list if g is not None]
     for i, gbs in enumerate((None, 8)):  # one optimizer step, then two (old log-probs recomputed)
         for t in (meg, fsdp):
             t.cfg.global_batch_size = gbs
             if i:
-                t.resume()
+                res.setdefault("resume", t.resume().metrics)
+        if i:  # Megatron's groups were destroyed at the pause and rebuilt at this resume
+            res["groups"] = _groups_after_rebuild(ps, old)
+            del old
         rollouts.append((_metrics(meg.train(_samples(i), i)), _metrics(fsdp.train(_samples(i), i))))
-        meg.pause()
+        res.setdefault("pause", meg.pause().metrics)
         fsdp.pause()
     res["rollouts"] = rollouts
     w_m, w_f = dict(meg.iter_weights()), dict(fsdp.iter_weights())  # read from the host backups (paused)

@@ -111,3 +111,11 @@ def test_megatron_trains_like_fsdp_on_cpu(tmp_path):
     assert res["rollouts"][1][0]["kl"] > 0  # the reference model is in the loss
     assert res["weights_max_abs_diff"] < 1e-4
     assert res["resume_bit_exact"] and res["load_bit_exact"] and res["fsdp_loads_it"]
+    # Megatron's process groups: destroyed at the pause, rebuilt at the resume, no reference to an old one
+    # left anywhere, and the rollout after the resume (above) trained like FSDP2's through the new ones.
+    groups = res["groups"]
+    assert res["pause"]["memory/trainer_pause/groups_released"] == groups["old"] == groups["new"] > 10, res["pause"]
+    assert res["resume"]["memory/trainer_resume/groups_rebuilt"] == 1
+    assert res["resume"]["memory/trainer_resume/groups_repointed"] > 0
+    assert groups["stale"] == [] and groups["old_registered"] == 0, groups
+    assert groups["new_registered"] == groups["new"] and groups["fresh_getters"], groups

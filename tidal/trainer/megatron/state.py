@@ -73,15 +73,13 @@ class MegatronState:
         on the host from every data-parallel rank's range (collective over the data-parallel gloo group)."""
         if rng is None:
             return inner.state[key][k]
-        from megatron.core import parallel_state as ps
-
         from tidal.weight_sync.stream import to_host
 
         full = torch.zeros(p.numel(), dtype=torch.float32)
         if inner is not None and inner.state.get(key):
             full[rng[0] : rng[1]] = to_host(self.tr.read(inner.state[key][k]), torch.float32).reshape(-1)
         if self.tr.topo.dp > 1:
-            dist.all_reduce(full, group=ps.get_data_parallel_group_gloo())
+            dist.all_reduce(full, group=self.tr.parallel_groups.dp_gloo)
         return full.view(p.shape)
 
     # ---- collectives ---------------------------------------------------------------------------

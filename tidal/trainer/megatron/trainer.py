@@ -20,8 +20,8 @@ DDP's average over data-parallel ranks, each micro-batch contributes its share o
 over the whole global batch.
 
 Memory: see ``tidal.trainer.megatron.memory`` (parameters and optimizer state backed up, gradient
-buffers in a region without backup under ``--offload-train``). Megatron's NCCL communicators stay
-alive across a pause (they are not in a region).
+buffers in a region without backup under ``--offload-train``); Megatron's process groups are
+destroyed at a pause and rebuilt at the resume (``tidal.trainer.megatron.groups``).
 """
 
 from __future__ import annotations
@@ -37,11 +37,13 @@ from tidal.dtypes import as_dtype, default_dtype_name
 from tidal.errors import UserError
 from tidal.memory.base import MemoryResult, StateClass
 from tidal.memory.home import Adopter, rehome
+from tidal.memory.telemetry import device_used_bytes
 from tidal.rollout.types import Sample
 from tidal.trainer.base import Trainer
 from tidal.trainer.groups import place
 from tidal.trainer.megatron import mapping
 from tidal.trainer.megatron import model as mm
+from tidal.trainer.megatron.groups import MegatronGroups
 from tidal.trainer.megatron.memory import grad_buffers, optimizer_tensors, param_buffers
 from tidal.trainer.megatron.state import MegatronState
 from tidal.trainer.megatron.weights import Topology, iter_hf_weights, shard_shapes
@@ -61,9 +63,12 @@ CPU_REFUSAL = (
 class MegatronTrainer(Trainer):
     """One rank of the Megatron-core trainer; see the module docstring and ``docs/trainer.md``."""
 
-    def __init__(self, *args, **kwargs):
-        """The arguments of ``Trainer.__init__``."""
+    def __init__(self, *args, release_process_groups: bool | None = None, **kwargs):
+        """The arguments of ``Trainer.__init__``, and ``release_process_groups``: destroy Megatron's process
+        groups at a pause and rebuild them at the resume (default: on CUDA, where NCCL communicators hold
+        device memory; the CPU tests turn it on over gloo to run the same path)."""
         super().__init__(*args, **kwargs)
+        self.release_groups = (self.device_type == "cuda") if release_process_groups is None else release_process_groups
         # The seed's rule: under --offload-train gradient buffers are paused without a host backup.
         derived = self.memory_cfg.disable_grad_buffers_cpu_backup
         self.grads_unbacked = self.offload if derived is None else bool(derived)
@@ -164,12 +169,8 @@ class MegatronTrainer(Trainer):
                 f"{self.world_size} trainer ranks do not split into tensor {self.par.tp} x pipeline {self.par.pp} x "
                 f"context {self.par.cp} parallel groups; use sizes whose product divides the trainer ranks"
             )
-        if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(
-                tensor_model_parallel_size=self.par.tp,
-                pipeline_model_parallel_size=self.par.pp,
-                context_parallel_size=self.par.cp,
-            )
+        self.parallel_groups = MegatronGroups(tp=self.par.tp, pp=self.par.pp, cp=self.par.cp, device=self.device.type)
+        self.parallel_groups.initialize()
         if self.device.type == "cuda":
             model_parallel_cuda_manual_seed(self.cfg.seed)
         self.topo = Topology(
@@ -301,11 +302,17 @@ class MegatronTrainer(Trainer):
         gc.collect()
         torch.cuda.empty_cache()
         t1 = time.perf_counter()
+        used = device_used_bytes(self.device) if self.device.type == "cuda" else 0
+        released = self.parallel_groups.release() if self.release_groups else 0
+        freed = used - device_used_bytes(self.device) if self.device.type == "cuda" else 0
+        t2 = time.perf_counter()
         report = self.memory.pause(list(_CLASSES))
         out = report.metrics("memory/trainer_pause")
         out["memory/trainer_pause/free_transients_s"] = t1 - t0
         out["memory/trainer_pause/effective"] = 1
-        out["memory/trainer_pause/groups_released"] = 0
+        out["memory/trainer_pause/groups_released"] = released
+        out["memory/trainer_pause/groups_freed_bytes"] = freed
+        out["memory/trainer_pause/groups_s"] = t2 - t1
         out["memory/trainer_pause/grads_backed_up"] = int(not self.grads_unbacked)
         out["memory/trainer_pause/total_s"] = time.perf_counter() - t0
         return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
@@ -317,9 +324,14 @@ class MegatronTrainer(Trainer):
             return MemoryResult({"memory/trainer_resume/effective": 0})
         t0 = time.perf_counter()
         report = self.memory.resume(list(_CLASSES))
+        t1 = time.perf_counter()
+        rebuilt = self.parallel_groups.released is not None
+        repointed = self.parallel_groups.rebuild([self.stage, self.ref_model, self.ddp, self.optimizer])
         out = report.metrics("memory/trainer_resume")
         out["memory/trainer_resume/effective"] = 1
-        out["memory/trainer_resume/groups_rebuilt"] = 0
+        out["memory/trainer_resume/groups_rebuilt"] = int(rebuilt)
+        out["memory/trainer_resume/groups_repointed"] = repointed
+        out["memory/trainer_resume/groups_s"] = time.perf_counter() - t1
         out["memory/trainer_resume/total_s"] = time.perf_counter() - t0
         return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
 
