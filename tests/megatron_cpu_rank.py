@@ -10,7 +10,9 @@ not hidden/heads) it builds the Hugging Face model from the shared seed, builds 
    With TP = 2 the same processes then run as two pipeline stages for the untied models;
 2. with PP = 1, the forward: Megatron's logits (vocabulary shards gathered here for the comparison
    only) equal the HF model's, and tidal's vocab-parallel log-probs and entropy on the shards equal
-   the full-vocabulary ones (with their gradients w.r.t. the logits).
+   the full-vocabulary ones (with their gradients w.r.t. the logits);
+3. with TP > 1, for the first architecture: Megatron's process groups destroyed and rebuilt as around
+   a pause (``tidal.trainer.megatron.groups``), no reference to an old group left, the same logits.
 
 Megatron's forward looks up ``torch.cuda.current_device()`` for its rotary table and forks its
 CUDA RNG tracker around attention dropout; on a CPU-only host both are redirected (device "cpu", a
@@ -54,7 +56,7 @@ def hf_models(only=None):
         yield name, model
 
 
-def check(name, hf, topo, tp, pp, group):
+def check(name, hf, topo, tp, pp, group, rebuild=False):
     from megatron.core import parallel_state as ps
 
     from tidal.algos.logprobs import token_logprobs_and_entropy
@@ -118,7 +120,43 @@ def check(name, hf, topo, tp, pp, group):
     out["logprob_max_abs_diff"] = float((lp - rlp).abs().max())
     out["entropy_max_abs_diff"] = float((ent - rent).abs().max())
     out["grad_max_abs_diff"] = float((leaf.grad - want_grad).abs().max())
+    if rebuild:
+        # Autograd graphs hold their process groups (Megatron's TP functions keep them in ``ctx``): drop them,
+        # as a trainer has by the time it pauses.
+        logits = logits.detach()
+        del lp, ent, leaf
+        out.update(release_and_rebuild(stage, lambda: stage(ids, torch.arange(9).expand(2, 9), mask), logits))
     return out
+
+
+def _no_grad(fn):
+    with torch.no_grad():
+        return fn()
+
+
+def release_and_rebuild(stage, forward, logits) -> dict:
+    """Megatron's groups (two ranks each here) destroyed and rebuilt as around a pause: no reference to an old
+    group is left in the stage, Megatron's getters hand out the new ones, and the forward gives the same logits."""
+    import sys
+
+    from megatron.core import parallel_state as ps
+
+    from tidal.trainer.megatron.groups import MegatronGroups
+
+    groups = MegatronGroups(tp=ps.get_tensor_model_parallel_world_size(), pp=1, cp=1, device="cpu")
+    groups.initialize()
+    old = [g for g in ps._global_process_group_list if g is not None]
+    names = {id(v): k for k, v in vars(ps).items() if any(v is g for g in old)}
+    names = [names.get(id(g), "?") for g in old]
+    released = groups.release()
+    repointed = groups.rebuild([stage])
+    return {
+        "released": released,
+        "repointed": repointed,
+        "stale": [names[i] for i in range(len(old)) if sys.getrefcount(old[i]) > 2],
+        "tp_group_new": all(ps.get_tensor_model_parallel_group() is not g for g in old),
+        "rebuilt_logits_equal": torch.equal(_no_grad(forward), logits),
+    }
 
 
 def main() -> None:
@@ -137,7 +175,10 @@ def main() -> None:
     from tidal.trainer.megatron.weights import Topology
 
     topo = Topology(rank=rank, tp=tp, cp=1, dp=world // (tp * pp), pp=pp)
-    results = {name: check(name, hf, topo, tp, pp, dist.group.WORLD) for name, hf in hf_models(only)}
+    results = {
+        name: check(name, hf, topo, tp, pp, dist.group.WORLD, rebuild=i == 0 and pp == 1 and tp > 1)
+        for i, (name, hf) in enumerate(hf_models(only))
+    }
     if tp == world and pp == 1 and world == 2:
         # The same two processes again as two pipeline stages (untied models: Megatron ties a split
         # embedding through a CUDA-only all-reduce): the weight source's stage-to-rank-0 path.

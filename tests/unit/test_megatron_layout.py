@@ -231,13 +231,17 @@ def test_one_rank_weight_source_is_views_of_the_parameters(model_type, kw):
 def test_megatron_gpt_model_on_cpu_matches_hf(tmp_path):
     """Megatron's own GPTModel (local spec, CPU init, TP = 2 over gloo): HF -> Megatron -> HF bit for bit
     through the weight source, logits equal to the HF model's, vocab-parallel log-probs/entropy and their
-    gradients equal to the full-vocabulary ones, for all three architectures; then PP = 2 (round trip)."""
+    gradients equal to the full-vocabulary ones, for all three architectures; Megatron's groups destroyed and
+    rebuilt as around a pause with nothing left pointing at an old one; then PP = 2 (round trip)."""
     archs = "llama,qwen2,qwen3"
     results = _run_ranks(tmp_path, world=2, tp=2, pp=1, archs=archs)
     assert sorted(results) == ["llama", "llama/pp2", "qwen2", "qwen2/pp2", "qwen3"]
     for name in ("llama/pp2", "qwen2/pp2"):  # two pipeline stages: the round trip only
         r = results.pop(name)
         assert r["names_equal"] and r["bitwise"], name
+    rebuilt = results["llama"]  # process groups of two ranks destroyed and rebuilt, as around a pause
+    assert rebuilt["released"] > 10 and rebuilt["repointed"] > 0 and rebuilt["stale"] == [], rebuilt
+    assert rebuilt["tp_group_new"] and rebuilt["rebuilt_logits_equal"], rebuilt
     for name, r in results.items():
         assert r["names_equal"] and r["bitwise"], name
         assert r["logits_max_abs_diff"] < 1e-5, (name, r)
