@@ -7,6 +7,7 @@ tests/test_megatron_argument_validation.py, including the cases that file is mis
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -894,6 +895,28 @@ MEGATRON = ["--model", "tiny", "--device", "cuda", "--train-backend", "megatron"
 )
 def test_rule_megatron(argv, env, expect):
     check(argv, env, expect)
+
+
+GPU2_MEGATRON_TE = dataclasses.replace(GPU2_MEGATRON, transformer_engine_available=True)
+
+
+@pytest.mark.parametrize(
+    "argv,env,expect",
+    [
+        # derived from what is installed: Transformer Engine's spec when it is, else the local one
+        (MEGATRON, GPU2_MEGATRON, {"transformer_impl": "local"}),
+        (MEGATRON, GPU2_MEGATRON_TE, {"transformer_impl": "transformer_engine"}),
+        ([*MEGATRON, "--transformer-impl", "local"], GPU2_MEGATRON_TE, {"transformer_impl": "local"}),
+        ([*MEGATRON, "--transformer-impl", "transformer_engine"], GPU2_MEGATRON, "transformer_engine is not installed"),
+        (["--model", "tiny", "--transformer-impl", "local"], CPU, "--transformer-impl is a Megatron option"),
+        (["--model", "tiny"], CPU, {"transformer_impl": None}),  # the fsdp backend has no layer spec
+    ],
+)
+def test_rule_megatron_layer_spec(argv, env, expect):
+    prov = check(argv, env, expect)
+    if prov is not None and "--transformer-impl" not in argv and "megatron" in argv:
+        line = next(x for x in explain_text(argv, env).splitlines() if "--transformer-impl" in x)
+        assert "megatron" in line and "installed" in line, line
 
 
 def test_rule_megatron_splits_follow_the_model():

@@ -13,7 +13,7 @@ from tidal.checkpoint.store import TrainState
 from tidal.config.schema import AlgorithmConfig, MemoryConfig, ModelConfig, TrainerConfig, WeightSyncConfig
 from tidal.errors import UserError
 from tidal.trainer.base import Trainer, trainer_class
-from tidal.trainer.megatron.model import megatron_available
+from tidal.trainer.megatron.model import choose_transformer_impl, megatron_available
 from tidal.trainer.megatron.state import MegatronState
 from tidal.trainer.megatron.trainer import CPU_REFUSAL, MegatronTrainer
 
@@ -45,6 +45,24 @@ def test_megatron_is_a_trainer_chosen_by_the_flag():
 )
 def test_grad_buffers_follow_offload_train(memory, unbacked):
     assert _trainer(**memory).grads_unbacked is unbacked
+
+
+@pytest.mark.parametrize(
+    "requested,importable,expect",
+    [
+        (None, True, "transformer_engine"),
+        (None, False, "local"),
+        ("local", True, "local"),
+        ("transformer_engine", True, "transformer_engine"),
+        ("transformer_engine", False, "does not import on this machine"),
+    ],
+)
+def test_layer_spec_is_transformer_engines_when_it_imports(requested, importable, expect):
+    if expect in ("local", "transformer_engine"):
+        assert choose_transformer_impl(requested, lambda: importable) == expect
+    else:
+        with pytest.raises(UserError, match=expect):
+            choose_transformer_impl(requested, lambda: importable)
 
 
 def test_init_on_cpu_refuses_in_one_line():

@@ -87,6 +87,7 @@ class Environment:
     cpu_count: int = 2
     tms_available: bool = False  # torch_memory_saver importable
     megatron_available: bool = False  # megatron-core importable (--train-backend megatron)
+    transformer_engine_available: bool = False  # transformer_engine installed (Megatron's TE layer spec)
     num_nodes: int = 1  # nodes of the cluster (1 for a local cluster)
     assumed: bool = False  # built from --assume-* flags rather than probed
 
@@ -110,6 +111,7 @@ class Environment:
             cpu_count=os.cpu_count() or 1,
             tms_available=importlib.util.find_spec("torch_memory_saver") is not None,
             megatron_available=_has_megatron(),
+            transformer_engine_available=importlib.util.find_spec("transformer_engine") is not None,
         )
 
     def with_assumptions(

@@ -26,6 +26,7 @@ _PARALLEL = (
     ("sequence_parallel", False),
     ("use_distributed_optimizer", False),
     ("use_nccl_ub", False),
+    ("transformer_impl", None),
 )
 
 
@@ -40,6 +41,7 @@ def megatron(ctx: Context) -> None:
             if getattr(t, name) != default:
                 raise ConfigError(f"{_flag(name)} is a Megatron option; add --train-backend megatron or drop it")
         return
+    _transformer_impl(ctx)
     if ctx.cfg.rollout.debug_rollout_only:
         return  # no trainer is started
     if c.device != "cuda":
@@ -76,6 +78,19 @@ def megatron(ctx: Context) -> None:
     if shape.layers % pp:
         raise ConfigError(
             f"--pipeline-model-parallel-size {pp} does not divide {shape.name}'s {shape.layers} layers; use a divisor"
+        )
+
+
+def _transformer_impl(ctx: Context) -> None:
+    """Transformer Engine's layer spec when it is installed, Megatron's local spec otherwise."""
+    t, has_te = ctx.cfg.trainer, ctx.env.transformer_engine_available
+    if t.transformer_impl is None:
+        why = "transformer_engine is installed" if has_te else "transformer_engine is not installed"
+        ctx.derive("transformer_impl", "transformer_engine" if has_te else "local", "megatron", why)
+    elif t.transformer_impl == "transformer_engine" and not has_te:
+        raise ConfigError(
+            "--transformer-impl transformer_engine: transformer_engine is not installed; install it or use "
+            "--transformer-impl local"
         )
 
 

@@ -91,6 +91,12 @@ class TrainerConfig:
     use_nccl_ub: bool = opt(
         False, "Megatron: register the gradient buffers as NCCL user buffers (not with --offload-train)."
     )
+    transformer_impl: str | None = opt(
+        None,
+        "Megatron: the layer spec, Transformer Engine's or Megatron's local (plain PyTorch) one "
+        "(derived: transformer_engine when transformer_engine is installed, else local).",
+        choices=("local", "transformer_engine"),
+    )
     lr: float = opt(3e-3, "Peak learning rate of AdamW.", min=0)
     min_lr: float = opt(0.0, "Learning rate at the end of decay (constant after warmup when equal to lr).", min=0)
     lr_warmup_steps: int = opt(2, "Optimizer steps of linear warmup.", min=0)

@@ -344,8 +344,9 @@ rule(
     "megatron",
     "`--train-backend megatron` needs CUDA and megatron-core; its parallel flags (`--tensor-model-parallel-size`, "
     "`--pipeline-model-parallel-size`, `--context-parallel-size` (only 1), `--sequence-parallel` (needs TP > 1), "
-    "`--use-distributed-optimizer`, `--use-nccl-ub`) need it; TP x PP divides the trainer ranks, TP the key-value heads "
-    "and MLP width, PP the layers; no critic.",
+    "`--use-distributed-optimizer`, `--use-nccl-ub`, `--transformer-impl`) need it; TP x PP divides the trainer ranks, "
+    "TP the key-value heads and MLP width, PP the layers; no critic. `--transformer-impl` is derived: transformer_engine "
+    "when it is installed, else local.",
 )(megatron_rules.megatron)
 
 rule(

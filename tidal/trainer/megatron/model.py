@@ -6,8 +6,8 @@ with SiLU), no linear biases except Qwen2's QKV bias, Qwen3's q/k norms (``qk_la
 with the model's theta, grouped-query attention (``num_query_groups``), dropout off. Parameters are
 fp32 (the master weights, as in the FSDP backend); the forward runs under bf16 autocast
 (``enable_autocast``, which Megatron's schedules apply), so gradients accumulate into fp32 main
-grads in the DDP buffers. The layer spec is Transformer Engine's when it is installed, else
-Megatron's local spec (plain PyTorch layers).
+grads in the DDP buffers. The layer spec is Transformer Engine's when it imports, else Megatron's
+local spec (plain PyTorch layers): ``choose_transformer_impl``, ``--transformer-impl``.
 
 Nothing here needs CUDA: with ``cpu_init`` the stage builds on the host (over a gloo process group),
 which is how the CI tests check the mapping against Megatron's own parameter names and shapes.
@@ -15,6 +15,7 @@ which is how the CI tests check the mapping against Megatron's own parameter nam
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,8 +40,29 @@ def require_megatron() -> None:
         raise UserError(f"--train-backend megatron: megatron-core is not installed; {INSTALL_HINT}")
 
 
-def te_available() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
+@functools.cache
+def transformer_engine_importable() -> bool:
+    """Whether Transformer Engine's PyTorch layers import here (installed is not enough: its CUDA libraries load)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or OSError from a missing CUDA library
+        return False
+    return True
+
+
+def choose_transformer_impl(
+    requested: str | None, importable: Callable[[], bool] = transformer_engine_importable
+) -> str:
+    """The layer spec to build: ``requested`` (``--transformer-impl``, derived by the config from what is
+    installed), or when unset Transformer Engine's if it imports, else Megatron's local one."""
+    if requested is None:
+        return "transformer_engine" if importable() else "local"
+    if requested == "transformer_engine" and not importable():
+        raise UserError(
+            "--transformer-impl transformer_engine: transformer_engine does not import on this machine; "
+            "fix its installation or use --transformer-impl local"
+        )
+    return requested
 
 
 @dataclass(frozen=True)

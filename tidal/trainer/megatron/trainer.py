@@ -111,7 +111,7 @@ class MegatronTrainer(Trainer):
         self.hf_shapes = {n: tuple(t.shape) for n, t in full.items()}
         param_dtype = self.cfg.param_dtype if self.cfg.param_dtype != "auto" else default_dtype_name(device)
         self.compute_dtype = as_dtype(param_dtype)
-        self.te = mm.te_available()
+        self.te = mm.choose_transformer_impl(self.cfg.transformer_impl) == "transformer_engine"
         self.memory = make_backend(self.memory_cfg, device=device, role="trainer", offload_train=self.grads_unbacked)
         with self.memory.region(StateClass.WEIGHTS):
             self.stage = self._build_stage(full)
