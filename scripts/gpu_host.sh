@@ -71,7 +71,7 @@ for s in "$@"; do
     megatron|megatron-loop|megatron-state)
       k=${s#megatron}; k=${k#-}
       case $k in loop) expr="loop or matches_fsdp" ;; state) expr="pause_resume or checkpoint" ;; *) expr="" ;; esac
-      TAIL=60 run "$s" 600 python3 -m pytest -q -s -m gpu tests/gpu/test_megatron_gpu.py -k "$expr" -p no:cacheprovider -o addopts="" -rfE --durations=6 ;;
+      TAIL=100 run "$s" 600 python3 -m pytest -q -s -m gpu tests/gpu/test_megatron_gpu.py -k "$expr" -p no:cacheprovider -o addopts="" -rfE --durations=6 ;;
     train-megatron) run train-megatron 200 python3 -m tidal.bench.reward_curve --train-backend megatron --num-rollout 40 --output-dir "$OUT/run-megatron" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
