@@ -266,7 +266,11 @@ def _pools(self) -> list[str]:
     except Exception:  # noqa: BLE001 - figures only
         pass
     per: dict = {}
-    for seg in torch.cuda.memory._snapshot()["segments"]:
+    try:
+        segments = torch.cuda.memory._snapshot()["segments"]
+    except Exception as e:  # noqa: BLE001 - figures only
+        return [f"no allocator snapshot ({type(e).__name__}: {e})"]
+    for seg in segments:
         pid = tuple(seg.get("segment_pool_id", (0, 0)))
         active = sum(b["size"] for b in seg["blocks"] if b["state"] == "active_allocated")
         total, used = per.get(pid, (0, 0))
