@@ -364,9 +364,9 @@ def test_loop_survives_a_server_that_stops_answering(ray_cluster, tmp_path, capl
     new broadcast group, the server leaving the old one first. Then a --debug-rollout-only run (no
     trainer) survives the same hang: the engine generates again with the weights the server holds, with
     no resync."""
-    srv = Server("--tidal-extras").start("--hang-on-generate", "1,3", "--hang-seconds", "5")
+    srv = Server("--tidal-extras").start("--hang-on-generate", "1,3", "--hang-seconds", "4")
     flags = ["--rollout-external-engine-addrs", srv.address, "--engine-start-timeout", "120"]
-    flags += ["--engine-health-timeout", "3", "--num-rollout", "1"]
+    flags += ["--engine-health-timeout", "2", "--num-rollout", "1"]
     seen: list[int] = []
     try:
         rows = _train(
@@ -377,7 +377,7 @@ def test_loop_survives_a_server_that_stops_answering(ray_cluster, tmp_path, capl
         assert [c[0] for c in calls] == ["init", "destroy", "init"] and calls[0][2] != calls[2][2], calls
         # Found by the probe while the server still ran (hung).
         assert (
-            "engine 0 died (no /health answer within 3 s (--engine-health-timeout)); restarting it (1/3)" in caplog.text
+            "engine 0 died (no /health answer within 2 s (--engine-health-timeout)); restarting it (1/3)" in caplog.text
         )
         assert [r["engine_restarts"] for r in rows] == [1] and rows[0]["gen_samples"] == 4
         # The rollout was generated again after a resync that kept version 1; its step synced version 2.
@@ -386,7 +386,7 @@ def test_loop_survives_a_server_that_stops_answering(ray_cluster, tmp_path, capl
         rows = _train(tmp_path / "rollout-only", *flags, "--debug-rollout-only")
     finally:
         srv.stop()
-    assert "engine 0 died (no /health answer within 3 s" in caplog.text
+    assert "engine 0 died (no /health answer within 2 s" in caplog.text
     assert [r["engine_restarts"] for r in rows] == [1] and rows[0]["gen_samples"] == 4
 
 
