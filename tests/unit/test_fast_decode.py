@@ -339,10 +339,11 @@ def test_greedy_fused_core_matches_eager_sampling():
     assert torch.equal(a[0], b[0]) and torch.allclose(a[1], b[1], atol=1e-6)
 
 
-@pytest.mark.parametrize("name", [*NAMES, "tiny-qwen3"])
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3"])
 def test_fused_projections_match_the_model_and_follow_weight_changes(models, name):
     """``fused=True`` (stacked q/k/v and gate/up weights): the same greedy tokens and log-probs as the
-    model's own forward, for Llama, Qwen2 (biases) and Qwen3 (q/k norms), and the stacked copies follow
+    model's own forward, for Qwen2 (q/k/v biases) and Qwen3 (q/k norms; Llama's layers are Qwen2's
+    without the biases), and the stacked copies follow
     the model when its weights change in place between calls (a weight sync) or come back as garbage
     after a memory backend's release (they are kv_cache memory)."""
     import copy
