@@ -22,19 +22,27 @@ which one is active:
 ``pause(classes)`` / ``resume(classes)`` return a ``MemoryReport`` with per-class figures. While
 a backed-up class is paused, ``host_view(tensor)`` returns a CPU tensor aliasing its backup
 (zero copy), valid only until that class is resumed.
+
+``HostBackedBackend`` is what the two real backends (``portable``, ``tms``) share: the device, the
+host-memory policy of backed-up classes (``release``, ``retain``, ``disk``), a label naming the owner
+in messages, and the registered sources.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
+import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
+from typing_extensions import TypedDict, Unpack
 
-from tidal.errors import ResidencyError
+from tidal.errors import ConfigError, ResidencyError
+from tidal.memory.telemetry import device_used_bytes, host_rss_bytes
 
 
 class StateClass(str, Enum):
@@ -200,3 +208,79 @@ class MemoryBackend(abc.ABC):
                 raise ResidencyError(f"{self.label}: pause of {c.value}, which is already paused (double pause)")
             out.append(c)
         return out
+
+
+HOST_MEMORY_POLICIES = ("release", "retain", "disk")
+
+
+def check_host_memory(host_memory: str, disk_dir) -> None:
+    """The host-memory policy must be known, and ``disk`` needs a directory."""
+    if host_memory not in HOST_MEMORY_POLICIES:
+        raise ConfigError(
+            f"--offload-host-memory {host_memory!r} is not one of {', '.join(HOST_MEMORY_POLICIES)}; pick one"
+        )
+    if host_memory == "disk" and not disk_dir:
+        raise ConfigError("--offload-host-memory disk needs --offload-disk-dir; name a directory on a real disk")
+
+
+class Backing(TypedDict, total=False):
+    """The keyword arguments every ``HostBackedBackend`` takes besides its device."""
+
+    host_memory: str  # release (default) | retain | disk
+    disk_dir: str | os.PathLike | None  # where ``disk`` spills
+    label: str  # the owner in messages and tags (default "memory")
+
+
+class HostBackedBackend(MemoryBackend):
+    """A backend that frees registered device memory and keeps backed-up classes on the host (or disk).
+
+    Subclasses keep ``self._paused`` (the classes paused now, each with what its resume needs)."""
+
+    def __init__(
+        self, policy: dict[StateClass, ClassPolicy], *, device: str | torch.device, **backing: Unpack[Backing]
+    ):
+        super().__init__(policy)
+        self.host_memory = backing.get("host_memory", "release")
+        self.disk_dir = backing.get("disk_dir")
+        self.label = backing.get("label", "memory")
+        check_host_memory(self.host_memory, self.disk_dir)
+        self.device = torch.device(device)
+        self._sources: dict[StateClass, list[TensorSource]] = {}
+
+    def _pin_cuda_index(self) -> None:
+        """A CUDA device without an index is the current one: name it (pools and reports need the index)."""
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def _names(self) -> str:
+        return ", ".join(c.value for c in self.policy)
+
+    def register(self, state_class: StateClass, tensors: TensorSource) -> None:
+        state_class = StateClass(state_class)
+        if state_class not in self.policy:
+            raise ValueError(f"{self.label}: state class {state_class.value} has no policy here ({self._names()})")
+        if not callable(tensors):
+            raise TypeError("register() takes a callable returning the tensors (evaluated at every pause)")
+        self._sources.setdefault(state_class, []).append(tensors)
+
+    def is_paused(self, state_class: StateClass) -> bool:
+        return StateClass(state_class) in self._paused
+
+    def _check_room(self, classes: Sequence[StateClass], needed: int, free: int) -> None:
+        """Refuse a resume that needs more device memory than is free, before anything is touched."""
+        if needed > free:
+            raise ResidencyError(
+                f"{self.label}: resume of {', '.join(c.value for c in classes)} needs {needed / 2**30:.2f} GiB but "
+                f"{free / 2**30:.2f} GiB is free on {self.device}; release the other tenant (engines) first"
+            )
+
+    def _measure_before(self, report: MemoryReport) -> float:
+        """Host RSS and device use before the work of ``report``; returns its start time."""
+        report.host_rss_before, report.device_used_before = host_rss_bytes(), device_used_bytes(self.device)
+        return time.perf_counter()
+
+    def _measure_after(self, report: MemoryReport, t0: float) -> MemoryReport:
+        """``report`` with its duration since ``t0`` and host RSS and device use after the work."""
+        report.seconds = time.perf_counter() - t0
+        report.host_rss_after, report.device_used_after = host_rss_bytes(), device_used_bytes(self.device)
+        return report

@@ -52,31 +52,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from typing_extensions import Unpack
 
-from tidal.errors import ConfigError, ResidencyError
+from tidal.errors import ResidencyError
 from tidal.memory.base import (
+    Backing,
     ClassPolicy,
     ClassReport,
-    MemoryBackend,
+    HostBackedBackend,
     MemoryReport,
     StateClass,
-    TensorSource,
 )
-from tidal.memory.telemetry import device_used_bytes, host_rss_bytes, trim_host_heap
+from tidal.memory.telemetry import trim_host_heap
 from tidal.memory.views import HostView, ViewToken, make_host_view
-
-HOST_MEMORY_POLICIES = ("release", "retain", "disk")
-
-
-def check_host_memory(host_memory: str, disk_dir) -> None:
-    """The host-memory policy must be known, and ``disk`` needs a directory (shared by both backends)."""
-    if host_memory not in HOST_MEMORY_POLICIES:
-        raise ConfigError(
-            f"--offload-host-memory {host_memory!r} is not one of {', '.join(HOST_MEMORY_POLICIES)}; pick one"
-        )
-    if host_memory == "disk" and not disk_dir:
-        raise ConfigError("--offload-host-memory disk needs --offload-disk-dir; name a directory on a real disk")
-
 
 # Moving a memory block between two storages without copying; present in every torch we support
 # (FSDP2 and CUDA graph trees rely on it). Without it, pause and resume copy.
@@ -135,29 +123,18 @@ class _Paused:
     entries: dict[int, _Entry] = field(default_factory=dict)  # by storage identity
 
 
-class PortableBackend(MemoryBackend):
+class PortableBackend(HostBackedBackend):
     """Pause/resume by freeing registered storages in place; works on CPU and on CUDA."""
 
     name = "portable"
 
     def __init__(
-        self,
-        policy: dict[StateClass, ClassPolicy],
-        *,
-        device: str | torch.device = "cpu",
-        host_memory: str = "release",
-        disk_dir: str | os.PathLike | None = None,
-        label: str = "memory",
+        self, policy: dict[StateClass, ClassPolicy], *, device: str | torch.device = "cpu", **backing: Unpack[Backing]
     ):
-        super().__init__(policy)
-        check_host_memory(host_memory, disk_dir)
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.host_memory = host_memory
-        self.label = label
-        self._disk_root = Path(disk_dir) / f"tidal-{label}-{os.getpid()}-{id(self):x}" if disk_dir else None
-        self._sources: dict[StateClass, list[TensorSource]] = {}
+        super().__init__(policy, device=device, **backing)
+        self._pin_cuda_index()
+        disk = self.disk_dir
+        self._disk_root = Path(disk) / f"tidal-{self.label}-{os.getpid()}-{id(self):x}" if disk else None
         self._paused: dict[StateClass, _Paused] = {}
         self._retained: dict[StateClass, dict[int, torch.UntypedStorage]] = {}
         self._on_cuda = self.device.type == "cuda"
@@ -183,17 +160,6 @@ class PortableBackend(MemoryBackend):
 
     # -- registration -------------------------------------------------------------------------
 
-    def register(self, state_class: StateClass, tensors: TensorSource) -> None:
-        state_class = StateClass(state_class)
-        if state_class not in self.policy:
-            raise ValueError(f"{self.label}: state class {state_class.value} has no policy here ({self._names()})")
-        if not callable(tensors):
-            raise TypeError("register() takes a callable returning the tensors (evaluated at every pause)")
-        self._sources.setdefault(state_class, []).append(tensors)
-
-    def is_paused(self, state_class: StateClass) -> bool:
-        return StateClass(state_class) in self._paused
-
     def resident_bytes(self, classes: Sequence[StateClass] | None = None) -> int:
         """Bytes of registered storages on the device now (0 for a fully paused class)."""
         total = 0
@@ -207,8 +173,7 @@ class PortableBackend(MemoryBackend):
     def pause(self, classes: Sequence[StateClass]) -> MemoryReport:
         classes = self._check(classes, want_paused=False, op="pause")
         report = MemoryReport(op="pause", backend=self.name)
-        report.host_rss_before, report.device_used_before = host_rss_bytes(), device_used_bytes(self.device)
-        t0 = time.perf_counter()
+        t0 = self._measure_before(report)
         if StateClass.ACTIVATIONS in classes and self._on_cuda:
             # Activations are what the last step left reachable only through reference cycles: collect
             # them so that their blocks go back to the driver with the cache. On a CPU device they are
@@ -218,9 +183,7 @@ class PortableBackend(MemoryBackend):
         for c in classes:
             report.classes.append(self._pause_class(c))
         self._return_free_memory()
-        report.seconds = time.perf_counter() - t0
-        report.host_rss_after, report.device_used_after = host_rss_bytes(), device_used_bytes(self.device)
-        return report
+        return self._measure_after(report, t0)
 
     def resume(self, classes: Sequence[StateClass]) -> MemoryReport:
         classes = self._check(classes, want_paused=True, op="resume")
@@ -235,20 +198,13 @@ class PortableBackend(MemoryBackend):
             else:
                 free, _ = torch.cuda.mem_get_info(self.device)
                 free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            if needed > free:
-                raise ResidencyError(
-                    f"{self.label}: resume of {', '.join(c.value for c in classes)} needs {needed / 2**30:.2f} GiB "
-                    f"but {free / 2**30:.2f} GiB is free on {self.device}; release the other tenant (engines) first"
-                )
+            self._check_room(classes, needed, free)
         report = MemoryReport(op="resume", backend=self.name)
-        report.host_rss_before, report.device_used_before = host_rss_bytes(), device_used_bytes(self.device)
-        t0 = time.perf_counter()
+        t0 = self._measure_before(report)
         for c in classes:
             report.classes.append(self._resume_class(c))
         self._return_free_memory()
-        report.seconds = time.perf_counter() - t0
-        report.host_rss_after, report.device_used_after = host_rss_bytes(), device_used_bytes(self.device)
-        return report
+        return self._measure_after(report, t0)
 
     def host_view(self, tensor: torch.Tensor) -> HostView:
         t = local_tensor(tensor)
@@ -279,9 +235,6 @@ class PortableBackend(MemoryBackend):
         self._return_free_memory()
 
     # -- internals ----------------------------------------------------------------------------
-
-    def _names(self) -> str:
-        return ", ".join(c.value for c in self.policy)
 
     def _storages(self, c: StateClass) -> dict[int, torch.UntypedStorage]:
         found: dict[int, torch.UntypedStorage] = {}

@@ -27,16 +27,16 @@ import time
 from collections.abc import Iterator, Sequence
 
 import torch
+from typing_extensions import Unpack
 
 from tidal.errors import ConfigError, ResidencyError
-from tidal.memory.base import ClassPolicy, ClassReport, MemoryBackend, MemoryReport, StateClass, TensorSource
-from tidal.memory.portable import check_host_memory, local_tensor
+from tidal.memory.base import Backing, ClassPolicy, ClassReport, HostBackedBackend, MemoryReport, StateClass
+from tidal.memory.portable import local_tensor
 from tidal.memory.preload import check_allocator_conf
-from tidal.memory.telemetry import device_used_bytes, host_rss_bytes
 from tidal.memory.views import HostView, ViewToken, wrap_host_tensor
 
 
-class TmsBackend(MemoryBackend):
+class TmsBackend(HostBackedBackend):
     """Pause/resume through torch_memory_saver tags, one per state class."""
 
     name = "tms"
@@ -47,12 +47,9 @@ class TmsBackend(MemoryBackend):
         *,
         device: str | torch.device = "cuda",
         hook_mode: str = "torch",
-        host_memory: str = "release",
-        disk_dir: str | os.PathLike | None = None,
-        label: str = "memory",
+        **backing: Unpack[Backing],
     ):
-        super().__init__(policy)
-        check_host_memory(host_memory, disk_dir)
+        super().__init__(policy, device=device, **backing)
         if hook_mode not in ("torch", "preload"):
             raise ConfigError(f"--tms-hook-mode {hook_mode!r} is not torch or preload; pick one")
         check_allocator_conf(os.environ)
@@ -64,24 +61,19 @@ class TmsBackend(MemoryBackend):
         from torch_memory_saver import torch_memory_saver
 
         self._tms = torch_memory_saver
-        self.device = torch.device(device)
-        if self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._pin_cuda_index()
         self.hook_mode = hook_mode
-        self.host_memory = host_memory
-        self.label = label
         # The hook mode must be chosen before torch_memory_saver's first use in this process.
         if getattr(self._tms, "_impl", None) is None:
             self._tms.hook_mode = hook_mode
-        if host_memory == "retain":
+        if self.host_memory == "retain":
             self._tms.retain_cpu_backup = True
-        if host_memory == "disk":
-            self._tms.set_disk_backup_dir(str(disk_dir))
+        if self.host_memory == "disk":
+            self._tms.set_disk_backup_dir(str(self.disk_dir))
         self._torch_hooks = _torch_mode_impl(self._tms) is not None
         if self._torch_hooks:
             _allow_pool_frees(self._tms)
             _register_exit_teardown(self._tms)
-        self._sources: dict[StateClass, list[TensorSource]] = {}
         self._paused: dict[StateClass, ViewToken] = {}
         self._owner: dict[int, StateClass] = {}  # storage identity -> its paused class (host_view lookups)
 
@@ -107,15 +99,6 @@ class TmsBackend(MemoryBackend):
                 yield
         else:
             yield  # in torch mode only region() allocations are tms allocations
-
-    def register(self, state_class: StateClass, tensors: TensorSource) -> None:
-        c = StateClass(state_class)
-        if c not in self.policy:
-            raise ValueError(f"{self.label}: state class {c.value} has no policy here")
-        self._sources.setdefault(c, []).append(tensors)
-
-    def is_paused(self, state_class: StateClass) -> bool:
-        return StateClass(state_class) in self._paused
 
     def _class_storages(self, c: StateClass) -> dict[int, int]:
         """Storage identity -> bytes of the class's registered CUDA tensors."""
@@ -154,8 +137,7 @@ class TmsBackend(MemoryBackend):
         if self._torch_hooks:
             _allow_pool_frees(self._tms)  # empty_cache may hand tms pool segments back (see _allow_pool_frees)
         torch.cuda.empty_cache()
-        report.host_rss_before, report.device_used_before = host_rss_bytes(), device_used_bytes(self.device)
-        t0 = time.perf_counter()
+        t0 = self._measure_before(report)
         for c in classes:
             tc = time.perf_counter()
             storages = self._class_storages(c)
@@ -165,9 +147,7 @@ class TmsBackend(MemoryBackend):
             self._paused[c] = ViewToken(f"{self.label} {c.value}")
             self._owner.update(dict.fromkeys(storages, c))
             report.classes.append(self._class_report(c, nbytes, tc))
-        report.seconds = time.perf_counter() - t0
-        report.host_rss_after, report.device_used_after = host_rss_bytes(), device_used_bytes(self.device)
-        return report
+        return self._measure_after(report, t0)
 
     def _class_report(self, c: StateClass, nbytes: int, t0: float) -> ClassReport:
         """One class's figures: tms backs up a class whole (or nothing), so its backup bytes are all or none."""
@@ -183,14 +163,9 @@ class TmsBackend(MemoryBackend):
         # torch_memory_saver terminates the process when a resume cannot map its pages; refuse first.
         needed = sum(self._class_bytes(c) for c in classes)
         free, _ = torch.cuda.mem_get_info(self.device)
-        if needed > free:
-            raise ResidencyError(
-                f"{self.label}: resume of {', '.join(c.value for c in classes)} needs {needed / 2**30:.2f} GiB but "
-                f"{free / 2**30:.2f} GiB is free on {self.device}; release the other tenant (engines) first"
-            )
+        self._check_room(classes, needed, free)
         report = MemoryReport(op="resume", backend=self.name)
-        report.host_rss_before, report.device_used_before = host_rss_bytes(), device_used_bytes(self.device)
-        t0 = time.perf_counter()
+        t0 = self._measure_before(report)
         for c in classes:
             tc = time.perf_counter()
             self._paused.pop(c).invalidate()  # before the shadow is freed or rewritten
@@ -200,9 +175,7 @@ class TmsBackend(MemoryBackend):
             torch.cuda.synchronize(self.device)
             nbytes = self._class_bytes(c)
             report.classes.append(self._class_report(c, nbytes, tc))
-        report.seconds = time.perf_counter() - t0
-        report.host_rss_after, report.device_used_after = host_rss_bytes(), device_used_bytes(self.device)
-        return report
+        return self._measure_after(report, t0)
 
     def host_view(self, tensor: torch.Tensor) -> HostView:
         t = local_tensor(tensor)
