@@ -23,7 +23,7 @@ from tidal.config.schema import TidalConfig
 from tidal.dtypes import default_dtype_name
 from tidal.errors import RunFailed, UserError, WeightSyncError, is_engine_death
 from tidal.observe.console import Display
-from tidal.observe.plots import plot_curves
+from tidal.observe.plots import RedrawClock, plot_curves
 from tidal.observe.run_dir import RunDir
 from tidal.signals import Stopped, StopSignal
 
@@ -48,6 +48,7 @@ class Session:
         self.trainer: TrainerGroup | None = None
         self.engines: EngineGroup | None = None
         self.timeline = None
+        self.redraw = RedrawClock()
         self.display = None
         self.run = None
         self.tokenizer = self.dataset = self.agent = None  # read in __enter__, beside Ray's start
@@ -188,10 +189,7 @@ class Session:
             self.display.close()
         try:
             if self.run is not None:
-                if self.run.history:
-                    plot_curves(self.run.history, os.path.join(self.run.path, "curves.png"))
-                if self.timeline is not None:
-                    self.timeline.write_png(os.path.join(self.run.path, "memory.png"))
+                self.draw_charts()
                 self.run.close()
         finally:
             if ray.is_initialized():
@@ -454,8 +452,14 @@ class Session:
         raise Stopped(f"SIGTERM: checkpoint of rollout {self._last_saved} in {save}; continue with --load {save}")
 
     def after_step(self, rollout_id: int) -> None:
-        if rollout_id < 5 or rollout_id % 10 == 0:
+        if self.redraw.due():
+            self.draw_charts()
+
+    def draw_charts(self) -> None:
+        """``curves.png`` and ``memory.png`` in the run directory, from what the run has recorded so far."""
+        if self.run.history:
             plot_curves(self.run.history, os.path.join(self.run.path, "curves.png"))
+        if self.timeline is not None:
             self.timeline.write_png(os.path.join(self.run.path, "memory.png"))
 
 
