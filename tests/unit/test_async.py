@@ -18,16 +18,11 @@ import os
 import signal
 
 import pytest
+from learning import Reached, learn, rose
 
 from tidal.config import parse, resolve
 from tidal.driver import train
 from tidal.signals import Stopped
-
-RISE = 0.3
-
-
-class _Reached(Exception):
-    pass
 
 
 def _cfg(tmp_path, name, *flags):
@@ -40,29 +35,11 @@ def _samples(cfg) -> list[dict]:
     return [json.loads(x) for x in open(os.path.join(cfg.logging.output_dir, "samples.jsonl"))]
 
 
-def _learn(cfg):
-    rows: list[dict] = []
-
-    def on_step(s, rollout_id, row):
-        if rollout_id < 0:
-            return
-        rows.append(row)
-        rewards = [r["reward_mean"] for r in rows]
-        if len(rows) >= 6 and sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 >= RISE:
-            raise _Reached
-
-    try:
-        train(cfg, on_step=on_step)
-    except _Reached:
-        return rows, True
-    return rows, False
-
-
 @pytest.mark.slow
 def test_one_step_learns_one_version_behind(ray_cluster, tmp_path):
     cfg = _cfg(tmp_path, "one", "--async", "one-step")
     assert not cfg.cluster.colocate and not cfg.memory.offload_train and cfg.algorithm.use_tis
-    rows, reached = _learn(cfg)
+    rows, reached = learn(cfg)
     assert reached, [round(r["reward_mean"], 3) for r in rows]
     # Rollout 0 comes from the first sync's weights; every later one from the weights one step before.
     assert [r["async/staleness_max"] for r in rows] == [0] + [1] * (len(rows) - 1)
@@ -114,11 +91,10 @@ def test_full_learns_within_max_staleness_across_sigterm_resume_and_an_engine_re
         if rollout_id == 2:
             ray.kill(s.engines.actors[1], no_restart=True)
         end.update(low=s.cursor.low, restarts=s.engine_restarts, dropped=list(s.async_loop.dropped_serials))
-        rewards = [r["reward_mean"] for r in rows]
-        if len(rows) >= 6 and sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 >= RISE:
-            raise _Reached
+        if rose(rows):
+            raise Reached
 
-    with pytest.raises(_Reached):
+    with pytest.raises(Reached):
         train(second, on_step=kill_an_engine_and_learn)
     dropped += end["dropped"]
     # The staleness bound: groups were dropped and counted, none older than 1 version was trained.

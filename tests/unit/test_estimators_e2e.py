@@ -12,38 +12,18 @@ from __future__ import annotations
 import os
 
 import pytest
+from learning import RISE, learn
 
 from tidal.config import parse, resolve
-from tidal.driver import train
 
-RISE = 0.3
 HERE = os.path.dirname(__file__)
-
-
-class _Reached(Exception):
-    """Raised from on_step once the rise is reached: the run has shown what it must."""
 
 
 def _learn(tmp_path, *flags) -> tuple[list[dict], bool]:
     cfg, prov = parse(["--device", "cpu", "--no-progress", "--output-dir", str(tmp_path / "run"), *flags])
     cfg = resolve(cfg, prov)
     assert cfg.rollout.num_rollout == 60  # the default budget
-    rows: list[dict] = []
-
-    def on_step(s, rollout_id, row):
-        if rollout_id < 0:
-            return
-        rows.append(row)
-        rewards = [r["reward_mean"] for r in rows]
-        start = sum(rewards[:3]) / len(rewards[:3])
-        if len(rows) >= 6 and sum(rewards[-3:]) / 3 - start >= RISE:
-            raise _Reached
-
-    try:
-        train(cfg, on_step=on_step)
-    except _Reached:
-        return rows, True
-    return rows, False
+    return learn(cfg)
 
 
 @pytest.mark.slow
