@@ -56,26 +56,6 @@ def test_reward_function_that_raises_is_a_user_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_save_load_resumes_the_curve_and_export_loads(tmp_path):
-    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
-    common = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--no-progress", "--save", str(ckpt)]
-    r = tidal("train", "--num-rollout", "2", "--output-dir", str(tmp_path / "a"), *common)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = tidal("train", "--num-rollout", "3", "--load", str(ckpt), "--output-dir", str(tmp_path / "b"), *common)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(x) for x in open(tmp_path / "b" / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [2], "the resumed run continues at the next rollout"
-    # versions: v1 initial sync, v2 and v3 after steps 0-1 (saved); resumed: v4 initial, v5 after step 2
-    assert rows[0]["sync/version"] == 5
-    r = tidal("export", "--load", str(ckpt), "--out", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(out)
-    assert sum(p.numel() for p in model.parameters()) > 0
-
-
-@pytest.mark.slow
 def test_ctrl_c_stops_ray_and_every_actor(tmp_path):
     """SIGINT during a run: exit code 130 and no process of that run (Ray, trainer, engine) left behind."""
     import signal
@@ -110,9 +90,10 @@ def test_ctrl_c_stops_ray_and_every_actor(tmp_path):
 
 
 @pytest.mark.slow
-def test_joins_an_existing_ray_cluster_and_leaves_it_clean(tmp_path):
+def test_save_load_on_an_existing_ray_cluster_resumes_the_curve_and_export_loads(tmp_path):
     """``--ray-address``: two runs in a row on a cluster started outside tidal; the cluster survives both
-    and the second run gets the resources the first one gave back."""
+    and the second run gets the resources the first one gave back. The second run resumes the first's
+    ``--save`` with ``--load`` and continues its curve; ``tidal export`` of it loads with ``from_pretrained``."""
     import socket
 
     import psutil
@@ -136,19 +117,26 @@ def test_joins_an_existing_ray_cluster_and_leaves_it_clean(tmp_path):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    common = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--no-progress", "--save", str(ckpt)]
+    common += ["--ray-address", f"127.0.0.1:{port}"]
     try:
-        for name in ("a", "b"):
-            r = tidal(
-                "train",
-                "--ray-address",
-                f"127.0.0.1:{port}",
-                *ONE_SMALL_ROLLOUT,
-                "--output-dir",
-                str(tmp_path / name),
-                timeout=240,
-            )
-            assert r.returncode == 0, r.stderr[-3000:]
-            assert head.poll() is None, "the external cluster must outlive the run"
+        r = tidal("train", "--num-rollout", "2", "--output-dir", str(tmp_path / "a"), *common, timeout=240)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert head.poll() is None, "the external cluster must outlive the run"
+        r = tidal(
+            "train",
+            "--num-rollout",
+            "3",
+            "--load",
+            str(ckpt),
+            "--output-dir",
+            str(tmp_path / "b"),
+            *common,
+            timeout=240,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert head.poll() is None, "the external cluster must outlive the run"
     finally:
         family = psutil.Process(head.pid).children(recursive=True)
         head.terminate()
@@ -156,3 +144,13 @@ def test_joins_an_existing_ray_cluster_and_leaves_it_clean(tmp_path):
         for p in family:
             if p.is_running():
                 p.kill()
+    rows = [json.loads(x) for x in open(tmp_path / "b" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [2], "the resumed run continues at the next rollout"
+    # versions: v1 initial sync, v2 and v3 after steps 0-1 (saved); resumed: v4 initial, v5 after step 2
+    assert rows[0]["sync/version"] == 5
+    r = tidal("export", "--load", str(ckpt), "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert sum(p.numel() for p in model.parameters()) > 0
