@@ -81,12 +81,15 @@ def _trainer_process(proc: subprocess.Popen) -> psutil.Process | None:
 
 
 @pytest.mark.slow
-def test_fallback_keep_and_a_save_that_runs_out_of_room(tmp_path):
+def test_fallback_keep_and_a_save_that_runs_out_of_room(ray_cluster, tmp_path):
+    from tidal.config import parse, resolve
+    from tidal.driver import train
+
     ck = tmp_path / "ck"
-    r = tidal(
-        "train", "--num-rollout", "3", *SMALL, "--save", str(ck), "--save-interval", "1", "--keep-checkpoints", "2"
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    # The checkpoints to damage come from a run in this process (on the session's Ray cluster).
+    argv = ["--num-rollout", "3", *SMALL, "--save", str(ck), "--save-interval", "1", "--keep-checkpoints", "2"]
+    cfg, prov = parse([*argv, "--device", "cpu", "--output-dir", str(tmp_path / "a")])
+    train(resolve(cfg, prov))
     assert sorted(d for d in os.listdir(ck) if d.startswith("iter_")) == ["iter_0000001", "iter_0000002"]
 
     # The newest is damaged (one flipped byte): the run says so in one line and resumes from the one before.
