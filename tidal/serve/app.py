@@ -449,11 +449,10 @@ def _group_routes(app: FastAPI, state: ServerState) -> None:
             raise UserError("backend nccl needs a CUDA engine; this server runs on CPU: use gloo")
 
         def run():
-            from tidal.weight_sync.group import sglang_group
+            from tidal.weight_sync.group import make_group
 
-            pg, _ = sglang_group(
-                None, req.master_address, req.master_port, req.rank_offset, req.world_size, req.backend, req.group_name
-            )
+            where = (req.master_address, req.master_port, req.rank_offset, req.world_size, req.backend)
+            pg, _ = make_group(None, *where, sglang_name=req.group_name)
             state.applier.groups[req.group_name] = pg
 
         try:

@@ -20,7 +20,7 @@ import torch
 from tidal.errors import ConfigError
 from tidal.weight_sync.bucket import BucketHeader
 from tidal.weight_sync.checksum import checksum_bytes
-from tidal.weight_sync.group import broadcast, make_group, master_store, sglang_group
+from tidal.weight_sync.group import SGLANG_GROUP, broadcast, make_group, master_store
 from tidal.weight_sync.stream import Bucket, StreamingStrategy
 
 log = logging.getLogger(__name__)
@@ -53,10 +53,8 @@ class BroadcastStrategy(StreamingStrategy):
             e.init_weights_update_group.remote(addr, port, i + 1, world, self.backend)
             for i, e in enumerate(self.engines)
         ]
-        if self.sglang:
-            self.pg, self.store = sglang_group(store, addr, port, 0, world, self.backend)
-        else:
-            self.pg, self.store = make_group(store, addr, port, 0, world, self.backend)
+        name = SGLANG_GROUP if self.sglang else None
+        self.pg, self.store = make_group(store, addr, port, 0, world, self.backend, sglang_name=name)
         ray.get(refs)
 
     def _pack_device(self) -> str:

@@ -48,22 +48,23 @@ def make_group(
     world_size: int,
     backend: str,
     timeout_s: float = 300.0,
-    prefix: str = PREFIX,
     *,
-    probe: bool = True,
-    torch_layout: bool = False,
+    sglang_name: str | None = None,
 ):
     """Join the sync group as ``rank``; blocks until every rank joined. Returns (group, store).
 
-    ``prefix`` namespaces the group's keys in the store. ``torch_layout`` lays the keys out as
-    torch's own group helper does (``<prefix>`` then ``<cpu|cuda>/``), which is how SGLang joins;
-    ``probe`` runs one broadcast right away so a broken group fails here (SGLang runs none).
+    The group's keys live under ``PREFIX`` in the store, and one broadcast runs right away so that a
+    broken group fails here. ``sglang_name``: join the group named so as SGLang's
+    ``/init_weights_update_group`` forms it instead: keys under ``<sglang_name>/`` then ``<cpu|cuda>/``
+    (torch's own custom-group layout), no probe broadcast (SGLang runs none). The trainer (rank 0,
+    hosting ``store``) and a server speaking SGLang's protocol both join so.
     """
     timeout = timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timeout)
-    prefixed = dist.PrefixStore(prefix, store)
-    if torch_layout:
+    probe = sglang_name is None
+    prefixed = dist.PrefixStore(PREFIX if probe else f"{sglang_name}/", store)
+    if not probe:
         prefixed = dist.PrefixStore("cuda/" if backend == "nccl" else "cpu/", prefixed)
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
@@ -88,33 +89,6 @@ def make_group(
     if backend == "gloo" and probe:
         pg.broadcast(torch.zeros(1), 0).wait()
     return pg, store
-
-
-def sglang_group(
-    store: dist.Store | None,
-    master_addr: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    backend: str,
-    group_name: str = SGLANG_GROUP,
-    timeout_s: float = 300.0,
-):
-    """Join a weight-update group as SGLang's ``/init_weights_update_group`` forms it: keys under
-    ``<group_name>/`` then ``<cpu|cuda>/`` (torch's custom-group layout), no probe broadcast.
-    The trainer (rank 0, hosting ``store``) and a server speaking the protocol both call this."""
-    return make_group(
-        store,
-        master_addr,
-        master_port,
-        rank,
-        world_size,
-        backend,
-        timeout_s,
-        f"{group_name}/",
-        probe=False,
-        torch_layout=True,
-    )
 
 
 def broadcast(pg, tensor: torch.Tensor) -> None:
