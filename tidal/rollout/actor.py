@@ -14,11 +14,11 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import ray
 import torch
 
-from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, TrainerConfig, WeightSyncConfig
 from tidal.memory.base import MemoryFigures
 from tidal.rollout.engine import (
     TAGS,
@@ -30,6 +30,9 @@ from tidal.rollout.engine import (
     update_result,
 )
 from tidal.rollout.types import Sample, SamplingParams
+
+if TYPE_CHECKING:
+    from tidal.rollout.embedded import EmbeddedEngine
 
 
 def cpu_allotment() -> float | None:
@@ -63,31 +66,17 @@ def _memory_report(stats: dict, after: MemoryFigures | None = None) -> MemoryRep
 
 
 class EngineActor(RolloutEngine):
-    """One rollout engine. ``seed`` is the trainer's model-init seed (``--seed``), so both build the same weights."""
+    """One rollout engine (built from ``RolloutEngine``'s arguments)."""
 
-    def __init__(
-        self,
-        engine_rank: int,
-        *,
-        model: ModelConfig,
-        rollout: RolloutConfig,
-        memory: MemoryConfig,
-        weight_sync: WeightSyncConfig,
-        device: str,
-        seed: int = TrainerConfig.seed,
-    ) -> None:
-        self.engine_rank = engine_rank
-        self.model_cfg, self.rollout_cfg, self.memory_cfg, self.weight_sync_cfg = model, rollout, memory, weight_sync
-        self.device = device
-        self.seed = seed
-        self.engine = None
-        self.threads = set_torch_threads(cpu_allotment()) if device == "cpu" else None
+    engine: EmbeddedEngine | None = None  # built by init()
 
     def init(self) -> dict:
         """Build the model and the memory backend; returns sizes for the driver's log."""
         from tidal.memory.history import MemoryHistory
         from tidal.rollout.embedded import EmbeddedEngine
 
+        if self.device == "cpu":
+            set_torch_threads(cpu_allotment())
         self._history = MemoryHistory(self.memory_cfg, self.device, f"engine-{self.engine_rank}")
         device = self.device
         if device == "cuda":

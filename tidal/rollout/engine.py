@@ -31,6 +31,7 @@ import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, TrainerConfig, WeightSyncConfig
 from tidal.memory.base import MemoryFigures
 from tidal.rollout.types import Sample, SamplingParams
 from tidal.weight_sync.bucket import BucketHeader  # the weight-bucket message (``Bucket.header`` builds it)
@@ -71,6 +72,24 @@ class EngineHealth:
 
 
 class RolloutEngine(abc.ABC):
+    def __init__(
+        self,
+        engine_rank: int,
+        *,
+        model: ModelConfig,
+        rollout: RolloutConfig,
+        memory: MemoryConfig,
+        weight_sync: WeightSyncConfig,
+        device: str,
+        seed: int = TrainerConfig.seed,
+    ) -> None:
+        """What every engine is built from: its rank, the config sections it reads, its device and
+        ``seed``, the trainer's model-init seed (``--seed``), so that both build the same weights.
+        Nothing is built here: ``init()`` builds (a failure there is the remote call's error)."""
+        self.engine_rank = engine_rank
+        self.model_cfg, self.rollout_cfg, self.memory_cfg, self.weight_sync_cfg = model, rollout, memory, weight_sync
+        self.device, self.seed = device, seed
+
     @abc.abstractmethod
     def generate(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
         """Generate one response per sample (prompt_ids filled); return the samples completed."""

@@ -36,10 +36,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import ray
 
-from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, TrainerConfig, WeightSyncConfig
 from tidal.errors import EngineDiedError, UserError, WeightSyncError
 from tidal.rollout.engine import (
     TAGS,
@@ -67,21 +67,9 @@ log = logging.getLogger(__name__)
 class HttpEngineActor(RolloutEngine):
     """One HTTP engine (a Ray actor): ``address`` of an external server, or None to start one here."""
 
-    def __init__(
-        self,
-        engine_rank: int,
-        *,
-        model: ModelConfig,
-        rollout: RolloutConfig,
-        memory: MemoryConfig,
-        weight_sync: WeightSyncConfig,
-        device: str,
-        seed: int = TrainerConfig.seed,
-        address: str | None = None,
-    ) -> None:
-        self.engine_rank = engine_rank
-        self.model_cfg, self.rollout_cfg, self.memory_cfg, self.weight_sync_cfg = model, rollout, memory, weight_sync
-        self.device, self.seed = device, seed
+    def __init__(self, engine_rank: int, *, address: str | None = None, **sections: Any) -> None:
+        """``sections``: ``RolloutEngine``'s keyword arguments (model, rollout, memory, weight_sync, device, seed)."""
+        super().__init__(engine_rank, **sections)
         self.external = address
         self.address = address or ""
         self.server = None
