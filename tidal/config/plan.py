@@ -30,30 +30,15 @@ not copied: the next sync rewrites it), then train only, then both.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
 
 from tidal.config.agent_rules import longest_sample, prefix_cache_bytes
 from tidal.config.environment import Environment, format_bytes
+from tidal.model.shape import ModelShape
 
 GIB = 1024**3
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    arch: str
-    params: int  # unique parameters (tied weights once)
-    num_tensors: int
-    largest_tensor: int  # elements
-    layers: int
-    hidden: int
-    intermediate: int
-    vocab: int
-    kv_heads: int
-    head_dim: int
 
 
 @functools.lru_cache(maxsize=16)
@@ -62,9 +47,7 @@ def _shape(model: str, tokenizer: str | None, trust_remote_code: bool) -> ModelS
 
     spec = resolve_model(model, tokenizer, trust_remote_code)
     counted = _counted(spec)
-    if counted is not None:
-        return ModelShape(name=spec.name, **dataclasses.asdict(counted))
-    return _meta_shape(spec)
+    return counted if counted is not None else _meta_shape(spec)
 
 
 def _counted(spec):
@@ -74,7 +57,7 @@ def _counted(spec):
     if spec.trust_remote_code:
         return None  # the folder's own code may build anything
     config = spec.config_dict()
-    return count_decoder(str(config.get("model_type")), config)
+    return count_decoder(str(config.get("model_type")), config, spec.name)
 
 
 def _meta_shape(spec) -> ModelShape:
@@ -91,12 +74,7 @@ def _meta_shape(spec) -> ModelShape:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return ModelShape(
-        name=spec.name,
-        arch=type(net).__name__,
-        params=sum(p.numel() for p in params),
-        num_tensors=len(params),
-        largest_tensor=max(p.numel() for p in params),
+    dims = dict(
         layers=text.num_hidden_layers,
         hidden=text.hidden_size,
         intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size),
@@ -104,6 +82,7 @@ def _meta_shape(spec) -> ModelShape:
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
     )
+    return ModelShape.of_tensors(spec.name, type(net).__name__, [p.numel() for p in params], **dims)
 
 
 def model_shape(cfg) -> ModelShape:

@@ -25,79 +25,36 @@ if TYPE_CHECKING:
 
 _CHAR_VOCAB = len(SPECIALS) + len(CHARS)
 
-# Preset name -> (architecture, config kwargs). Vocab sizes of the char tokenizer round up to 64.
+
+def _decoder(vocab, hidden, inter, layers, heads, kv_heads, max_pos, *, tied: bool, **extra) -> dict:
+    """A decoder's config kwargs in transformers' names, from its numbers in the order of ``PRESETS``."""
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=tied,
+        **extra,
+    )
+
+
+_TINY = (64, 64, 176, 2, 4, 2, 256)  # vocab: the char tokenizer's, rounded up to 64
+# Preset name -> (architecture, config kwargs): vocab, hidden, intermediate, layers, heads, KV heads,
+# max positions, tied embeddings, then any other kwargs.
 PRESETS: dict[str, tuple[str, dict]] = {
-    "tiny": (
-        "llama",
-        dict(
-            vocab_size=64,
-            hidden_size=64,
-            intermediate_size=176,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "tiny-qwen2": (
-        "qwen2",
-        dict(
-            vocab_size=64,
-            hidden_size=64,
-            intermediate_size=176,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            tie_word_embeddings=True,
-        ),
-    ),
+    "tiny": ("llama", _decoder(*_TINY, tied=False)),
+    "tiny-qwen2": ("qwen2", _decoder(*_TINY, tied=True)),
     # Shape of Qwen2.5-0.5B with the char tokenizer's vocabulary padded to its real size.
-    "qwen2.5-0.5b-shape": (
-        "qwen2",
-        dict(
-            vocab_size=151936,
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            max_position_embeddings=32768,
-            rope_theta=1000000.0,
-            tie_word_embeddings=True,
-        ),
-    ),
+    "qwen2.5-0.5b-shape": ("qwen2", _decoder(151936, 896, 4864, 24, 14, 2, 32768, tied=True, rope_theta=1e6)),
     # Shape of Qwen2.5-7B (untied embeddings), for planning multi-GPU runs.
-    "qwen2.5-7b-shape": (
-        "qwen2",
-        dict(
-            vocab_size=152064,
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_hidden_layers=28,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            max_position_embeddings=32768,
-            rope_theta=1000000.0,
-            tie_word_embeddings=False,
-        ),
-    ),
+    "qwen2.5-7b-shape": ("qwen2", _decoder(152064, 3584, 18944, 28, 28, 4, 32768, tied=False, rope_theta=1e6)),
     # Shape of Qwen3-4B.
     "qwen3-4b-shape": (
         "qwen3",
-        dict(
-            vocab_size=151936,
-            hidden_size=2560,
-            intermediate_size=9728,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=40960,
-            rope_theta=1000000.0,
-            tie_word_embeddings=True,
-        ),
+        _decoder(151936, 2560, 9728, 36, 32, 8, 40960, tied=True, head_dim=128, rope_theta=1e6),
     ),
 }
 

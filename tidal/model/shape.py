@@ -23,40 +23,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# Qwen2's and Qwen3's config defaults (Qwen3 adds its head_dim).
+_QWEN = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=22016,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+)
 # model_type -> (class name, defaults that differ between families).
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": (
         "LlamaForCausalLM",
         dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32),
     ),
-    "qwen2": (
-        "Qwen2ForCausalLM",
-        dict(
-            vocab_size=151936,
-            hidden_size=4096,
-            intermediate_size=22016,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=32,
-        ),
-    ),
-    "qwen3": (
-        "Qwen3ForCausalLM",
-        dict(
-            vocab_size=151936,
-            hidden_size=4096,
-            intermediate_size=22016,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=32,
-            head_dim=128,
-        ),
-    ),
+    "qwen2": ("Qwen2ForCausalLM", _QWEN),
+    "qwen3": ("Qwen3ForCausalLM", {**_QWEN, "head_dim": 128}),
 }
 
 
 @dataclass(frozen=True)
-class DecoderCount:
+class ModelShape:
+    """What the memory plan knows of a model: its size and the dimensions that size its caches."""
+
+    name: str
     arch: str
     params: int  # unique parameters (tied weights once)
     num_tensors: int
@@ -68,9 +59,14 @@ class DecoderCount:
     kv_heads: int
     head_dim: int
 
+    @classmethod
+    def of_tensors(cls, name: str, arch: str, sizes: list[int], **dims: int) -> ModelShape:
+        """The shape from the element counts of a model's unique tensors and its ``dims`` (layers ... head_dim)."""
+        return cls(name=name, arch=arch, params=sum(sizes), num_tensors=len(sizes), largest_tensor=max(sizes), **dims)
 
-def count_decoder(model_type: str, config: dict[str, Any]) -> DecoderCount | None:
-    """The figures of a Llama/Qwen2/Qwen3 causal LM from its config values; None for other families."""
+
+def count_decoder(model_type: str, config: dict[str, Any], name: str = "") -> ModelShape | None:
+    """The shape of a Llama/Qwen2/Qwen3 causal LM from its config values; None for other families."""
     if model_type not in FAMILIES or config.get("architectures") not in (None, [FAMILIES[model_type][0]]):
         return None
     arch, defaults = FAMILIES[model_type]
@@ -92,15 +88,5 @@ def count_decoder(model_type: str, config: dict[str, Any]) -> DecoderCount | Non
         layer += [head_dim, head_dim]
     tied = bool(c.get("tie_word_embeddings", False))
     tensors = [vocab * hidden, hidden] + ([] if tied else [vocab * hidden]) + layer * layers
-    return DecoderCount(
-        arch=arch,
-        params=sum(tensors),
-        num_tensors=len(tensors),
-        largest_tensor=max(tensors),
-        layers=layers,
-        hidden=hidden,
-        intermediate=inter,
-        vocab=vocab,
-        kv_heads=kv,
-        head_dim=head_dim,
-    )
+    dims = dict(layers=layers, hidden=hidden, intermediate=inter, vocab=vocab, kv_heads=kv, head_dim=head_dim)
+    return ModelShape.of_tensors(name, arch, tensors, **dims)
