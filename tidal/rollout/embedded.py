@@ -29,6 +29,9 @@ Memory: weights and the KV cache are released and resumed through the memory bac
 release, weights then kv_cache on resume, as slime does: the weight sync lands between the two
 resumes so the peak is weights + sync buffers, never + KV. ``EngineResidency`` refuses generating
 with anything released and syncing into released weights, before any memory is touched.
+
+Weights: taking syncs, loading tensors by name and checksums are ``EngineWeights``
+(``tidal.rollout.embedded_weights``), the mixin this engine is built on.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -53,12 +56,13 @@ from tidal.config.schema import (
     init_on_device_default,
 )
 from tidal.dtypes import as_dtype, default_dtype
-from tidal.errors import ResidencyError, UserError, WeightSyncError
+from tidal.errors import ResidencyError, UserError
 from tidal.memory import make_backend
 from tidal.memory.base import MemoryFigures, StateClass
 from tidal.memory.residency import EngineResidency, EngineState
 from tidal.model import build_model, load_tokenizer, resolve_model
 from tidal.model.load import preset_init_device
+from tidal.rollout.embedded_weights import EngineWeights
 from tidal.rollout.engine import TAGS
 from tidal.rollout.generate import (
     Interrupt,
@@ -72,7 +76,6 @@ from tidal.rollout.generate import (
     unfinished,
 )
 from tidal.rollout.types import Sample, SamplingParams
-from tidal.weight_sync.checksum import tensor_checksum
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +104,7 @@ def _buffers_out_of_region(model: torch.nn.Module, device: torch.device) -> torc
     return model
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(EngineWeights):
     """A transformers model that generates, releases/resumes its memory and takes weight syncs.
 
     The in-process half of the embedded engine: ``tidal.rollout.actor.EngineActor`` wraps it behind
@@ -451,117 +454,3 @@ class EmbeddedEngine:
         if unknown or not tags:
             raise ValueError(f"memory tags {list(tags)}: engine tags are {list(TAGS)}")
         return set(tags)
-
-    # ------------------------------------------------------------------ weights
-
-    def _receiver_(self):
-        if self._receiver is None:
-            from tidal.weight_sync.receiver import WeightReceiver
-
-            self._receiver = WeightReceiver(self, self.weight_sync_cfg)
-        return self._receiver
-
-    def _sync(self, method: str, arg: Any, version: int) -> dict:
-        """Check residency, let the receiver decode and apply, then adopt the version once it is complete.
-
-        A sync over tensor or broadcast arrives as several buckets (one call each); only the last one
-        completes the version, so the version and ``mark_synced`` wait for it.
-        """
-        self.residency.require_sync()
-        if self._flushed_version != version:  # once per version, not per bucket
-            self.flush_cache()
-            self._flushed_version = version
-        stats = dict(getattr(self._receiver_(), method)(arg) or {})
-        if stats.get("complete", True):
-            self.residency.mark_synced()
-            self._version = int(version)
-        return {**stats, "engine_version": self._version}
-
-    def update_weights_from_tensor(self, payload: Any, version: int) -> dict:
-        return self._sync("from_tensor", payload, version)
-
-    def update_weights_from_distributed(self, meta: Any, version: int) -> dict:
-        return self._sync("from_distributed", meta, version)
-
-    def update_weights_from_disk(self, path: str, version: int) -> dict:
-        return self._sync("from_disk", path, version)
-
-    def pull_weights(
-        self, source_dir: str, local_checkpoint_dir: str | None = None, target_version: int | str | None = None
-    ):
-        """slime's ``/pull_weights``: bring this host's local checkpoint up to ``target_version`` (default:
-        the newest published) of the disk stream in ``source_dir``; version 0 is this engine's model
-        folder. Files only: the engine's weights change when it then loads the local checkpoint with
-        ``update_weights_from_disk(local_checkpoint_dir, version)``. Returns a ``PullResult``."""
-        from tidal.weight_sync.local_checkpoint import newest_version
-
-        local = local_checkpoint_dir or getattr(self.weight_sync_cfg, "update_weight_local_checkpoint_dir", None)
-        if not local:
-            raise UserError("pull_weights needs local_checkpoint_dir (or --update-weight-local-checkpoint-dir)")
-        target = newest_version(source_dir) if target_version is None else int(target_version)
-        return self._receiver_().pull_weights(local, source_dir, target, self.spec.path)
-
-    def init_weights_update_group(
-        self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str
-    ) -> None:
-        self._receiver_().init_group(master_addr, master_port, rank, world_size, backend)
-
-    def destroy_weights_update_group(self) -> None:
-        self._receiver_().destroy_group()
-
-    def get_weight_version(self) -> int:
-        return self._version
-
-    def set_weight_version(self, version: int) -> None:
-        """Adopt a version given with weights loaded by name (an SGLang-protocol update), or a new label."""
-        self._version = int(version)
-
-    @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy tensors into the parameters of the same Hugging Face name, in place; returns bytes copied.
-
-        Dtype and shape must match exactly: the sender casts to the engine dtype, and a silent cast
-        here would break the bitwise equality that checksums verify.
-        """
-        self.residency.require_sync()
-        total = 0
-        for name, tensor in named_tensors:
-            param = self._params.get(name)
-            if param is None:
-                raise WeightSyncError(
-                    f"weight {name!r} is not a parameter of the engine's model {self.spec.name!r}; trainer and engine must build the same --model"
-                )
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise WeightSyncError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, the engine's has {tuple(param.shape)}"
-                )
-            if tensor.dtype != param.dtype:
-                raise WeightSyncError(
-                    f"weight {name!r} arrived as {tensor.dtype}, the engine holds {param.dtype}; cast to the engine dtype before sending"
-                )
-            param.data.copy_(tensor, non_blocking=tensor.device.type == "cpu" and tensor.is_pinned())
-            total += tensor.numel() * tensor.element_size()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return total
-
-    @torch.no_grad()
-    def randomize_weights(self, seed: int) -> None:
-        """Fill every parameter with random values (``--check-weight-update-equal``: a missed tensor shows)."""
-        self.residency.require_sync()
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        for _, p in self.model.named_parameters():
-            p.data.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype))
-
-    def weight_checksums(self, algo: str = "xxh3-128") -> dict[str, str]:
-        """Name -> checksum of every parameter's bytes (tied weights once), for equality with the trainer."""
-        self.residency.require_sync()
-        return {name: tensor_checksum(p, algo) for name, p in self.model.named_parameters()}
-
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        """Host copies of every parameter (tied once), by Hugging Face name."""
-        self.residency.require_sync()
-        return {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()}
-
-    def param_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
