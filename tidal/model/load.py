@@ -26,19 +26,21 @@ if TYPE_CHECKING:
 _CHAR_VOCAB = len(SPECIALS) + len(CHARS)
 
 
-def _decoder(vocab, hidden, inter, layers, heads, kv_heads, max_pos, *, tied: bool, **extra) -> dict:
-    """A decoder's config kwargs in transformers' names, from its numbers in the order of ``PRESETS``."""
-    return dict(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_pos,
-        tie_word_embeddings=tied,
-        **extra,
-    )
+# A preset's numbers, in this order (transformers' config names).
+_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+)
+
+
+def _decoder(*numbers: int, tied: bool, **extra) -> dict:
+    """A decoder's config kwargs from its numbers (in ``_FIELDS`` order), tied embeddings or not, and the rest."""
+    return {**dict(zip(_FIELDS, numbers, strict=True)), "tie_word_embeddings": tied, **extra}
 
 
 _TINY = (64, 64, 176, 2, 4, 2, 256)  # vocab: the char tokenizer's, rounded up to 64
