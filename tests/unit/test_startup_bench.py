@@ -41,3 +41,28 @@ def test_step0_breakdown_reads_the_first_row(tmp_path):
         "startup_actors_s": 6.0,
     }
     assert step0_breakdown(str(tmp_path / "missing")) == {}
+
+
+def test_a_lean_cluster_runs_actors_without_the_monitor_and_dashboard_head(ray_cluster):
+    """The session's cluster is started as ``tidal train`` starts one (``lean_head``): actors run and
+    print to the driver, and Ray's autoscaler monitor and dashboard head were never started."""
+    import psutil
+
+    from tidal.cluster.ray_cluster import lean_head
+
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0)
+    def answer() -> int:
+        return 42
+
+    assert ray.get(answer.remote()) == 42
+    commands = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True) if p.is_running()]
+    assert any("raylet" in c for c in commands) and any("log_monitor.py" in c for c in commands), commands
+    assert not [c for c in commands if "autoscaler/_private/monitor.py" in c or "dashboard/dashboard.py" in c]
+    from ray._private.node import Node
+
+    before = (Node.start_monitor, Node.start_api_server)
+    with lean_head():
+        assert (Node.start_monitor, Node.start_api_server) != before
+    assert (Node.start_monitor, Node.start_api_server) == before  # Ray's own methods again
