@@ -488,6 +488,10 @@ def _read_inputs(cfg: TidalConfig, spec):
     agent = make_agent(cfg, tokenizer)
     import tidal.rollout.orchestrate  # noqa: F401 - torch and the advantage functions, needed at the first step
 
+    if not cfg.rollout.debug_rollout_only:  # the trainer class Ray needs to create the ranks (its torch.distributed
+        from tidal.trainer.base import trainer_class  # imports), here rather than on the main thread after Ray's start
+
+        trainer_class(cfg.trainer.train_backend)
     return tokenizer, dataset, agent
 
 

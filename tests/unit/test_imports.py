@@ -120,3 +120,25 @@ def test_no_import_cycles_between_packages():
         if b in edges.get(a, {})
     ]
     assert not found, f"import cycles between packages {found}: " + "; ".join(where)
+
+
+def test_driver_starts_ray_before_importing_torch_or_transformers():
+    """What ``tidal train`` runs before ``ray.init`` (parse, resolve, the memory plan, the session's
+    own imports and the actor env) leaves torch, transformers and matplotlib unimported: on a 2-core
+    host each costs seconds that would delay Ray's start."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from tidal.cli import _resolved\n"
+        "cfg, _ = _resolved([])\n"
+        "import tidal.driver, tidal.session\n"
+        "from tidal.memory.preload import actor_env\n"
+        "from tidal.memory.telemetry import MemoryTimeline, device_used_bytes\n"
+        "from tidal.cluster.ray_cluster import prestart_modules\n"
+        "actor_env(cfg.memory, {}, cfg.cluster.device); device_used_bytes('cpu'); MemoryTimeline()\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

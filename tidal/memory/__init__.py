@@ -8,19 +8,39 @@ before any memory call. See docs/memory.md.
 
 from __future__ import annotations
 
+import importlib
 import logging
+from typing import TYPE_CHECKING
 
-from tidal.memory.base import (
-    ClassPolicy,
-    ClassReport,
-    MemoryBackend,
-    MemoryReport,
-    StateClass,
-    engine_policy,
-    trainer_policy,
-)
-from tidal.memory.residency import EngineResidency, EngineState, TrainerResidency, TrainerState
-from tidal.memory.telemetry import MemoryTimeline, device_used_bytes, host_rss_bytes
+if TYPE_CHECKING:
+    from tidal.memory.base import MemoryBackend
+
+# The names below are read from their modules on first use (PEP 562): ``tidal.memory.base`` imports
+# torch, and the driver imports ``tidal.memory.preload`` and ``tidal.memory.telemetry`` before Ray
+# starts, where a 2-core host would spend seconds importing torch for nothing.
+_EXPORTS = {
+    "ClassPolicy": "base",
+    "ClassReport": "base",
+    "MemoryBackend": "base",
+    "MemoryReport": "base",
+    "StateClass": "base",
+    "engine_policy": "base",
+    "trainer_policy": "base",
+    "EngineResidency": "residency",
+    "EngineState": "residency",
+    "TrainerResidency": "residency",
+    "TrainerState": "residency",
+    "MemoryTimeline": "telemetry",
+    "device_used_bytes": "telemetry",
+    "host_rss_bytes": "telemetry",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"tidal.memory.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'tidal.memory' has no attribute {name!r}")
+
 
 log = logging.getLogger("tidal.memory")
 
@@ -58,6 +78,7 @@ def make_backend(
     the backend does not back them up a second time. ``memory_backend="auto"`` picks tms on CUDA
     when torch_memory_saver is installed and a driver loads, else portable (logged once).
     """
+    from tidal.memory.base import engine_policy, trainer_policy
     from tidal.memory.preload import resolve_backend
 
     if role == "trainer":

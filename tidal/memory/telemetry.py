@@ -20,9 +20,12 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 _LIBC: ctypes.CDLL | None = None
 _LIBC_LOADED = False
@@ -41,6 +44,10 @@ def host_rss_bytes() -> int:
 
 def device_used_bytes(device: str | torch.device) -> int:
     """Bytes in use on ``device`` as the driver sees them (all processes); host RSS for a CPU device."""
+    if not str(device).startswith("cuda"):
+        return host_rss_bytes()  # torch is imported only for a device that needs it (the driver reads this on CPU)
+    import torch
+
     dev = torch.device(device)
     if dev.type == "cuda":
         free, total = torch.cuda.mem_get_info(dev)
@@ -143,7 +150,11 @@ def process_memory_stats(device: str, reset_peak: bool = True) -> dict[str, int]
     colocated actors it shows what trainer and engine hold together.
     """
     out = {"host_rss": host_rss_bytes(), "device_peak": 0, "device_used": 0}
-    if device == "cuda" and torch.cuda.is_available():
+    if device != "cuda":
+        return out
+    import torch
+
+    if torch.cuda.is_available():
         out["device_peak"] = int(torch.cuda.max_memory_allocated())
         out["device_used"] = int(device_used_bytes("cuda"))
         if reset_peak:
