@@ -142,3 +142,29 @@ def test_engine_actor_with_torch_memory_saver(ray_cluster, compiled):
     print(f"after release/resume/sync: log-prob |diff| max {diff.max():.3f} mean {diff.mean():.4f}")
     assert diff.mean() < 0.03
     ray.kill(actor)
+
+
+def test_preset_drawn_on_the_device_matches_the_trainers_draw():
+    """--init-on-device: the engine's bf16 weights equal the bf16 cast of the fp32 model the trainer draws on
+    the same GPU from the same seed (before any sync), two engines draw the same, and the device draw is
+    faster than the host's (printed)."""
+    import time
+
+    spec = resolve_model("qwen2.5-0.5b-shape")
+    times = {}
+    sums = []
+    for on in (True, True, False):
+        t0 = time.perf_counter()
+        engine = EmbeddedEngine(
+            ModelConfig(model=spec.name, init_on_device=on), RolloutConfig(), MemoryConfig(), device="cuda", seed=7
+        )
+        times.setdefault(on, time.perf_counter() - t0)
+        sums.append(engine.weight_checksums())
+        del engine
+        torch.cuda.empty_cache()
+    print(f"\n[init] engine built in {times[True]:.1f} s on the device, {times[False]:.1f} s on the host")
+    assert sums[0] == sums[1]
+    assert sums[0] != sums[2]  # a different generator: different (equally random) numbers
+    trainer_side = build_model(spec, dtype=torch.float32, seed=7, device="cuda")
+    want = {n: tensor_checksum(p.detach().to(torch.bfloat16)) for n, p in trainer_side.named_parameters()}
+    assert want == sums[0]
