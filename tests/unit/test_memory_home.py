@@ -41,3 +41,37 @@ def test_adopter_moves_new_state_only():
     assert adopter.adopt([*first, later]) == 2 * 4
     assert first[0].untyped_storage().data_ptr() == ptr, "adopted storages are not moved again"
     assert adopter.adopt([*first, later]) == 0
+
+
+def test_without_the_swap_the_step_runs_inside_the_region_and_rehome_refuses(monkeypatch):
+    """torch releases without ``UntypedStorage._swap_data_ptr_`` (2.11): the optimizer step runs inside the
+    region (its state is born there), adopt moves nothing, and rehome stops with one clear line."""
+    import pytest
+
+    from tidal.errors import UserError
+    from tidal.memory import home
+
+    entered = []
+
+    @contextlib.contextmanager
+    def region():
+        entered.append(1)
+        yield
+
+    monkeypatch.setattr(home, "CAN_SWAP", False)
+    adopter = Adopter(region)
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.ones(3)
+    with adopter.stepping():
+        opt.step()
+    assert entered == [1], "the step ran inside the region"
+    state = [v for v in opt.state[p].values() if torch.is_tensor(v) and v.dim()]
+    assert adopter.adopt(state) == 0
+    assert rehome([], region) == 0
+    with pytest.raises(UserError, match="_swap_data_ptr_"):
+        rehome([torch.ones(2)], region)
+    monkeypatch.setattr(home, "CAN_SWAP", True)
+    with Adopter(region).stepping():
+        pass
+    assert entered == [1], "with the swap the step runs outside any region"

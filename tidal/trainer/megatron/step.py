@@ -107,7 +107,8 @@ def optimizer_step(tr, mbs: list[MicroBatch], sums, objective, old_from_train_pa
     schedule_call(tr, tr.ddp, mbs, loss_fn, forward_only=False)
     lr = tr.schedule.apply(tr.optimizer)
     t0 = time.perf_counter()
-    _, grad_norm, _ = tr.optimizer.step()  # outside any region: its temporaries are not backed up
+    with tr.optimizer_home.stepping():  # outside any region where torch can move the state afterwards
+        _, grad_norm, _ = tr.optimizer.step()
     tr.optimizer_home.adopt(optimizer_tensors(tr.optimizer))  # state the first step created
     step_s = time.perf_counter() - t0
     tr.schedule.advance()
