@@ -114,6 +114,7 @@ def _loop(s, on_step) -> dict:
         with t("sync", display):
             sync_metrics = sync_weights(s)
         metrics = {**initial, **gen_metrics, **train_metrics, **sync_metrics, **t, **s.memory_metrics()}
+        metrics["train_samples"] = len(samples)
         initial = {}
         metrics["engine_restarts"], s.step_restarts = s.step_restarts, 0
         row = finish_step(s, rollout_id, metrics, t, on_step)

@@ -71,6 +71,7 @@ class _Loop:
         self.filtered = 0
         self.engine_busy_s = 0.0
         self.dropped_serials: list[int] = []  # done without training: stale, or filtered by dynamic sampling
+        self.trained_from = s.last_sync_version  # the weight version the step's training started from
 
     def pending_groups(self) -> int:
         """Groups generated or in flight, not trained yet."""
@@ -93,6 +94,8 @@ class _Loop:
         """Train on ``groups`` while ``while_training(train_refs)`` keeps the engines fed; marks them done."""
         samples = [x for g in groups for x in g.samples]
         self.s.log_samples(rollout_id, samples)
+        self.trained_from = self.s.last_sync_version  # a restart's resync during the step must not move staleness
+        self.flight.trainer_ahead = True
         refs = self.s.trainer.call_async("train", samples, rollout_id)
         with t("train", self.s.display):
             if while_training is not None:
@@ -101,10 +104,18 @@ class _Loop:
         self.s.cursor.done(g.serial for g in groups)
         return metrics
 
+    def sync(self) -> dict:
+        """Engines with no call out are checked, then the weights are pushed (an engine that dies in it is
+        restarted and resynced: ``sync_weights``)."""
+        self.flight.restart_idle_dead()
+        row = sync_weights(self.s)
+        self.s.last_sync_version = row["sync/version"]
+        self.flight.trainer_ahead = False
+        return row
+
     def finish(self, rollout_id: int, groups: list[Group], metrics: dict, t: Timer, wall: float, on_step) -> dict:
-        version = self.s.last_sync_version
+        version = self.trained_from
         sync = metrics.pop("_sync")
-        self.s.last_sync_version = sync["sync/version"]
         samples = [x for g in groups for x in g.samples]
         stale = [version - g.version for g in groups]
         rewards = [x.reward for x in samples]
@@ -116,6 +127,7 @@ class _Loop:
                 "train_samples": len(samples),
                 "async/staleness_mean": sum(stale) / max(1, len(stale)),
                 "async/staleness_max": max(stale, default=0),
+                "async/trainer_version": version,
                 "async/partial_samples": sum(1 for x in samples if x.response_versions),
                 "async/filtered_groups": self.filtered,
                 "samples_per_s": len(samples) / wall if wall > 0 else 0.0,
@@ -155,8 +167,7 @@ class OneStep(_Loop):
         with t("wait", s.display):  # sync only after the generation in flight has finished
             self.ready += self.collect(self.flight.drain())
         with t("sync", s.display):
-            self.flight.restart_idle_dead()
-            metrics["_sync"] = sync_weights(s)
+            metrics["_sync"] = self.sync()
         return self.finish(rollout_id, groups, metrics, t, time.perf_counter() - t0, on_step)
 
 
@@ -197,8 +208,11 @@ class Full(_Loop):
         def keep_generating(refs):
             import ray
 
-            while len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
-                self.pump(also=refs)
+            pending = list(refs)
+            while pending:  # only the ranks still training wake the wait (a finished one would spin it)
+                pending = ray.wait(pending, num_returns=len(pending), timeout=0)[1]
+                if pending:
+                    self.pump(also=pending)
 
         metrics = self.train(rollout_id, groups, t, keep_generating)
         with t("drain", s.display):  # the calls in flight finish on the old weights (an update would wait for them)
@@ -206,8 +220,7 @@ class Full(_Loop):
                 self.flight.pause()
             self.buffer.put(self.collect(self.flight.drain()))
         with t("sync", s.display):  # no call starts during the sync
-            self.flight.restart_idle_dead()
-            metrics["_sync"] = sync_weights(s)
+            metrics["_sync"] = self.sync()
         self.flight.resume()
         self.fill()
         metrics["async/paused_groups"], self.flight.paused_groups = self.flight.paused_groups, 0

@@ -1004,8 +1004,9 @@ def test_explain_does_not_show_api_keys():
 @pytest.mark.parametrize(
     "argv,env,expect",
     [
-        # Off: the full-mode flags are refused; over-sampling defaults to one batch.
-        ([], CPU, {"async_mode": "off", "colocate": True, "over_sampling_batch_size": 32, "async_buffer_size": None}),
+        # Off: the full-mode flags are refused; over-sampling stays unset (one round of the batch).
+        ([], CPU, {"async_mode": "off", "colocate": True, "over_sampling_batch_size": None, "async_buffer_size": None}),
+        (["--async", "one-step"], CPU, {"over_sampling_batch_size": 32}),
         (["--max-staleness", "2"], CPU, "--max-staleness is only used with --async"),
         (["--partial-rollout"], CPU, "--partial-rollout is only used with --async"),
         # CPU: engines on their own cores, no offload, TIS derived.
@@ -1040,7 +1041,8 @@ def test_explain_does_not_show_api_keys():
         ),
         (TINY_GPU + ["--async", "one-step"], GPU8, {"colocate": False, "rollout_num_gpus": 1}),
         # Over-sampling below a batch needs dynamic sampling (rounds continue until a batch is kept).
-        (["--over-sampling-batch-size", "64"], CPU, "--over-sampling-batch-size is only used with --async"),
+        (["--over-sampling-batch-size", "64"], CPU, {"over_sampling_batch_size": 64, "async_mode": "off"}),
+        (["--over-sampling-batch-size", "16"], CPU, "without --dynamic-sampling"),
         (["--async", "full", "--over-sampling-batch-size", "16"], CPU, "without --dynamic-sampling"),
         (
             ["--async", "full", "--over-sampling-batch-size", "16", "--dynamic-sampling"],

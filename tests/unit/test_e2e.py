@@ -118,6 +118,10 @@ def test_colocated_two_ranks_paused_and_synced(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow
-def test_disaggregated_broadcast(ray_cluster, tmp_path):
-    cfg = _run(tmp_path, "--no-colocate")
+def test_disaggregated_broadcast_with_over_sampling_and_dynamic_sampling(ray_cluster, tmp_path):
+    cfg = _run(tmp_path, "--no-colocate", "--dynamic-sampling", "--over-sampling-batch-size", "6")
     assert cfg.weight_sync.update_weight_transport == "broadcast"
+    # slime's over-sampling: rounds of 6 prompts until 4 groups with a gradient are kept; those 4 are trained.
+    rows = [json.loads(x) for x in open(os.path.join(cfg.logging.output_dir, "metrics.jsonl"))]
+    for r in rows:
+        assert r["train_samples"] == 16 and r["rollout_rounds"] >= 1 and r["gen_samples"] == 24 * r["rollout_rounds"]

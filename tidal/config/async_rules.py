@@ -30,7 +30,7 @@ def async_mode(ctx: Context) -> None:
     r = ctx.cfg.rollout
     _over_sampling(ctx)
     if r.async_mode == "off":
-        for name in (*_FULL_ONLY, "partial_rollout", "over_sampling_batch_size"):
+        for name in (*_FULL_ONLY, "partial_rollout"):
             if ctx.explicit(name) and getattr(r, name) is not False:
                 raise ConfigError(f"--{name.replace('_', '-')} is only used with --async; add --async or drop the flag")
         return
@@ -89,6 +89,8 @@ def _partial_rollout(ctx: Context) -> None:
 def _over_sampling(ctx: Context) -> None:
     r = ctx.cfg.rollout
     if r.over_sampling_batch_size is None:
+        if r.async_mode == "off":  # the synchronous loop: one round, dynamic sampling trains what it kept
+            return
         ctx.derive("over_sampling_batch_size", r.rollout_batch_size, "async", "one round of rollout-batch-size prompts")
     if r.over_sampling_batch_size < r.rollout_batch_size and not ctx.cfg.algorithm.dynamic_sampling:
         raise ConfigError(

@@ -311,8 +311,9 @@ class RolloutConfig:
     )
     over_sampling_batch_size: int | None = opt(
         None,
-        "--async: prompts drawn per generation round (default: rollout-batch-size); with --dynamic-sampling, rounds "
-        "continue until rollout-batch-size groups are kept.",
+        "Prompts drawn per generation round (default: one round of rollout-batch-size); the first rollout-batch-size "
+        "groups kept are trained, and with --dynamic-sampling rounds continue until that many are kept (slime's "
+        "semantics).",
         min=1,
     )
 

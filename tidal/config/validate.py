@@ -313,7 +313,7 @@ rule(
     "`--async one-step|full` turns offload off (an explicit offload flag is refused) and, unless `--colocate` is given, "
     "places engines on their own devices when there are spare ones (on one GPU both stay resident); it derives "
     "`--use-tis` unless a correction is chosen; `--async-buffer-size` defaults to rollout-batch-size x "
-    "max(1, max-staleness); `--partial-rollout` needs `--async full` and the embedded engine's own generate step; `--over-sampling-batch-size` defaults to rollout-batch-size.",
+    "max(1, max-staleness); `--partial-rollout` needs `--async full` and the embedded engine's own generate step; `--over-sampling-batch-size` defaults to rollout-batch-size under `--async` (unset: the synchronous loop's one round), and is at least rollout-batch-size without `--dynamic-sampling`.",
 )(async_rules.async_mode)
 
 
@@ -478,7 +478,7 @@ def unresolved_fields(cfg: TidalConfig) -> list[str]:
     derived = {
         "device", "param_dtype", "memory_backend", "rollout_num_gpus", "offload_train", "offload_rollout",
         "update_weight_transport", "global_batch_size", "eps_clip_high", "output_dir",
-        "rollout_compile", "use_critic", "offload_host_memory", "rollout_prefix_cache_mb", "over_sampling_batch_size",
+        "rollout_compile", "use_critic", "offload_host_memory", "rollout_prefix_cache_mb",
         "disable_grad_buffers_cpu_backup", "init_on_device", "rollout_fast_decode",
     }  # fmt: skip
     out = []

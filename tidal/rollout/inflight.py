@@ -50,6 +50,7 @@ class InFlight:
         self.paused: list[Chunk] = []  # --partial-rollout: chunks a pause cut short, continued after the sync
         self.paused_groups = 0  # groups cut short since the last step line
         self.pausing: dict = {}  # engine -> the actor paused before this sync
+        self.trainer_ahead = False  # the trainer trained since the last sync (a restart's resync is a new version)
         self.seed = s.cfg.rollout.rollout_seed
         self.window = time.perf_counter()  # engine busy time is counted from here (the step's start)
 
@@ -101,17 +102,31 @@ class InFlight:
         chunk.actor = self.s.engines.actors[chunk.engine]
         self.calls[chunk.actor.generate.remote(chunk.samples, sampling)] = chunk
 
-    def wait(self, also: list | None = None, timeout: float | None = None) -> Finished:
-        """Block until a generate call (or one of the refs in ``also``) finishes; collect every finished call."""
+    def wait(self, also: list | None = None) -> Finished:
+        """Block until a generate call (or one of the refs in ``also``) finishes; collect every finished call.
+
+        While none finishes, the engines with a call out are probed every ``--engine-health-timeout``
+        (``health``, answered beside the call: an HTTP engine's ``/health``): one that does not answer in
+        time is hung, and its call is abandoned and handled as the call of an engine that died."""
         import ray
 
         out = Finished()
-        refs = list(self.calls) + list(also or [])
-        if not refs:
-            return out
-        ray.wait(refs, num_returns=1, timeout=timeout)
-        if not self.calls:
-            return out
+        timeout = self.s.cfg.rollout.engine_health_timeout
+        while True:
+            refs = list(self.calls) + list(also or [])
+            if not refs:
+                return out
+            ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+            if not self.calls:
+                return out
+            if ready:
+                break
+            hung = self._hung(timeout)
+            if hung:
+                what = "/health" if self.s.engines.kind == "sglang" else "health()"
+                why = f"no {what} answer within {timeout:g} s (--engine-health-timeout)"
+                self._revive([(self.calls.pop(r), why) for r, c in list(self.calls.items()) if c.engine in hung])
+                return out
         ready, _ = ray.wait(list(self.calls), num_returns=len(self.calls), timeout=0)
         dead: list[tuple[Chunk, str]] = []
         for ref in ready:
@@ -131,13 +146,30 @@ class InFlight:
                 self.paused_groups += len(chunk.serials)
                 continue
             self._finish(samples, now - chunk.started, out)
-        # An engine already replaced (restarted while this call was out) is not restarted again.
+        self._revive(dead)
+        return out
+
+    def _hung(self, timeout: float) -> list[int]:
+        """Engines with a call out that do not answer ``health`` within ``timeout`` (or whose probe fails)."""
+        import ray
+
+        from tidal.rollout.orchestrate import _failed
+
+        probes = {c.engine: c.actor.health.remote() for c in self.calls.values()}
+        answered, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=timeout)
+        return [i for i, p in probes.items() if p not in answered or _failed(p)]
+
+    def _revive(self, dead: list[tuple[Chunk, str]]) -> None:
+        """Restart the engines of calls that died (or hung) and send each call again, from the driver's copy.
+
+        An engine already replaced (restarted while this call was out) is not restarted again. The resync
+        pushes a new weight version only when the trainer trained since the last sync (``trainer_ahead``);
+        otherwise the engines get the weights they had, under the same version, and no staleness moves."""
         restart = sorted({c.engine for c, _ in dead if c.actor is self.s.engines.actors[c.engine]})
         if restart:
-            self.s.restart_engines(restart, dead[0][1])
+            self.s.restart_engines(restart, dead[0][1], new_version=self.trainer_ahead)
         for chunk, _ in dead:
             self._submit(chunk)
-        return out
 
     def restart_idle_dead(self) -> None:
         """Before a sync: restart engines with no call out that do not answer ``health`` (a sync to a dead

@@ -157,11 +157,58 @@ def policy_masks(samples: Sequence[Sample]) -> torch.Tensor | None:
 
 
 def generate_rollout(s, rollout_id: int) -> tuple[list[Sample], dict]:
+    """One rollout of the synchronous loop: ``rollout-batch-size`` groups scored, with advantages.
+
+    Without ``--over-sampling-batch-size``, one round of rollout-batch-size prompts (``--dynamic-sampling``
+    trains the groups it kept). With it, P prompts a round, as slime does (P >= the batch without
+    ``--dynamic-sampling``): the first rollout-batch-size groups kept are trained and the rest of the
+    round is dropped, and with ``--dynamic-sampling`` rounds continue until that many groups are kept.
+    The generation metrics cover every round (``rollout_rounds`` counts them)."""
     r = s.cfg.rollout
-    batch = s.dataset.next_batch(r.rollout_batch_size)
-    samples = make_rollout_samples(batch, r.n_samples_per_prompt, start_index=0)
+    per_round = r.over_sampling_batch_size or r.rollout_batch_size
+    more = r.over_sampling_batch_size is not None and s.cfg.algorithm.dynamic_sampling
+    kept: list[Sample] = []
+    rounds: list[dict] = []
+    while not rounds or (more and len({x.group for x in kept}) < r.rollout_batch_size):
+        samples, metrics = _generate_round(s, rollout_id, len(rounds), per_round)
+        kept += samples
+        rounds.append(metrics)
+    groups = set(sorted({x.group for x in kept})[: r.rollout_batch_size])
+    kept = [x for x in kept if x.group in groups]
+    metrics = rounds[0] if len(rounds) == 1 else merge_round_metrics(rounds)
+    if r.over_sampling_batch_size is not None:
+        metrics["rollout_rounds"] = len(rounds)
+    return kept, metrics
+
+
+def merge_round_metrics(rounds: list[dict]) -> dict:
+    """Generation metrics of several rounds as one: counts summed, tokens/s over the total time, the rest
+    weighted by each round's samples."""
+    weights = [m["gen_samples"] for m in rounds]
+    total = sum(weights) or 1
+    seconds = sum(m["gen_tokens"] / m["gen_tokens_per_s"] for m in rounds if m.get("gen_tokens_per_s"))
+    out: dict = {}
+    for key in rounds[0]:
+        values = [m.get(key, 0.0) for m in rounds]
+        if key in ("gen_samples", "gen_tokens"):
+            out[key] = sum(values)
+        elif key == "gen_tokens_per_s":
+            out[key] = sum(m["gen_tokens"] for m in rounds) / seconds if seconds > 0 else 0.0
+        else:
+            out[key] = sum(v * w for v, w in zip(values, weights)) / total
+    return out
+
+
+def _generate_round(s, rollout_id: int, round_no: int, prompts: int) -> tuple[list[Sample], dict]:
+    """``prompts`` prompts generated, scored and given advantages (then dynamic sampling); groups numbered
+    after the earlier rounds' of this rollout."""
+    r = s.cfg.rollout
+    batch = s.dataset.next_batch(prompts)
+    samples = make_rollout_samples(
+        batch, r.n_samples_per_prompt, start_index=round_no * prompts * r.n_samples_per_prompt
+    )
     sampling = sampling_params(r, s.tokenizer)
-    sampling.seed = r.rollout_seed + rollout_id
+    sampling.seed = r.rollout_seed + rollout_id + 7919 * round_no
     agent = getattr(s, "agent", None)
     t0 = time.perf_counter()
     if agent is None:
