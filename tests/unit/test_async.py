@@ -112,23 +112,34 @@ def test_full_learns_within_max_staleness_across_sigterm_resume_and_an_engine_re
 
 
 @pytest.mark.slow
-def test_full_partial_rollout_continues_requests_on_new_weights_under_dynamic_sampling(ray_cluster, tmp_path):
+def test_full_partial_rollout_continues_requests_on_new_weights_under_dynamic_sampling(ray_cluster, tmp_path, caplog):
     """``--partial-rollout``: the calls in flight at each sync are paused and continued on the new weights.
-    The same small run checks over-sampling and dynamic sampling in the full loop."""
+    The same small run checks over-sampling and dynamic sampling in the full loop, and an engine frozen
+    (SIGSTOP) with a call out: its health probe finds it, it is restarted, and its call runs again."""
+    import signal
+
+    import ray
+
     rm = os.path.join(os.path.dirname(__file__), "reward_plugins.py") + ":first_char_eighth"
     flags = ["--async", "full", "--partial-rollout", "--actor-num-gpus-per-node", "1", "--num-rollout", "4"]
     flags += ["--rollout-batch-size", "8", "--over-sampling-batch-size", "12", "--async-buffer-size", "96"]
     flags += ["--max-staleness", "3", "--rollout-max-response-len", "24", "--dynamic-sampling", "--custom-rm-path", rm]
-    cfg = _cfg(tmp_path, "partial", *flags, "--log-samples", "64")
+    cfg = _cfg(tmp_path, "partial", *flags, "--log-samples", "64", "--engine-health-timeout", "5")
     rows, end = [], {}
 
     def on_step(s, rollout_id, row):
         if rollout_id >= 0:
             rows.append(row)
             end.update(low=s.cursor.low, done=list(s.async_loop.dropped_serials))
+        if rollout_id == 1:  # the engines were sent their next calls before this hook: freeze one with a call out
+            engine = next(iter(s.async_loop.flight.calls.values())).engine
+            end["frozen"] = engine
+            os.kill(ray.get(s.engines.actors[engine].pid.remote()), signal.SIGSTOP)
 
     train(cfg, on_step=on_step)
     assert [r["train_samples"] for r in rows] == [64] * 4
+    assert sum(r["engine_restarts"] for r in rows[2:]) >= 1  # the frozen engine (a slow probe may add one)
+    assert f"engine {end['frozen']} died (no health() answer within 5 s (--engine-health-timeout))" in caplog.text
     assert sum(r["async/paused_groups"] for r in rows) > 0 and sum(r["async/partial_samples"] for r in rows) > 0
     held_by_step = {r["step"]: r["async/trainer_version"] for r in rows}
     recs = _samples(cfg)
