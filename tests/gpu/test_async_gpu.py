@@ -52,3 +52,48 @@ def test_full_resident_on_one_gpu(ray_cluster, tmp_path):
     rows = _run(tmp_path, "--async", "full", "--max-staleness", "1")
     assert all(r["async/staleness_max"] <= 1 and r["train_samples"] == 32 for r in rows)
     print({k: rows[-1][k] for k in ("samples_per_s", "async/dropped_total", "engine_busy_frac")})
+
+
+def test_full_partial_rollout_resident_on_one_gpu(ray_cluster, tmp_path):
+    """--partial-rollout with CUDA graphs: calls in flight at a sync are paused between graph replays and continued."""
+    rows = _run(tmp_path, "--async", "full", "--partial-rollout", "--max-staleness", "2", "--async-buffer-size", "32")
+    assert all(r["async/staleness_max"] <= 2 and r["train_samples"] == 32 for r in rows)
+    print({k: sum(r[k] for r in rows) for k in ("async/paused_groups", "async/partial_samples")})
+
+
+class _PauseAfter:
+    """A pause request that arrives on the engine's ``k``-th check (deterministic, as in tests/unit/test_engine.py)."""
+
+    def __init__(self, k: int):
+        self.k, self.calls = k, 0
+
+    def is_set(self) -> bool:
+        self.calls += 1
+        return self.calls >= self.k
+
+
+def test_a_paused_cuda_call_returns_partial_rows_that_continue_on_new_weights():
+    import threading
+
+    from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig
+    from tidal.rollout.embedded import EmbeddedEngine
+    from tidal.rollout.types import Sample, SamplingParams
+
+    eng = EmbeddedEngine(ModelConfig(model="tiny-qwen2"), RolloutConfig(), MemoryConfig(), device="cuda")
+    eng.set_weight_version(3)
+    prompts = [eng.tokenizer.encode(t) for t in ("12+34=", "7*8=", "5", "abc")] * 4
+    samples = [Sample(index=i, group=i, prompt="", prompt_ids=p) for i, p in enumerate(prompts)]
+    sp = SamplingParams(max_new_tokens=40, seed=2)
+    eng.paused = _PauseAfter(4)  # the fast path's second host sync: 9 tokens, between graph replays
+    out = eng.generate(samples, sp)
+    aborted = [s for s in out if s.status == "aborted"]
+    assert aborted and all(0 < len(s.response_ids) < 40 for s in aborted)
+    before = {s.index: list(s.response_ids) for s in out}
+    eng.paused = threading.Event()
+    eng.set_weight_version(4)
+    out = eng.generate(out, sp)
+    assert {s.status for s in out} <= {"completed", "truncated"}
+    for s in aborted:
+        ids = before[s.index]
+        assert s.response_ids[: len(ids)] == ids and len(s.response_logprobs) == len(s.response_ids)
+        assert s.token_versions == [3] * len(ids) + [4] * (len(s.response_ids) - len(ids))
