@@ -31,7 +31,7 @@ PLUGINS = os.path.join(HERE, "env_plugins.py")
 @pytest.fixture(scope="module")
 def engine() -> EmbeddedEngine:
     torch.set_num_threads(1)
-    return EmbeddedEngine(ModelConfig(model="tiny"), RolloutConfig(rollout_fast_decode=True), MemoryConfig())
+    return EmbeddedEngine(ModelConfig(model="tiny"), RolloutConfig(), MemoryConfig())
 
 
 def _cfg(**rollout) -> TidalConfig:

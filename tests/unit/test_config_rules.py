@@ -158,21 +158,6 @@ def test_rule_init_on_device(argv, env, expect):
 @pytest.mark.parametrize(
     "argv, env, expect",
     [
-        ([], CPU, {"rollout_fast_decode": False}),
-        (TINY_GPU, GPU1, {"rollout_fast_decode": True}),
-        (["--task", "guess"], CPU, {"rollout_fast_decode": True}),  # the prefix cache lives in the fast path
-        (["--task", "guess", "--rollout-prefix-cache-mb", "0"], CPU, {"rollout_fast_decode": False}),
-        (["--rollout-fast-decode"], CPU, {"rollout_fast_decode": True}),
-        (TINY_GPU + ["--no-rollout-fast-decode"], GPU1, {"rollout_fast_decode": False}),
-    ],
-)
-def test_rule_rollout_fast_decode(argv, env, expect):
-    check(argv, env, expect)
-
-
-@pytest.mark.parametrize(
-    "argv, env, expect",
-    [
         ([], CPU, {"param_dtype": "fp32"}),
         (TINY_GPU, GPU1, {"param_dtype": "bf16"}),
         (TINY_GPU + ["--param-dtype", "fp32"], GPU1, {"param_dtype": "fp32"}),

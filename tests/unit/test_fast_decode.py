@@ -293,8 +293,7 @@ def test_embedded_engine_generates_through_the_fast_path():
     from tidal.rollout.embedded import EmbeddedEngine
     from tidal.rollout.types import Sample, SamplingParams
 
-    on = RolloutConfig(rollout_fast_decode=True)  # unset, it is off on CPU (fast_decode_default)
-    engine = EmbeddedEngine(ModelConfig(model="tiny"), on, MemoryConfig(), device="cpu")
+    engine = EmbeddedEngine(ModelConfig(model="tiny"), RolloutConfig(), MemoryConfig(), device="cpu")
     samples = [Sample(index=i, group=i // 2, prompt=None, prompt_ids=[5, 6, 7 + i]) for i in range(6)]
     out = engine.generate(samples, SamplingParams(max_new_tokens=10, stop_token_ids=[9]))
     dec = engine._fast_decoder
@@ -311,7 +310,9 @@ def test_embedded_engine_generates_through_the_fast_path():
     assert report["memory/engine_release/kv_cache/bytes"] >= cache_bytes
     assert dec.cache.buf.untyped_storage().nbytes() == 0
 
-    plain = EmbeddedEngine(ModelConfig(model="tiny"), RolloutConfig(), MemoryConfig(), device="cpu")
+    off = RolloutConfig()
+    off.rollout_fast_decode = False  # the field the config section will carry
+    plain = EmbeddedEngine(ModelConfig(model="tiny"), off, MemoryConfig(), device="cpu")
     plain.generate([Sample(index=0, group=0, prompt=None, prompt_ids=[5, 6])], SamplingParams(max_new_tokens=3))
     assert plain._fast_decoder == "off"
 

@@ -262,10 +262,8 @@ class RolloutConfig:
     max_engine_restarts: int = opt(3, "Engine restarts (or reconnects) a run survives before it stops.", min=0)
     eval_interval: int = opt(0, "Evaluate greedy accuracy on held-out prompts every N rollouts (0 disables).", min=0)
     debug_rollout_only: bool = opt(False, "Only generate; never train (turns colocate and offload off).")
-    rollout_fast_decode: bool | None = opt(
-        None,
-        "Static KV cache, on-device sampling and CUDA graphs; off uses transformers generate (one prefill per "
-        "distinct prompt). Default: on with CUDA or a prefix cache (multi-turn), off on CPU, where generate is faster.",
+    rollout_fast_decode: bool = opt(
+        True, "Static KV cache, on-device sampling and CUDA graphs; off uses transformers generate."
     )
     rollout_mem_fraction: float = opt(
         0.45, "Device memory the engine may hold at its peak (weights + KV cache + workspace); CPU uses 1 GiB.", min=0
@@ -321,13 +319,6 @@ class RolloutConfig:
 def init_on_device_default(device: str) -> bool:
     """``--init-on-device`` when unset: on with CUDA (the host is then the slow place to draw weights)."""
     return device == "cuda"
-
-
-def fast_decode_default(device: str, prefix_cache_mb: int | None) -> bool:
-    """``--rollout-fast-decode`` when unset: on with CUDA, and wherever a prefix cache is kept (it lives in the
-    fast path); off on CPU, where transformers ``generate`` with its shared prefill is the faster path
-    (``tidal bench rollout --paths generate,fast``: about twice as fast for the tiny default and SmolLM2-135M)."""
-    return device.startswith("cuda") or bool(prefix_cache_mb)
 
 
 def rollout_compile_default(device: str) -> bool:

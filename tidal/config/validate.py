@@ -35,7 +35,7 @@ from tidal.config.args import coerce, fields, flag_of
 from tidal.config.environment import Environment
 from tidal.config.plan import MemoryPlan, ModelShape, build_plan, model_shape
 from tidal.config.provenance import Provenance
-from tidal.config.schema import TidalConfig, fast_decode_default, init_on_device_default, rollout_compile_default
+from tidal.config.schema import TidalConfig, init_on_device_default, rollout_compile_default
 from tidal.dtypes import default_dtype_name, short_name
 from tidal.errors import ConfigError, UserError
 
@@ -171,20 +171,6 @@ def _init_on_device(ctx: Context) -> None:
     if ctx.cfg.model.init_on_device is None:
         on = init_on_device_default(ctx.cfg.cluster.device)
         ctx.derive("init_on_device", on, "init-on-device", f"default on {ctx.cfg.cluster.device}")
-
-
-@rule(
-    "rollout-fast-decode",
-    "`--rollout-fast-decode` defaults to on with CUDA or a prefix cache (multi-turn) and off on CPU, where "
-    "transformers generate is faster.",
-)
-def _rollout_fast_decode(ctx: Context) -> None:
-    if ctx.cfg.rollout.rollout_fast_decode is None:
-        device = ctx.cfg.cluster.device
-        mb = agent_rules.prefix_cache_bytes(ctx.cfg) >> 20
-        on = fast_decode_default(device, mb)
-        why = f"default on {device}" + (", a prefix cache is kept" if mb and device != "cuda" else "")
-        ctx.derive("rollout_fast_decode", on, "rollout-fast-decode", why)
 
 
 @rule("param-dtype", "`--param-dtype auto` is fp32 on CPU and bf16 on CUDA.")
@@ -479,7 +465,7 @@ def unresolved_fields(cfg: TidalConfig) -> list[str]:
         "device", "param_dtype", "memory_backend", "rollout_num_gpus", "offload_train", "offload_rollout",
         "update_weight_transport", "global_batch_size", "eps_clip_high", "output_dir",
         "rollout_compile", "use_critic", "offload_host_memory", "rollout_prefix_cache_mb",
-        "disable_grad_buffers_cpu_backup", "init_on_device", "rollout_fast_decode",
+        "disable_grad_buffers_cpu_backup", "init_on_device",
     }  # fmt: skip
     out = []
     for info in fields():

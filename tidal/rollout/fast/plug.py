@@ -15,7 +15,7 @@ engine's KV memory.
 
 Settings, read from the engine's ``RolloutConfig`` when it has them (defaults otherwise):
 
-    rollout_fast_decode   bool   CUDA   use this path; on with CUDA or a prefix cache, off on CPU
+    rollout_fast_decode   bool   True   use this path
     rollout_mem_fraction  float  0.45   device memory the engine may hold at its peak (weights + KV + workspace)
     rollout_cuda_graphs   bool   True   capture decode steps in CUDA graphs (CUDA only)
     rollout_max_batch     int    512    rows decoded together (the cache holds at most this many)
@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from tidal.config.schema import fast_decode_default, rollout_compile_default
+from tidal.config.schema import rollout_compile_default
 from tidal.errors import UserError
 from tidal.memory.base import StateClass
 from tidal.rollout.fast.decode import FastDecoder
@@ -45,10 +45,7 @@ def build_decoder(model, cfg, *, device_type: str, pad_id: int, backend, name: s
     """The engine's fast decoder for ``model`` under ``cfg`` (its ``RolloutConfig``), or ``OFF``: turned
     off, or a model it cannot run (logged once). Its KV cache is allocated in ``backend``'s
     ``region(kv_cache)`` and registered there, so the engine's releases free it."""
-    on = cfg.rollout_fast_decode
-    if on is None:  # a config built in code, not resolved: the resolved default
-        on = fast_decode_default(device_type, getattr(cfg, "rollout_prefix_cache_mb", None))
-    if not on:
+    if not cfg.rollout_fast_decode:
         return OFF
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30
     seq = min(limit, cfg.rollout_max_prompt_len + cfg.rollout_max_response_len)
