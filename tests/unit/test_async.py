@@ -180,3 +180,16 @@ def test_bench_summary_figures_from_step_rows():
     assert b["samples_per_s"] == pytest.approx(8.0) and b["engine_busy"] == pytest.approx(0.75)
     assert b["staleness_mean"] == pytest.approx(0.5)
     assert "1.50" in table([a, b]).splitlines()[2]  # one-step's samples/s over sync's
+
+
+def test_buffer_hands_out_the_oldest_weights_first_by_arrival_among_equals():
+    from types import SimpleNamespace
+
+    from tidal.rollout.buffer import Group, GroupBuffer
+
+    buf = GroupBuffer(capacity=8, max_staleness=2)
+    versions = [3, 3, 1, 4, 2, 1]  # arrival order; the 1s are continued partial groups, say
+    buf.put(Group(serial=i, samples=[SimpleNamespace(weight_version=v)]) for i, v in enumerate(versions))
+    assert [g.serial for g in buf.drop_stale(4)] == [2, 5]  # more than 2 versions behind 4
+    assert [g.serial for g in buf.take(2)] == [4, 0]  # version 2, then the first version 3
+    assert [g.serial for g in buf.groups] == [1, 3]  # the rest keep their arrival order

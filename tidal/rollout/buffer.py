@@ -112,7 +112,13 @@ class GroupBuffer:
         return stale
 
     def take(self, n: int) -> list[Group]:
-        """The oldest ``n`` groups (call ``drop_stale`` first)."""
+        """The ``n`` groups of the oldest weights (lowest version; by arrival among equals), so the groups
+        nearest the staleness bound train first, continued partial ones among them (call ``drop_stale``
+        first)."""
         if len(self.groups) < n:
             raise RuntimeError(f"take({n}) from a buffer of {len(self.groups)} groups")
-        return [self.groups.popleft() for _ in range(n)]
+        groups = list(self.groups)
+        chosen = sorted(range(len(groups)), key=lambda i: groups[i].version)[:n]  # stable: arrival among equals
+        taken = set(chosen)
+        self.groups = deque(g for i, g in enumerate(groups) if i not in taken)
+        return [groups[i] for i in chosen]
