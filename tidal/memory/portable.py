@@ -63,12 +63,12 @@ from tidal.memory.base import (
     MemoryReport,
     StateClass,
 )
+from tidal.memory.home import CAN_SWAP
 from tidal.memory.telemetry import trim_host_heap
 from tidal.memory.views import HostView, ViewToken, make_host_view
 
-# Moving a memory block between two storages without copying; present in every torch we support
-# (FSDP2 and CUDA graph trees rely on it). Without it, pause and resume copy.
-_HAS_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+# Moving a memory block between two storages without copying (``tidal.memory.home.CAN_SWAP``; torch 2.11
+# lacks it): without it, pause and resume copy.
 
 # Per-class allocator pools on CUDA (see the module docstring); older torch shares one pool.
 _HAS_POOLS = hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")
@@ -89,7 +89,7 @@ def _u8(storage: torch.UntypedStorage) -> torch.Tensor:
 
 def _free(storage: torch.UntypedStorage) -> None:
     """Release a storage's memory in place; tensors on it keep their identity and metadata."""
-    if _HAS_SWAP:
+    if CAN_SWAP:
         empty = torch.UntypedStorage(0, device=storage.device)
         storage._swap_data_ptr_(empty)  # ``empty`` now owns the block and frees it when dropped
         del empty
@@ -99,7 +99,7 @@ def _free(storage: torch.UntypedStorage) -> None:
 
 def _alloc(storage: torch.UntypedStorage, nbytes: int) -> None:
     """Give an emptied storage ``nbytes`` of fresh, uninitialised memory."""
-    if _HAS_SWAP:
+    if CAN_SWAP:
         storage._swap_data_ptr_(torch.UntypedStorage(nbytes, device=storage.device))
     else:
         storage.resize_(nbytes)
@@ -256,7 +256,7 @@ class PortableBackend(HostBackedBackend):
             return "disk"
         if self.host_memory == "retain":
             return "retain"
-        return "move" if (not self._on_cuda and _HAS_SWAP) else "copy"
+        return "move" if (not self._on_cuda and CAN_SWAP) else "copy"
 
     def _host_buffer(self, nbytes: int) -> torch.UntypedStorage:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._on_cuda).untyped_storage()
