@@ -140,7 +140,10 @@ def test_full_partial_rollout_continues_requests_on_new_weights_under_dynamic_sa
     assert [r["train_samples"] for r in rows] == [64] * 4
     assert sum(r["engine_restarts"] for r in rows[2:]) >= 1  # the frozen engine (a slow probe may add one)
     assert f"engine {end['frozen']} died (no health() answer within 5 s (--engine-health-timeout))" in caplog.text
-    assert sum(r["async/paused_groups"] for r in rows) > 0 and sum(r["async/partial_samples"] for r in rows) > 0
+    # Calls are paused at every sync; whether a paused call had already decoded some rows (so that its samples
+    # span two versions) depends on timing, so the loop asserts the pause and the samples' consistency; the
+    # continuation itself is asserted deterministically in test_engine.py (both decode paths).
+    assert sum(r["async/paused_groups"] for r in rows) > 0
     held_by_step = {r["step"]: r["async/trainer_version"] for r in rows}
     recs = _samples(cfg)
     for r in rows:
