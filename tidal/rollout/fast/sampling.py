@@ -140,3 +140,47 @@ def plain_core(
             gumbel = gumbel * temperature
         tokens = torch.argmax(z + gumbel, dim=-1)
     return tokens, (z.gather(1, tokens.unsqueeze(1)) - lse).squeeze(1)
+
+
+def split_chunks(vocab: int, rows: int, target: int = 32768) -> int:
+    """How many equal pieces ``split_core`` cuts each row into: the largest power of two up to 128 that
+    divides ``vocab`` and keeps ``rows * chunks`` near ``target`` (enough programs for every SM of a large
+    GPU), never below 1 (no split)."""
+    chunks = 1
+    while chunks < 128 and vocab % (2 * chunks) == 0 and rows * chunks < target:
+        chunks *= 2
+    return chunks
+
+
+def split_core(
+    logits: torch.Tensor,
+    noise: torch.Tensor | None,
+    temperature: torch.Tensor,
+    greedy: bool,
+    scaled: bool,
+    chunks: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``plain_core`` with each row's reductions split over ``chunks`` equal pieces, then combined.
+
+    Why: a row-per-program reduction over a 150k-word vocabulary keeps a few hundred programs busy for
+    the whole row; cut into pieces, ``rows * chunks`` programs each reduce one piece. Same draws as
+    ``plain_core`` for the same noise (the argmax takes the first maximum within a piece and the first
+    piece holding the row's maximum, so ties resolve to the lowest index as ``torch.argmax`` does);
+    the log-sum-exp is the two-level form ``M + log sum_c s_c exp(m_c - M)``, with ``m_c`` and
+    ``s_c = sum exp(z - m_c)`` of piece ``c`` and ``M = max_c m_c``.
+    """
+    rows, vocab = logits.shape
+    z = logits.float().view(rows, chunks, vocab // chunks)
+    m = z.amax(-1)  # [rows, chunks]
+    s = torch.exp(z - m.unsqueeze(-1)).sum(-1)
+    top = m.amax(-1, keepdim=True)
+    lse = top + torch.log((s * torch.exp(m - top)).sum(-1, keepdim=True))
+    if greedy:
+        key = z
+    else:
+        gumbel = -torch.log(noise.view(rows, chunks, vocab // chunks))
+        key = z + (gumbel * temperature if scaled else gumbel)
+    piece_max, piece_idx = key.max(-1)  # [rows, chunks]
+    best = piece_max.argmax(-1, keepdim=True)
+    tokens = (best * (vocab // chunks) + piece_idx.gather(1, best)).squeeze(1)
+    return tokens, (logits.float().gather(1, tokens.unsqueeze(1)) - lse).squeeze(1)

@@ -1,0 +1,128 @@
+"""The decode step's sampler alone: each way of computing it, next to the memory-bandwidth floor.
+
+Run: ``python -m tidal.bench.sampling`` (CUDA: 512 rows x the Qwen2.5 vocabulary, 151,936 words, bf16
+logits). Per variant one JSON line: ``ms`` per call (CUDA events over ``--iters`` calls after warm-up,
+noise drawing included, as in a decode step), ``floor_ms`` (the bytes the variant must move at the
+device-to-device copy bandwidth measured in the same run: logits read, fp32 noise written and read),
+``tokens_equal`` (same draws as the eager reference for the same noise) and ``logprob_max_abs_diff``.
+
+Variants: ``eager`` (``sample`` without a fused core: fused log-softmax, then the Gumbel argmax),
+``compiled`` (``torch.compile(plain_core, dynamic=True)``, the decode step's fused sampler before the
+split), ``compiled-static`` (the same with ``dynamic=False``), ``split-eager`` and ``split``
+(``split_core``, each row's reductions cut into ``split_chunks`` pieces; compiled with ``dynamic=True``,
+what the decode step uses now).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+
+import torch
+
+from tidal.rollout.fast.sampling import plain_core, sample, sampling_mode, split_chunks, split_core
+
+
+def _timed(fn, iters: int, device: torch.device) -> float:
+    """Milliseconds per call of ``fn()``: CUDA events on a GPU, wall clock elsewhere."""
+    for _ in range(3):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / iters
+    import time
+
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) * 1000 / iters
+
+
+def copy_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second, in GB/s)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = _timed(lambda: dst.copy_(src), 10, device)
+    return 2 * nbytes / (ms / 1000) / 1e9
+
+
+def variants(rows: int, vocab: int, device: torch.device, names: list[str]) -> dict:
+    """The sampler callables ``(logits, noise) -> (tokens, logprobs)`` to compare."""
+    temp = torch.ones(1, device=device)
+    chunks = split_chunks(vocab, rows)
+    mode = sampling_mode(1.0, 1.0, 0, vocab)
+    table = {
+        "eager": lambda: lambda lg, nz: sample(lg, mode, temp, temp),
+        "compiled": lambda: functools.partial(_core, torch.compile(plain_core, dynamic=True), temp),
+        "compiled-static": lambda: functools.partial(_core, torch.compile(plain_core, dynamic=False), temp),
+        "split-eager": lambda: functools.partial(_core, functools.partial(split_core, chunks=chunks), temp),
+        "split": lambda: functools.partial(
+            _core, torch.compile(functools.partial(split_core, chunks=chunks), dynamic=True), temp
+        ),
+    }
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {unknown}: choose from {', '.join(table)}")
+    return {n: table[n]() for n in names}
+
+
+def _core(core, temp: torch.Tensor, logits: torch.Tensor, noise: torch.Tensor):
+    fresh = torch.empty_like(noise).exponential_()  # drawn every step, as the decode step does
+    del fresh
+    return core(logits, noise, temp, False, False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated (default: all on CUDA; eager,split-eager elsewhere, where compiling is slow)",
+    )
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    names = (
+        args.variants
+        or ("eager,compiled,compiled-static,split-eager,split" if device.type == "cuda" else "eager,split-eager")
+    ).split(",")
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(args.rows, args.vocab, device=device, generator=gen).mul_(3).to(torch.bfloat16)
+    noise = torch.empty(args.rows, args.vocab, device=device).exponential_(generator=gen)
+    gbps = copy_gbps(device)
+    moved = logits.numel() * logits.element_size() + 2 * noise.numel() * 4
+    ref_tokens, ref_lp = plain_core(logits, noise, torch.ones(1, device=device), False, False)
+    for name, fn in variants(args.rows, args.vocab, device, names).items():
+        if name == "eager":
+            tokens, lp = ref_tokens, ref_lp  # eager draws its own noise: compared by distribution in the tests
+            equal, diff = None, None
+        else:
+            tokens, lp = fn(logits, noise)
+            equal, diff = bool(torch.equal(tokens, ref_tokens)), float((lp - ref_lp).abs().max())
+        ms = _timed(lambda fn=fn: fn(logits, noise), args.iters, device)
+        row = dict(
+            variant=name,
+            rows=args.rows,
+            vocab=args.vocab,
+            chunks=split_chunks(args.vocab, args.rows) if name.startswith("split") else 1,
+            ms=round(ms, 4),
+            floor_ms=round(moved / (gbps * 1e9) * 1000, 4),
+            copy_gbps=round(gbps, 1),
+            tokens_equal=equal,
+            logprob_max_abs_diff=diff,
+        )
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
