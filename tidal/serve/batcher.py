@@ -54,6 +54,9 @@ class StepInfo:
     loop_cpu_seconds: float | None = None
     gc_seconds: float = 0.0  # in the garbage collector meanwhile (any thread)
     gc_passes: tuple[int, int, int] = (0, 0, 0)  # its collections of generations 0, 1, 2
+    # The fast decoder's figures for the step's last chunk (``decode_figures``): prefill and decode-loop seconds,
+    # decode steps, CUDA graph captures; the rest of ``seconds`` is the engine's work around the decoder.
+    decoder: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -286,12 +289,16 @@ class EngineWorker:
             info = StepInfo(step=self.steps, requests=len(group), rows=len(samples))
             info.started = time.monotonic()
             clocks, gc0, passes = _cpu_clocks(self._loop_thread), GcClock.seconds, list(GcClock.passes)
+            gc.disable()  # a collection stops every thread, the decode loop's too: none during the step
             try:
                 out = self.engine.generate(samples, group[0].sampling)
             except BaseException as e:  # noqa: BLE001 - every request of the step gets the error
                 _settle_soon([(job, None, e) for job in group])
                 continue
+            finally:
+                gc.enable()  # what the step and the event loop allocated meanwhile is collected from here on
             info.ended = time.monotonic()
+            info.decoder = decode_figures(self.engine)
             info.seconds = info.ended - info.started
             info.engine_cpu_seconds, info.loop_cpu_seconds = _cpu_spent(self._loop_thread, clocks)
             info.gc_seconds = GcClock.seconds - gc0
@@ -351,6 +358,13 @@ class GcClock:
         else:
             cls.seconds += time.perf_counter() - cls._began
             cls.passes[info["generation"]] += 1
+
+
+def decode_figures(engine) -> dict:
+    """The fast decoder's figures of ``engine``'s last decoder call (empty without a fast decoder)."""
+    stats = getattr(getattr(engine, "_fast_decoder", None), "last_stats", None) or {}
+    keys = ("prefill_s", "decode_s", "steps", "graph_captures", "capture_s", "compactions")
+    return {k: stats[k] for k in keys if k in stats}
 
 
 def _cpu_clocks(loop_thread: int | None) -> tuple[float, float | None]:
