@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 
@@ -16,7 +15,7 @@ from tidal.memory.portable import PortableBackend
 from tidal.model import build_model, resolve_model
 from tidal.model.load import ModelSpec
 from tidal.rollout.fast import FastDecoder, batch_buckets, sample, sampling_mode
-from tidal.rollout.fast.sampling import plain_core, split_chunks, split_core
+from tidal.rollout.fast.sampling import plain_core
 from tidal.rollout.fast.static_cache import kv_shape, prefill_workspace_bytes, workspace_bytes_per_row
 from tidal.rollout.generate import left_pad, teacher_forced_logprobs
 
@@ -191,7 +190,6 @@ def _warped_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
         (1.5, 6, 0.8, None),
         (1.0, 0, 1.0, plain_core),
         (0.6, 0, 1.0, plain_core),
-        (0.6, 0, 1.0, functools.partial(split_core, chunks=4)),
     ],
 )
 def test_sampling_distribution_follows_transformers_warpers(temperature, top_k, top_p, fused):
@@ -336,21 +334,6 @@ def test_graph_warmup_restore_leaves_no_trace(models):
         assert a.tokens == b.tokens and a.logprobs == b.logprobs and a.stopped == b.stopped
 
 
-def test_split_core_draws_what_the_plain_core_draws_and_the_same_log_probs():
-    """Same noise in, same tokens out (ties included: integer logits repeat within and across pieces),
-    log-probs equal within fp32 rounding; the chunk count divides the vocabulary."""
-    gen = torch.Generator().manual_seed(7)
-    logits = torch.randint(-3, 4, (96, 240), generator=gen).to(torch.bfloat16)
-    noise = torch.empty(96, 240).exponential_(generator=gen)
-    temp = torch.tensor([0.7])
-    for greedy, scaled in ((True, False), (False, False), (False, True)):
-        a = plain_core(logits, noise, temp, greedy, scaled)
-        b = split_core(logits, noise, temp, greedy, scaled, chunks=split_chunks(240, 96))
-        assert torch.equal(a[0], b[0]) and torch.allclose(a[1], b[1], atol=1e-5)
-    assert split_chunks(151936, 512) == 64 and split_chunks(240, 96) == 16 and split_chunks(50, 8) == 2
-    assert split_chunks(49, 8) == 1 and split_chunks(151936, 1) == 128
-
-
 def test_greedy_fused_core_matches_eager_sampling():
     logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(3))
     one = torch.ones(1)
@@ -406,12 +389,12 @@ def test_fused_projections_fall_back_for_other_families():
     assert "gpt2" in unsupported_reason(gpt2)
 
 
-def test_sampling_bench_reports_the_split_core_against_its_floor(capsys):
+def test_sampling_bench_reports_each_core_against_its_floor(capsys):
     from tidal.bench import sampling as bench
 
     bench.main(["--device", "cpu", "--rows", "8", "--vocab", "64", "--iters", "1"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["variant"] for r in rows] == ["eager", "split-eager"]
-    split = rows[1]
-    assert split["tokens_equal"] is True and split["chunks"] == 64 and split["logprob_max_abs_diff"] < 1e-5
-    assert split["ms"] > 0 and 0 < split["floor_ms"] and split["copy_gbps"] > 0
+    assert [r["variant"] for r in rows] == ["eager", "plain"]
+    plain = rows[1]
+    assert plain["tokens_equal"] is True and plain["logprob_max_abs_diff"] < 1e-5
+    assert plain["ms"] > 0 and 0 < plain["floor_ms"] and plain["copy_gbps"] > 0

@@ -40,7 +40,6 @@ graphs, cache plan, sampling, prefixes, fused projections) are their own modules
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -53,7 +52,7 @@ from tidal.rollout.fast.fused import FusedDecodeForward, unsupported_reason
 from tidal.rollout.fast.graphs import GraphSet
 from tidal.rollout.fast.prefix import PrefixStore, reuse_prefixes, take_prompt
 from tidal.rollout.fast.request import DecodeResult, batch_buckets, check_request, cut_at_stops
-from tidal.rollout.fast.sampling import SamplingMode, sample, sampling_mode, split_chunks, split_core
+from tidal.rollout.fast.sampling import SamplingMode, plain_core, sample, sampling_mode
 from tidal.rollout.fast.static_cache import StaticKVCache, kv_shape, plan_cache
 
 log = logging.getLogger(__name__)
@@ -154,10 +153,7 @@ class FastDecoder:
         if compile:
             attention.register()
             self._compiled_forward = torch.compile(self._forward_logits, dynamic=True)
-            # Each row's vocabulary reductions split into pieces (``split_core``): one program per row
-            # left most of a large GPU idle for 3 ms a step at 512 rows x 152k words.
-            chunks = split_chunks(self.vocab, self.max_batch)
-            self._fused_sampler = torch.compile(functools.partial(split_core, chunks=chunks), dynamic=True)
+            self._fused_sampler = torch.compile(plain_core, dynamic=True)
         if not cuda_graphs and self.graphs.enabled:
             self.graphs.enabled = False
             self.graphs.fallback_reason = "turned off"
