@@ -113,15 +113,19 @@ def test_full_learns_within_max_staleness_across_sigterm_resume_and_an_engine_re
 
 @pytest.mark.slow
 def test_full_partial_rollout_continues_requests_on_new_weights_under_dynamic_sampling(ray_cluster, tmp_path, caplog):
-    """``--partial-rollout``: the calls in flight at each sync are paused and continued on the new weights.
-    The same small run checks over-sampling and dynamic sampling in the full loop, and an engine frozen
-    (SIGSTOP) with a call out: its health probe finds it, it is restarted, and its call runs again."""
+    """``--partial-rollout``: the calls in flight at each sync are paused and continued on the new weights
+    (engine 0 waits part-decoded for each pause: ``engine_plugins.held_until_paused``, a custom generate
+    function around the built-in step, so rows with tokens are always there to continue). The same small run
+    checks over-sampling and dynamic sampling in the full loop, and an engine frozen (SIGSTOP) with a call
+    out: its health probe finds it, it is restarted, and its call runs again."""
     import signal
 
     import ray
 
     rm = os.path.join(os.path.dirname(__file__), "reward_plugins.py") + ":first_char_eighth"
+    held = os.path.join(os.path.dirname(__file__), "engine_plugins.py") + ":held_until_paused"
     flags = ["--async", "full", "--partial-rollout", "--actor-num-gpus-per-node", "1", "--num-rollout", "4"]
+    flags += ["--custom-generate-function-path", held]  # engine 0's calls wait, part-decoded, for each pause
     flags += ["--rollout-batch-size", "8", "--over-sampling-batch-size", "12", "--async-buffer-size", "96"]
     flags += ["--max-staleness", "3", "--rollout-max-response-len", "24", "--dynamic-sampling", "--custom-rm-path", rm]
     cfg = _cfg(tmp_path, "partial", *flags, "--log-samples", "64", "--engine-health-timeout", "5")
@@ -140,10 +144,8 @@ def test_full_partial_rollout_continues_requests_on_new_weights_under_dynamic_sa
     assert [r["train_samples"] for r in rows] == [64] * 4
     assert sum(r["engine_restarts"] for r in rows[2:]) >= 1  # the frozen engine (a slow probe may add one)
     assert f"engine {end['frozen']} died (no health() answer within 5 s (--engine-health-timeout))" in caplog.text
-    # Calls are paused at every sync; whether a paused call had already decoded some rows (so that its samples
-    # span two versions) depends on timing, so the loop asserts the pause and the samples' consistency; the
-    # continuation itself is asserted deterministically in test_engine.py (both decode paths).
-    assert sum(r["async/paused_groups"] for r in rows) > 0
+    # Engine 0 holds each new call part-decoded until the pause: its rows are continued on the next weights.
+    assert sum(r["async/paused_groups"] for r in rows) > 0 and sum(r["async/partial_samples"] for r in rows) > 0
     held_by_step = {r["step"]: r["async/trainer_version"] for r in rows}
     recs = _samples(cfg)
     for r in rows:

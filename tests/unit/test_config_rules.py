@@ -1011,7 +1011,7 @@ def test_explain_does_not_show_api_keys():
         (
             ["--async", "full", "--partial-rollout", "--custom-generate-function-path", "m:f"],
             CPU,
-            "not with --custom-generate-function-path",
+            {"partial_rollout": True, "custom_generate_function_path": "m:f"},
         ),
         (["--async", "full", "--partial-rollout", "--task", "guess"], CPU, "not with a multi-turn environment"),
         (["--async", "full", "--debug-rollout-only"], CPU, "--debug-rollout-only has none"),

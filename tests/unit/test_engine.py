@@ -308,6 +308,12 @@ def test_custom_generate_function_replaces_the_generate_step(tmp_path):
 
             def bad(engine, samples, sampling):
                 return samples[:1]
+
+            def inner(engine, samples, sampling):
+                out = engine.generate_default(samples, sampling)
+                for s in out:
+                    s.status = "aborted" if s.status == "aborted" or s.index == 0 else s.status
+                return out
             """
         )
     )
@@ -317,6 +323,15 @@ def test_custom_generate_function_replaces_the_generate_step(tmp_path):
     eng = make_engine(custom_generate_function_path=f"{plugin}:bad")
     with pytest.raises(UserError, match="custom-generate-function-path"):
         eng.generate(make_samples(eng, 1), SamplingParams(max_new_tokens=4))
+    # --partial-rollout: a pause cuts the generate_default a custom function calls; aborted rows are accepted
+    # only while the engine is paused.
+    eng = make_engine(custom_generate_function_path=f"{plugin}:inner")
+    eng.pause_generation()
+    out = eng.generate(make_samples(eng, 2), SamplingParams(max_new_tokens=4))
+    assert all(s.status == "aborted" and not s.response_ids for s in out)
+    eng.continue_generation()
+    with pytest.raises(UserError, match="status 'aborted'"):
+        eng.generate(make_samples(eng, 2), SamplingParams(max_new_tokens=4))
 
 
 def test_bad_sampling_and_prompts_are_user_errors(engine):

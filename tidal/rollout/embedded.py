@@ -224,8 +224,11 @@ class EmbeddedEngine(EngineWeights):
         if not isinstance(out, list) or len(out) != expected:
             got = f"{len(out)} items" if isinstance(out, list) else type(out).__name__
             raise UserError(f"{where}: returned {got}, expected the list of {expected} samples it was given")
+        # A pause (--partial-rollout) cuts the generate_default a custom function calls: its rows come back
+        # aborted with the tokens so far (and their versions), to be continued by a later call.
+        statuses = ("completed", "truncated", "aborted") if self.paused.is_set() else ("completed", "truncated")
         for s in out:
-            if len(s.response_logprobs) != len(s.response_ids) or s.status not in ("completed", "truncated"):
+            if len(s.response_logprobs) != len(s.response_ids) or s.status not in statuses:
                 raise UserError(
                     f"{where}: sample {s.index} has {len(s.response_ids)} response ids, {len(s.response_logprobs)} "
                     f"log-probs and status {s.status!r}; fill one log-prob per token (0.0 where loss_mask is 0) "
@@ -236,7 +239,8 @@ class EmbeddedEngine(EngineWeights):
                     f"{where}: sample {s.index} has {len(s.loss_mask)} loss-mask entries for {len(s.response_ids)} "
                     "response ids; give one 0/1 per response token (0: supplied by the environment), or none"
                 )
-            s.weight_version = self._version
+            if s.weight_version < 0:  # generate_default set it (its first token's version) where it ran
+                s.weight_version = self._version
         return out
 
     def generate_default(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
