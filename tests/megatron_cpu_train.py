@@ -10,8 +10,14 @@ then pause/resume, save while paused, load, and the checkpoint loaded into the F
 device and process-group setup (``_parallel_state``, ``build``). Megatron-core hard-codes
 ``device="cuda"`` in a few allocations (its DDP buffers ask ``torch.cuda.current_device()``, the
 schedule's token counter, the default causal mask, the FP32 optimizer's loss scale) and forks a CUDA
-RNG tracker around dropout (0 here): those device arguments are redirected to the CPU. Gradient
-clipping asserts CUDA tensors, so both backends run with ``--clip-grad 0``.
+RNG tracker around dropout (0 here): those device arguments are redirected to the CPU, and the
+distributed optimizer's check of a parameter's type name (``torch.cuda.FloatTensor``) sees the CUDA
+name. Gradient clipping asserts CUDA tensors, so both backends run with ``--clip-grad 0``.
+
+Memory is moved into its regions as on a torch without ``UntypedStorage._swap_data_ptr_`` (2.11, the
+GPU host's): every tensor on a moved storage is re-pointed (``tidal.memory.home``), and a storage
+with users the trainer did not name stops the run. A third trainer, Megatron with the distributed
+optimizer (its parameter buffers moved that way), trains the same two rollouts.
 """
 
 from __future__ import annotations
@@ -44,6 +50,13 @@ def _redirect_cuda_devices() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    type_name = torch.Tensor.type
+
+    def cuda_type_name(self, *args, **kwargs):
+        out = type_name(self, *args, **kwargs)
+        return out.replace("torch.", "torch.cuda.", 1) if not (args or kwargs) and self.device.type == "cpu" else out
+
+    torch.Tensor.type = cuda_type_name
 
 
 def _samples(seed: int) -> list:
@@ -83,10 +96,12 @@ def _sections(backend: str) -> dict:
     )
 
 
-def _megatron(port: int):
+def _megatron(port: int, distributed_optimizer: bool = False):
     from tidal.trainer.megatron.trainer import MegatronTrainer
 
-    tr = MegatronTrainer(0, 1, "127.0.0.1", port, release_process_groups=True, **_sections("megatron"))
+    sections = _sections("megatron")
+    sections["trainer"].use_distributed_optimizer = distributed_optimizer
+    tr = MegatronTrainer(0, 1, "127.0.0.1", port, release_process_groups=not distributed_optimizer, **sections)
     tr._place()
     tr._parallel_state()
     tr.build()
@@ -118,12 +133,30 @@ def _groups_after_rebuild(ps, old: list) -> dict:
     }
 
 
+def _adopted(meg, fsdp) -> dict:
+    """After the first step: how many optimizer state tensors each backend has, and whether each is one the
+    trainer moved into its OPTIMIZER region (by identity: a DTensor's local tensor for FSDP2)."""
+    from tidal.trainer.megatron.memory import optimizer_tensors
+
+    out = {}
+    for name, home, state in (
+        ("megatron", meg.optimizer_home, optimizer_tensors(meg.optimizer)),
+        ("fsdp", fsdp.optimizer_home, fsdp._optimizer_tensors()),
+    ):
+        out[name] = {"tensors": len(state), "adopted": sum(map(home.holds, state))}
+    return out
+
+
 def main() -> None:
     port, out_path = int(sys.argv[1]), sys.argv[2]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     _redirect_cuda_devices()
     from megatron.core import parallel_state as ps
+
+    from tidal.memory import home
+
+    home.CAN_SWAP = False  # as torch 2.11
 
     from tidal.trainer.actor import TrainerActor
 
@@ -146,6 +179,7 @@ def main() -> None:
             res["groups"] = _groups_after_rebuild(ps, old)
             del old
         rollouts.append((_metrics(meg.train(_samples(i), i)), _metrics(fsdp.train(_samples(i), i))))
+        res.setdefault("adopted", _adopted(meg, fsdp))
         res.setdefault("pause", meg.pause().metrics)
         fsdp.pause()
     res["rollouts"] = rollouts
@@ -162,6 +196,14 @@ def main() -> None:
     fsdp.resume()
     fsdp.load(ckpt)
     res["fsdp_loads_it"] = fsdp.state_checksums() == state
+    dist_opt = _megatron(port, distributed_optimizer=True)
+    res["distributed_optimizer"] = {
+        "param_buffers_moved": dist_opt.weights_rehomed,
+        "rollouts": [],
+    }
+    for i, gbs in enumerate((None, 8)):
+        dist_opt.cfg.global_batch_size = gbs
+        res["distributed_optimizer"]["rollouts"].append(_metrics(dist_opt.train(_samples(i), i)))
     with open(out_path, "w") as f:
         json.dump(res, f)
 

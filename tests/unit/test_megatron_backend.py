@@ -101,7 +101,8 @@ def test_megatron_trains_like_fsdp_on_cpu(tmp_path):
     """Megatron's GPTModel, DDP, optimizer and schedule under MegatronTrainer.train next to the FSDP2 backend
     (tests/megatron_cpu_train.py): the same seeded start, the same metrics for a one-step and a two-step
     rollout with a KL reference, weights within fp32 noise after three AdamW steps; pause/resume and
-    save/load bit-exact; the FSDP2 backend loads the Megatron checkpoint bit for bit."""
+    save/load bit-exact; the FSDP2 backend loads the Megatron checkpoint bit for bit; memory moved into its
+    regions without torch's block swap; the distributed optimizer trains like the plain one."""
     import json
     import os
     import socket
@@ -129,6 +130,15 @@ def test_megatron_trains_like_fsdp_on_cpu(tmp_path):
     assert res["rollouts"][1][0]["kl"] > 0  # the reference model is in the loss
     assert res["weights_max_abs_diff"] < 1e-4
     assert res["resume_bit_exact"] and res["load_bit_exact"] and res["fsdp_loads_it"]
+    # Without torch's in-place block swap (as on torch 2.11): every optimizer state tensor the first step made
+    # was moved into its region by re-pointing (FSDP2: the DTensors' local tensors), and the distributed
+    # optimizer's parameter buffers too, with every view of them: it trains bit for bit like the plain one.
+    for backend in ("megatron", "fsdp"):
+        adopted = res["adopted"][backend]
+        assert adopted["tensors"] > 0 and adopted["adopted"] == adopted["tensors"], (backend, adopted)
+    dist_opt = res["distributed_optimizer"]
+    assert dist_opt["param_buffers_moved"] > 0
+    assert dist_opt["rollouts"] == [meg for meg, _ in res["rollouts"]]
     # Megatron's process groups: destroyed at the pause, rebuilt at the resume, no reference to an old one
     # left anywhere, and the rollout after the resume (above) trained like FSDP2's through the new ones.
     groups = res["groups"]

@@ -209,6 +209,24 @@ def test_empty_storages_are_left_alone():
     assert full.untyped_storage().nbytes() == 0 and live.untyped_storage().nbytes() == 1024
 
 
+def test_without_the_swap_a_backup_read_through_numpy_while_paused_resumes(monkeypatch):
+    """torch 2.11 has no ``UntypedStorage._swap_data_ptr_``: pause copies to a host buffer and resume frees it in
+    place, which torch refuses for a buffer once shared with numpy (a checksum of the paused weights does that):
+    that buffer is dropped instead, and the tensor comes back whole."""
+    from tidal.memory import portable
+
+    monkeypatch.setattr(portable, "CAN_SWAP", False)
+    backend = PortableBackend({S.WEIGHTS: make_backend(MemoryConfig(), device="cpu", role="trainer").policy[S.WEIGHTS]})
+    w = torch.randn(64)
+    expect = w.clone()
+    backend.register(S.WEIGHTS, lambda: [w])
+    backend.pause([S.WEIGHTS])
+    assert w.untyped_storage().nbytes() == 0
+    assert (backend.host_view(w).numpy() == expect.numpy()).all()
+    backend.resume([S.WEIGHTS])
+    assert torch.equal(w, expect)
+
+
 def _touched(nbytes: int) -> torch.Tensor:
     t = torch.empty(nbytes, dtype=torch.uint8)
     t.fill_(7)  # touch every page so that it counts in RSS

@@ -330,7 +330,8 @@ class PortableBackend(HostBackedBackend):
                     rep.backup_bytes += n
         self._sync()
         for entry in paused.entries.values():
-            if entry.mode == "copy" or (entry.mode == "disk" and entry.host is not None):
+            freeable = CAN_SWAP or entry.host is None or entry.host.resizable()  # not once handed to numpy
+            if (entry.mode == "copy" or (entry.mode == "disk" and entry.host is not None)) and freeable:
                 # Release the buffer even if a stale view still references its storage object.
                 _free(entry.host)
             if entry.mode == "disk":

@@ -318,11 +318,10 @@ class TrainerActor(Trainer):
         lr = self.schedule.apply(self.optimizer)
         t_opt = time.perf_counter()
         # Outside any region, so the step's temporaries are not backed up; the state its first step creates
-        # is moved into OPTIMIZER afterwards (tidal.memory.home; inside OPTIMIZER where torch cannot move it).
-        with self.optimizer_home.stepping():
-            self.optimizer.step()
-            if self.critic is not None:
-                objective.critic_step(self.critic)
+        # is moved into OPTIMIZER afterwards (tidal.memory.home).
+        self.optimizer.step()
+        if self.critic is not None:
+            objective.critic_step(self.critic)
         self.optimizer_home.adopt(self._optimizer_tensors())
         step_s = time.perf_counter() - t_opt
         self.schedule.advance()

@@ -10,9 +10,9 @@ optimizer state on the host. tidal gets the same result from outside Megatron:
    buffers it allocates there are paused without a backup under ``--offload-train``;
 3. with the distributed optimizer DDP also allocates parameter buffers (and re-points every
    parameter into them); ``tidal.memory.home.rehome`` gives those storages a new memory block
-   allocated inside the WEIGHTS region and frees the old one. The storage object stays, so every view
-   Megatron made of it (``param.data``, the buckets' views) follows; nothing in Megatron is replaced
-   or subclassed;
+   allocated inside the WEIGHTS region, re-points every tensor on them (the buffer, the buckets'
+   views, the parameters: ``param_buffer_holders``; each storage's use count checks that none was
+   missed) and frees the old one. Nothing in Megatron is replaced or subclassed;
 4. the optimizer steps outside any region and its state (created by the first step) is moved into
    OPTIMIZER afterwards (``tidal.memory.home.Adopter``), so the step's temporaries are not backed up.
    (The other way round, building DDP in WEIGHTS and moving the grads out, would leave the freed
@@ -33,10 +33,24 @@ def grad_buffers(ddp) -> list[torch.Tensor]:
     return [b.grad_data for b in bufs]
 
 
-def param_buffers(ddp) -> list[torch.Tensor]:
-    """DDP's flat parameter buffers (only with the distributed optimizer; else empty)."""
+def param_buffer_holders(ddp) -> list[torch.Tensor]:
+    """Every tensor on DDP's flat parameter buffers right after DDP is built (the buffers, the buckets' views,
+    the parameters re-pointed into them, views its bucket groups cached), for ``tidal.memory.home.rehome``,
+    which re-points them all onto the new block and refuses if the storages have users not listed here."""
     bufs = list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", []))
-    return [b.param_data for b in bufs if getattr(b, "param_data", None) is not None]
+    groups = list(getattr(ddp, "bucket_groups", [])) + list(getattr(ddp, "expert_parallel_bucket_groups", []))
+    out = []
+    for b in bufs:
+        if getattr(b, "param_data", None) is None:
+            continue
+        shared = getattr(b, "shared_buffer", None)
+        out += [b.param_data] + ([shared] if torch.is_tensor(shared) else [])
+        out += [k.param_data for k in getattr(b, "buckets", []) if getattr(k, "param_data", None) is not None]
+        out += list(b.params)
+    for g in groups:
+        for views in getattr(g, "cached_param_buffer_shard_list", []):
+            out += list(views or [])
+    return out
 
 
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:

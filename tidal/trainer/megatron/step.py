@@ -107,8 +107,7 @@ def optimizer_step(tr, mbs: list[MicroBatch], sums, objective, old_from_train_pa
     schedule_call(tr, tr.ddp, mbs, loss_fn, forward_only=False)
     lr = tr.schedule.apply(tr.optimizer)
     t0 = time.perf_counter()
-    with tr.optimizer_home.stepping():  # outside any region where torch can move the state afterwards
-        _, grad_norm, _ = tr.optimizer.step()
+    _, grad_norm, _ = tr.optimizer.step()  # outside any region: its temporaries are not backed up
     tr.optimizer_home.adopt(optimizer_tensors(tr.optimizer))  # state the first step created
     step_s = time.perf_counter() - t0
     tr.schedule.advance()

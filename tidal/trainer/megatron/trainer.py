@@ -44,7 +44,7 @@ from tidal.trainer.groups import place
 from tidal.trainer.megatron import mapping
 from tidal.trainer.megatron import model as mm
 from tidal.trainer.megatron.groups import MegatronGroups
-from tidal.trainer.megatron.memory import grad_buffers, optimizer_tensors, param_buffers
+from tidal.trainer.megatron.memory import grad_buffers, optimizer_tensors, param_buffer_holders
 from tidal.trainer.megatron.state import MegatronState
 from tidal.trainer.megatron.weights import Topology, iter_hf_weights, shard_shapes
 from tidal.trainer.microbatch import MicroBatch
@@ -124,7 +124,7 @@ class MegatronTrainer(Trainer):
         with self.memory.region(StateClass.GRADS):
             self.ddp = self._wrap_ddp(self.stage)
         self.grad_bytes = sum(g.untyped_storage().nbytes() for g in grad_buffers(self.ddp))
-        rehome(param_buffers(self.ddp), lambda: self.memory.region(StateClass.WEIGHTS))
+        self.weights_rehomed = rehome(param_buffer_holders(self.ddp), lambda: self.memory.region(StateClass.WEIGHTS))
         with self.memory.region(StateClass.OPTIMIZER):
             self._optimizer_and_schedule()
         self.optimizer_home = Adopter(lambda: self.memory.region(StateClass.OPTIMIZER))
