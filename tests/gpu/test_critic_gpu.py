@@ -7,9 +7,10 @@ Run on the GPU host: ``pytest -m gpu -s tests/gpu/test_critic_gpu.py``. Prints t
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
-from test_trainer_gpu import MODEL, _free_port, _samples
+from test_trainer_gpu import MODEL, _adopted, _free_port, _samples
 
 from tidal.config.schema import AlgorithmConfig, MemoryConfig, ModelConfig, TrainerConfig, WeightSyncConfig
 
@@ -53,6 +54,10 @@ def test_ppo_critic_and_tis_train_pause_and_resume_on_cuda(ray_cluster):
     for key in ("loss", "value_loss", "critic_grad_norm", "mismatch/k3", "mismatch/ratio_max"):
         assert math.isfinite(m[key]), key
     assert m["mismatch/k3"] > 0
+    # The policy's and the critic's AdamW moments were moved into OPTIMIZER after their first step.
+    ray.cloudpickle.register_pickle_by_value(sys.modules["test_trainer_gpu"])
+    n_state, n_adopted = ray.get(actor.__ray_call__.remote(_adopted))
+    assert n_state > 0 and n_adopted == n_state, (n_state, n_adopted)
     state = ray.get(actor.state_checksums.remote())
     p = ray.get(actor.pause.remote()).metrics
     freed = p["memory/trainer_pause/device_used_before"] - p["memory/trainer_pause/device_used_after"]

@@ -278,14 +278,29 @@ def _pools(self) -> list[str]:
     return [f"{names.get(k, k)}: reserved {t / GIB:.2f} GiB, allocated {u / GIB:.2f} GiB" for k, (t, u) in per.items()]
 
 
+def _adopted(self) -> tuple[int, int, int]:
+    """Optimizer state tensors, how many the trainer moved into its OPTIMIZER region after the first step, bytes."""
+    from tidal.trainer.megatron.memory import optimizer_tensors
+
+    state = self._optimizer_tensors() if hasattr(self, "_optimizer_tensors") else optimizer_tensors(self.optimizer)
+    held = [t for t in state if self.optimizer_home.holds(t)]
+    return len(state), len(held), sum(t.untyped_storage().nbytes() for t in held)
+
+
 def _pause_cycle(ray, backend: str) -> dict:
     actor, info = _start(ray, backend, offload=True, gpus=1)
     m = ray.get(actor.train.remote(_samples(0), 0))
     assert all(math.isfinite(m[k]) for k in ("loss", "pg_loss", "entropy", "grad_norm"))
+    n_state, n_adopted, adopted_bytes = ray.get(actor.__ray_call__.remote(_adopted))
+    print(
+        f"\n{backend}: optimizer state moved into its region after the first step: {n_adopted} of {n_state} tensors, "
+        f"{adopted_bytes / GIB:.2f} GiB"
+    )
+    assert n_state > 0 and n_adopted == n_state
     probe = _megatron_probe if backend == "megatron" else _fsdp_probe
     batch = _samples(7, n=8)
     lp0, _, g0 = ray.get(actor.__ray_call__.remote(probe, batch))
-    print(f"\n{backend} pools after a step:", "; ".join(ray.get(actor.__ray_call__.remote(_pools))))
+    print(f"{backend} pools after a step:", "; ".join(ray.get(actor.__ray_call__.remote(_pools))))
     state = ray.get(actor.state_checksums.remote())
     live = ray.get(actor.weight_checksums.remote("bfloat16"))
     p = ray.get(actor.pause.remote()).metrics
@@ -345,13 +360,14 @@ def test_megatron_pause_resume_with_unbacked_grad_buffers_next_to_fsdp(ray_clust
         assert f["device_before"] - f["device_after"] >= 0.9 * (f["backups"] + f["grads_bytes"]), f
     # Megatron's communicators go before the pause and come back after it (one rank each here).
     assert meg["groups_released"] > 0 and meg["groups_rebuilt"] == 1 and meg["groups_freed"] >= 0, meg
-    # Host memory while paused holds the backups only: the gradient buffers add nothing.
-    assert meg["rss_growth"] <= 1.1 * meg["backups"] + 256 * 1024**2, meg
     print(
         f"host RSS growth while paused: megatron {meg['rss_growth'] / GIB:.2f} GiB, fsdp {fsdp['rss_growth'] / GIB:.2f} GiB "
         f"(backups {meg['backups'] / GIB:.2f} GiB each; grad buffers not backed up: megatron "
         f"{meg['grads_bytes'] / GIB:.2f} GiB, fsdp {fsdp['grads_bytes'] / GIB:.2f} GiB)"
     )
+    # Host memory while paused holds the backups only: no gradient buffers, no optimizer-step temporaries.
+    for f in (meg, fsdp):
+        assert f["rss_growth"] <= 1.1 * f["backups"] + 256 * 1024**2, f
     a, b = meg["next_step"], fsdp["next_step"]  # the step after the resume (Megatron's through rebuilt groups)
     for k in ("loss", "entropy", "grad_norm"):
         print(f"step after resume {k}: megatron {a[k]:.6g} fsdp {b[k]:.6g}")
@@ -381,6 +397,13 @@ def test_megatron_checkpoint_loads_in_both_layouts_and_fsdp_and_exports(ray_clus
         if name == "plain":
             ray.get(actor.resume.remote())
     assert states["plain"] != states["distributed"]
+    moved = ray.get(dist_opt.__ray_call__.remote(lambda self: self.weights_rehomed))
+    n_state, n_adopted, _ = ray.get(dist_opt.__ray_call__.remote(_adopted))
+    print(
+        f"\ndistributed optimizer: parameter buffers moved into WEIGHTS {moved / 2**20:.1f} MiB; "
+        f"optimizer state adopted {n_adopted} of {n_state}"
+    )
+    assert moved > 0 and n_state > 0 and n_adopted == n_state
     for name, loader in (("plain", dist_opt), ("distributed", plain), ("plain", fsdp), ("distributed", fsdp)):
         ray.get(loader.load.remote(str(tmp_path / name)))
         loaded = ray.get(loader.state_checksums.remote())
@@ -389,7 +412,7 @@ def test_megatron_checkpoint_loads_in_both_layouts_and_fsdp_and_exports(ray_clus
     for actor in (plain, dist_opt, fsdp):
         ray.kill(actor)
     print(
-        f"\ncheckpoints of {len(states['plain'])} tensors (written while paused; with the distributed optimizer) "
+        f"checkpoints of {len(states['plain'])} tensors (written while paused; with the distributed optimizer) "
         "load bit for bit into the other layout and into fsdp"
     )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import random
 import socket
+import sys
 
 import pytest
 
@@ -63,6 +64,11 @@ def _samples(seed: int, n: int = 16) -> list[Sample]:
     return out
 
 
+def _adopted(self) -> tuple[int, int]:
+    state = self._optimizer_tensors()
+    return len(state), sum(map(self.optimizer_home.holds, state))
+
+
 def test_gpu_train_pause_resume_bitwise_and_nccl_rebuilt(ray_cluster, tmp_path):
     ray = ray_cluster
     actor, info = _start(ray)
@@ -73,14 +79,21 @@ def test_gpu_train_pause_resume_bitwise_and_nccl_rebuilt(ray_cluster, tmp_path):
         f"\ntrain: {m['tokens']} tokens in {m['train_s']:.2f} s = {m['tokens_per_s']:.0f} tokens/s, grad_norm {m['grad_norm']:.3g}"
     )
 
+    # AdamW's moments, created by the first step outside any region, were moved into OPTIMIZER (by identity).
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    n_state, n_adopted = ray.get(actor.__ray_call__.remote(_adopted))
+    assert n_state > 0 and n_adopted == n_state, (n_state, n_adopted)
+
     state = ray.get(actor.state_checksums.remote())
     live_bf16 = ray.get(actor.weight_checksums.remote("bfloat16"))
     p = ray.get(actor.pause.remote()).metrics
     kept = p["memory/trainer_pause/weights/backup_bytes"] + p["memory/trainer_pause/optimizer/backup_bytes"]
     freed = p["memory/trainer_pause/device_used_before"] - p["memory/trainer_pause/device_used_after"]
+    rss = p["memory/trainer_pause/host_rss_after"] - p["memory/trainer_pause/host_rss_before"]
     print(
         f"pause: {p['memory/trainer_pause/total_s']:.2f} s, backed up {kept / 2**30:.2f} GiB, device used "
-        f"{p['memory/trainer_pause/device_used_before'] / 2**30:.2f} -> {p['memory/trainer_pause/device_used_after'] / 2**30:.2f} GiB"
+        f"{p['memory/trainer_pause/device_used_before'] / 2**30:.2f} -> {p['memory/trainer_pause/device_used_after'] / 2**30:.2f} GiB, "
+        f"host RSS +{rss / 2**30:.2f} GiB; optimizer state adopted {n_adopted} of {n_state}"
     )
     assert p["memory/trainer_pause/groups_released"] == 1
     assert freed >= 0.9 * kept, (freed, kept)
