@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
 
@@ -162,6 +164,121 @@ def test_bench_clients_and_request_timings(server):
     parts = split(t0, list(mine.values()), out["done"])
     assert tuple(parts) == PHASES and min(parts.values()) >= 0
     assert abs(sum(parts.values()) - (max(out["done"]) - t0)) < 1e-9
+
+
+# A 1-row decode that runs its 220 tokens without an EOS from these weights (the fixture's, before any test
+# of this module changes them) and this seed: long enough (0.7 s and more on CPU) to be cut while it runs.
+LONG = {"max_new_tokens": 220, "temperature": 1.0, "sampling_seed": 3}
+
+
+def _internal(server) -> dict:
+    return server.get("/server_info").json()["internal_states"][0]
+
+
+def _until(server, pred, what: str) -> dict:
+    for _ in range(1500):
+        state = _internal(server)
+        if pred(state):
+            return state
+        time.sleep(0.02)
+    raise AssertionError(f"the server never had {what}: {state}")
+
+
+def _long(pool, server, prompt):
+    return pool.submit(
+        server.post, "/generate", json={"input_ids": prompt, "sampling_params": LONG, "return_logprob": True}
+    )
+
+
+def _whole(out: dict) -> dict:
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] != "abort", meta
+    assert meta["completion_tokens"] == len(out["output_ids"]) == len(meta["output_token_logprobs"]) > 0
+    return meta
+
+
+def _policy_logprobs(prompt: list[int], out: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(served log-probs, the fixture weights' log-probs of the same tokens from one forward pass here)."""
+    from tidal.config.schema import TrainerConfig
+    from tidal.model import build_model, resolve_model
+
+    model = build_model(resolve_model("tiny", None, False), seed=TrainerConfig.seed)  # the server's weights
+    ids = torch.tensor([prompt + out["output_ids"]])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+    want = logp[len(prompt) - 1 :].gather(1, ids[0, len(prompt) :, None]).squeeze(1)
+    return torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]), want
+
+
+def test_pause_modes_and_rows_joining_a_running_step(server):
+    """SGLang's pause modes against a running engine step, and rows arriving during a step joining it."""
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            _retract(pool, server)
+            _admission(pool, server)
+            _abort(pool, server)
+        finally:
+            server.post("/continue_generation")  # a failed check leaves nothing held for the tests after it
+
+
+def _retract(pool, server) -> None:
+    """The running step is cut at its next host sync and the pause answers once it returned; the request
+    stays open, one sent while paused waits, a weight-version update still runs; after continue both finish
+    in one step, the cut row continued from its tokens (served log-probs = the policy's over the whole)."""
+    first = _long(pool, server, [1, 5, 6])
+    _until(server, lambda s: s["running_rows"] == 1, "a running step")
+    time.sleep(0.1)  # past the prefill: the row has tokens when it is cut
+    paused = server.post("/pause_generation", json={"mode": "retract"})
+    assert paused.status_code == 200 and paused.json()["num_aborted_requests"] == 0
+    state = _internal(server)
+    assert state["paused"] and state["running_rows"] == 0 and state["queued"] == 1
+    cut = state["recent_steps"][-1]
+    assert (cut["rows"], cut["cut_rows"], cut["cut_for"]) == (1, 1, "pause") and 0 < cut["new_tokens"] < 220
+    second = _long(pool, server, [1, 7, 8, 9])
+    _until(server, lambda s: s["queued"] == 2, "the second request queued")
+    assert server.post("/update_weight_version", json={"new_version": "7"}).status_code == 200
+    assert not first.done() and not second.done()
+    server.post("/continue_generation")
+    out = first.result(timeout=120).json()
+    a, b = _whole(out), _whole(second.result(timeout=120).json())
+    assert a["engine_step"] == b["engine_step"] == cut["step"] + 1 and a["engine_step_requests"] == 2
+    assert a["weight_version"] == b["weight_version"] == "7"
+    # The continuing step added only what the row lacked: it kept the tokens it had when it was cut.
+    after = {s["step"]: s for s in _internal(server)["recent_steps"]}[a["engine_step"]]
+    assert after["new_tokens"] == a["completion_tokens"] - cut["new_tokens"] + b["completion_tokens"]
+    got, want = _policy_logprobs([1, 5, 6], out)
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+def _admission(pool, server) -> None:
+    """A request arriving while a step runs joins it: the step is cut once it ran 0.2 s (``cut_for:
+    admission``) and both are served by the next step."""
+    third = _long(pool, server, [1, 5, 6])
+    _until(server, lambda s: s["running_rows"] == 1, "a running step")
+    fourth = _long(pool, server, [1, 9])
+    c, d = _whole(third.result(timeout=120).json()), _whole(fourth.result(timeout=120).json())
+    assert c["engine_step"] == d["engine_step"] and d["engine_step_requests"] == 2
+    steps = {s["step"]: s for s in _internal(server)["recent_steps"]}
+    joined = steps[c["engine_step"] - 1]
+    assert (joined["rows"], joined["cut_rows"], joined["cut_for"]) == (1, 1, "admission")
+
+
+def _abort(pool, server) -> None:
+    """The running request is answered at once with the tokens it had and an ``abort`` finish reason; a request
+    sent while paused waits for continue."""
+    fifth = _long(pool, server, [1, 5, 6])
+    _until(server, lambda s: s["running_rows"] == 1, "a running step")
+    time.sleep(0.15)  # past the prefill: the row has tokens when it is cut
+    assert server.post("/pause_generation", json={"mode": "abort"}).json()["num_aborted_requests"] == 1
+    e = fifth.result(timeout=10).json()
+    meta = e["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and 0 < meta["completion_tokens"] < 220
+    assert len(e["output_ids"]) == len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    body = {"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 2}}
+    later = pool.submit(server.post, "/generate", json=body)
+    _until(server, lambda s: s["queued"] == 1, "a request held by the pause")
+    server.post("/continue_generation")
+    assert later.result(timeout=60).json()["meta_info"]["finish_reason"]["type"] != "abort"
 
 
 def test_update_weights_from_tensor_direct_and_flattened(server):

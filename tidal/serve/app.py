@@ -278,7 +278,13 @@ def _generate_routes(app: FastAPI, state: ServerState) -> None:
             "weight_version": state.weight_version,
             "version": "tidal",
             "internal_states": [
-                {"engine_steps": w.steps, "queued": w.queued(), "paused": w.paused, "recent_steps": recent}
+                {
+                    "engine_steps": w.steps,
+                    "queued": w.queued(),
+                    "running_rows": w.running_rows(),
+                    "paused": w.paused,
+                    "recent_steps": recent,
+                }
             ],
         }
 
@@ -327,7 +333,7 @@ def _memory_routes(app: FastAPI, state: ServerState) -> None:
         mode = req.mode if req is not None else "abort"
         if mode not in ("abort", "retract", "in_place"):
             raise UserError(f"mode {mode!r}: use abort, retract or in_place")
-        aborted = state.worker.pause(mode)
+        aborted = await state.worker.pause(mode)  # once no engine step runs, as SGLang answers
         return {"message": "Generation paused successfully.", "status": "ok", "num_aborted_requests": aborted}
 
     @app.post("/continue_generation")

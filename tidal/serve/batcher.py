@@ -6,18 +6,26 @@ arrival order. A generate job that reaches the head of the queue takes every oth
 queued behind it (up to the first non-generate job, which is a barrier: a weight update never
 overtakes a request sent before it, and no request sent after it runs on the old weights) and up to
 ``max_rows`` rows; the jobs are grouped by sampling parameters (the engine takes one set per call)
-and each group runs as one engine step. Requests that arrive while a step runs wait in the queue
-and form the next step together: continuous batching across HTTP requests, at the granularity of
-whole engine steps (the engine does not admit rows into a running decode). So that a burst of
-requests (a rollout sent as one request per sample) is not cut into a one-row step and the rest, a
-step starts only once the engine's batch of rows (``--rollout-max-batch``) is queued or no request
-arrived for ``--serve-batch-wait-ms``; a batch the client sent as one request (a list of prompts)
-starts at once.
+and each group runs as one engine step. So that a burst of requests (a rollout sent as one request
+per sample) is not cut into a one-row step and the rest, a step starts only once the engine's batch
+of rows (``--rollout-max-batch``) is queued or no request arrived for ``--serve-batch-wait-ms``; a
+batch the client sent as one request (a list of prompts) starts at once.
 
-Pause (SGLang's ``/pause_generation``): while paused, generate jobs stay queued and other jobs
-(weight updates, memory) still run; ``abort`` mode finishes the queued generates at once with an
-``abort`` finish reason, ``in_place``/``retract`` keep them for ``/continue_generation``. A step
-already running always finishes (an engine step cannot be interrupted).
+Rows that arrive while a step runs join it (continuous batching across HTTP requests): when they
+have the step's sampling parameters, fit the engine's batch beside the step's rows and the step has
+run for ``admit_after_s``, the worker cuts the step at the decoder's next host sync (the engine's
+``pause_generation``, every few decode steps); requests whose rows all finished are answered then,
+and the unfinished rows go back to the head of the queue with the tokens they have, to continue in
+the next step beside the new rows (their prompt and partial response prefilled again, as SGLang's
+``retract`` recomputes a retracted request). Each row keeps its own token budget and log-probs.
+
+Pause (SGLang's ``/pause_generation``, whose reply waits until no engine step runs): a running step
+is cut at its next host sync in every mode. ``abort`` answers every request of the running step and
+of the queue at once, with an ``abort`` finish reason and the tokens each row had (none for queued
+ones). ``retract`` and ``in_place`` keep them: the running step's unfinished rows go back to the
+queue with their tokens, and continue after ``/continue_generation`` (here ``in_place`` recomputes
+the rows' KV cache too: the engine keeps no decode state between calls). Requests that arrive while
+paused wait for ``/continue_generation``; other jobs (weight updates, memory) still run meanwhile.
 """
 
 from __future__ import annotations
@@ -54,6 +62,9 @@ class StepInfo:
     loop_cpu_seconds: float | None = None
     gc_seconds: float = 0.0  # in the garbage collector meanwhile (any thread)
     gc_passes: tuple[int, int, int] = (0, 0, 0)  # its collections of generations 0, 1, 2
+    new_tokens: int = 0  # tokens the step added to its rows
+    cut_rows: int = 0  # rows the step left unfinished (cut for ``cut_for``): continued later, or aborted
+    cut_for: str = ""  # "admission" (rows joined) or "pause" (/pause_generation); "" when it ran to its end
     # The fast decoder's figures for the step's last chunk (``decode_figures``): prefill and decode-loop seconds,
     # decode steps, CUDA graph captures; the rest of ``seconds`` is the engine's work around the decoder.
     decoder: dict = dataclasses.field(default_factory=dict)
@@ -62,8 +73,8 @@ class StepInfo:
 @dataclasses.dataclass
 class GenerateResult:
     samples: list[Sample]
-    step: StepInfo | None  # None: aborted before it ran
-    aborted: bool = False
+    step: StepInfo | None  # the step that ended the request's rows; None: aborted before any ran
+    aborted: bool = False  # answered by an abort pause, rows cut short (status ``aborted``) or never started
 
 
 @dataclasses.dataclass
@@ -95,13 +106,31 @@ def _key(s: SamplingParams) -> tuple:
 
 class EngineWorker:
     """``max_rows``: rows one step may take; ``fill_rows`` / ``wait_s``: a step starts once ``fill_rows``
-    rows are queued or no request arrived for ``wait_s`` (a burst of requests becomes one step)."""
+    rows are queued or no request arrived for ``wait_s`` (a burst of requests becomes one step);
+    ``admit_after_s``: rows arriving while a step runs join it once it ran this long (bounds how often a
+    step's rows are prefilled again), if the step and they fit ``fill_rows``."""
 
-    def __init__(self, engine, *, max_rows: int = 4096, fill_rows: int = 512, wait_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        engine,
+        *,
+        max_rows: int = 4096,
+        fill_rows: int = 512,
+        wait_s: float = 0.05,
+        admit_after_s: float = 0.2,
+    ) -> None:
         self.engine = engine
         self.max_rows = max_rows
         self.fill_rows = min(fill_rows, max_rows)
         self.wait_s = wait_s
+        self.admit_after_s = admit_after_s
+        self._pause_mode: str | None = None  # of /pause_generation, until /continue_generation
+        self._running: list[_Job] = []  # jobs of the engine step running now
+        self._running_since = 0.0
+        self._cut_for = ""  # why the running step was asked to stop early ("" = it was not)
+        self._admit_timer = None  # a later admission check, scheduled on the event loop
+        # Pause calls waiting for the running step to return, with the requests they aborted meanwhile.
+        self._drained: list[tuple[asyncio.Future, int]] = []
         self._last_arrival = 0.0
         self._arrivals = 0  # jobs submitted so far
         self._rows = 0  # rows of the generate jobs queued
@@ -109,7 +138,6 @@ class EngineWorker:
         self._loop_thread: int | None = None  # its thread's ident
         self._jobs: deque[_Job] = deque()
         self._cv = threading.Condition()
-        self._paused = False
         self._closed = False
         self.steps = 0
         self.busy = False
@@ -154,35 +182,86 @@ class EngineWorker:
             # a burst need not (it would take the GIL from the event loop that is parsing the rest).
             if len(self._jobs) == 1 or not job.is_generate or job.eager or self._rows >= self.fill_rows:
                 self._cv.notify()
+            if job.is_generate and self._running:
+                self._maybe_admit()
         return job.future
 
-    def pause(self, mode: str) -> int:
-        """Hold queued generates (``abort``: finish them now as aborted); returns how many were aborted."""
+    def _maybe_admit(self) -> None:
+        """With the lock held, on the event loop: cut the running step so that the queued rows join it, when
+        they share its sampling parameters, fit beside it and it ran ``admit_after_s``; else check again then."""
+        if not self._running or self._cut_for or self._pause_mode is not None:
+            return
+        key, rows = self._running[0].key, sum(len(j.prompts) for j in self._running)
+        waiting = 0
+        for job in self._jobs:
+            if not job.is_generate:
+                break  # rows behind a barrier never join a step that began before it
+            waiting += len(job.prompts) if job.key == key else 0
+        if waiting == 0 or rows + waiting > self.fill_rows:
+            return
+        left = self._running_since + self.admit_after_s - time.monotonic()
+        if left > 0:
+            if self._admit_timer is None and self._event_loop is not None:
+                self._admit_timer = self._event_loop.call_later(left, self._admit_later)
+            return
+        self._cut("admission")
+
+    def _admit_later(self) -> None:
         with self._cv:
-            self._paused = True
+            self._admit_timer = None
+            self._maybe_admit()
+
+    def _cut(self, why: str) -> None:
+        """Ask the engine to end the running step at its next host sync (rows cut short come back ``aborted``)."""
+        self._cut_for = why
+        stop = getattr(self.engine, "pause_generation", None)
+        if stop is not None:
+            stop()
+
+    def pause(self, mode: str) -> asyncio.Future:
+        """Pause generation (SGLang's modes, see the module docstring); the future (of the calling event
+        loop) gets the number of requests answered as aborted once no engine step runs."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        with self._cv:
+            self._pause_mode = mode
             aborted = 0
             if mode == "abort":
                 keep: deque[_Job] = deque()
-                done = []
+                settled = []
                 for job in self._jobs:
                     if job.is_generate:
-                        done.append((job, GenerateResult([], None, aborted=True), None))
+                        for s in job.samples:
+                            s.status = "aborted" if s.status == "pending" else s.status
+                        settled.append((job, GenerateResult(job.samples, None, aborted=True), None))
                         self._rows -= len(job.prompts)
                     else:
                         keep.append(job)
                 self._jobs = keep
-                _settle_soon(done)
-                aborted = len(done)
-            return aborted
+                _settle_soon(settled)
+                aborted = len(settled)
+            if self._running:
+                self._cut("pause")
+                self._drained.append((done, aborted))
+            else:
+                done.set_result(aborted)
+        return done
 
     def resume(self) -> None:
         with self._cv:
-            self._paused = False
+            self._pause_mode = None
+            go = getattr(self.engine, "continue_generation", None)
+            if go is not None and not self._running:
+                go()
             self._cv.notify()
 
     @property
     def paused(self) -> bool:
-        return self._paused
+        return self._pause_mode is not None
+
+    def running_rows(self) -> int:
+        with self._cv:
+            return sum(len(j.prompts) for j in self._running)
 
     def queued(self) -> int:
         with self._cv:
@@ -216,7 +295,7 @@ class EngineWorker:
                     return None
                 if self._jobs and not self._jobs[0].is_generate:
                     return [self._jobs.popleft()]
-                if self._jobs and not self._paused:
+                if self._jobs and self._pause_mode is None:
                     if self._queued_rows() < self.fill_rows and not self._all_eager():
                         quiet = time.monotonic() - self._last_arrival
                         if quiet < self.wait_s:
@@ -233,7 +312,7 @@ class EngineWorker:
                         rows += n
                     self._rows -= rows
                     return batch
-                if self._paused and any(not j.is_generate for j in self._jobs):
+                if self._pause_mode is not None and any(not j.is_generate for j in self._jobs):
                     # A paused queue still runs weight updates and memory calls, in their order.
                     for i, job in enumerate(self._jobs):
                         if not job.is_generate:
@@ -281,38 +360,100 @@ class EngineWorker:
         groups: dict[tuple, list[_Job]] = {}
         for job in jobs:
             groups.setdefault(job.key, []).append(job)
-        for group in groups.values():
-            samples = [s for job in group for s in job.samples]
-            for i, s in enumerate(samples):
-                s.index = s.group = i
-            self.steps += 1
-            info = StepInfo(step=self.steps, requests=len(group), rows=len(samples))
-            info.started = time.monotonic()
-            clocks, gc0, passes = _cpu_clocks(self._loop_thread), GcClock.seconds, list(GcClock.passes)
-            gc.disable()  # a collection stops every thread, the decode loop's too: none during the step
-            try:
-                out = self.engine.generate(samples, group[0].sampling)
-            except BaseException as e:  # noqa: BLE001 - every request of the step gets the error
-                _settle_soon([(job, None, e) for job in group])
+        order = list(groups.values())
+        for i, group in enumerate(order):
+            with self._cv:
+                if self._pause_mode is not None:  # paused between two groups: the rest is held (or aborted) too
+                    self._end_step([j for g in order[i:] for j in g], None, None)
+                    return
+                self._running, self._running_since, self._cut_for = group, time.monotonic(), ""
+                if self._jobs:
+                    self._maybe_admit_soon()
+            info, error = self._run_group(group)
+            with self._cv:
+                self._end_step(group, info, error)
+
+    def _maybe_admit_soon(self) -> None:
+        loop = self._event_loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._admit_later)  # rows queued before the step began may join it
+
+    def _run_group(self, group: list[_Job]) -> tuple[StepInfo, BaseException | None]:
+        """One engine call over the rows of ``group`` (one set of sampling parameters); each job's samples are
+        replaced by what the engine returned for them."""
+        samples = [s for job in group for s in job.samples]
+        for i, s in enumerate(samples):
+            s.index = s.group = i
+        self.steps += 1
+        info = StepInfo(step=self.steps, requests=len(group), rows=len(samples))
+        before = sum(len(s.response_ids) for s in samples)
+        info.started = time.monotonic()
+        clocks, gc0, passes = _cpu_clocks(self._loop_thread), GcClock.seconds, list(GcClock.passes)
+        gc.disable()  # a collection stops every thread, the decode loop's too: none during the step
+        try:
+            out = self.engine.generate(samples, group[0].sampling)
+        except BaseException as e:  # noqa: BLE001 - every request of the step gets the error
+            return info, e
+        finally:
+            gc.enable()  # what the step and the event loop allocated meanwhile is collected from here on
+        info.ended = time.monotonic()
+        info.decoder = decode_figures(self.engine)
+        info.seconds = info.ended - info.started
+        info.engine_cpu_seconds, info.loop_cpu_seconds = _cpu_spent(self._loop_thread, clocks)
+        info.gc_seconds = GcClock.seconds - gc0
+        info.gc_passes = tuple(b - a for a, b in zip(passes, GcClock.passes))
+        info.new_tokens = sum(len(s.response_ids) for s in out) - before
+        lo = 0
+        for job in group:
+            job.samples, lo = out[lo : lo + len(job.prompts)], lo + len(job.prompts)
+        return info, None
+
+    def _end_step(self, group: list[_Job], info: StepInfo | None, error: BaseException | None) -> None:
+        """With the lock held: answer the jobs of the step that ended (or of groups a pause held back before
+        they ran: ``info`` None); jobs with rows cut short go back to the head of the queue, or are answered
+        as aborted under an abort pause."""
+        why, self._cut_for, self._running, self._admit_timer = self._cut_for, "", [], None
+        if self._pause_mode is None:
+            go = getattr(self.engine, "continue_generation", None)
+            if go is not None:
+                go()  # the cut was for admission: the next step runs
+        settled, again, aborted = [], [], 0
+        for job in group:
+            if error is not None:
+                settled.append((job, None, error))
                 continue
-            finally:
-                gc.enable()  # what the step and the event loop allocated meanwhile is collected from here on
-            info.ended = time.monotonic()
-            info.decoder = decode_figures(self.engine)
-            info.seconds = info.ended - info.started
-            info.engine_cpu_seconds, info.loop_cpu_seconds = _cpu_spent(self._loop_thread, clocks)
-            info.gc_seconds = GcClock.seconds - gc0
-            info.gc_passes = tuple(b - a for a, b in zip(passes, GcClock.passes))
+            cut = [s for s in job.samples if s.status in ("pending", "aborted")]
+            if cut and self._pause_mode == "abort":
+                for s in cut:
+                    s.status = "aborted"
+                settled.append((job, GenerateResult(job.samples, info, aborted=True), None))
+                aborted += 1
+            elif cut and (why or info is None):
+                again.append(job)
+            else:
+                settled.append((job, GenerateResult(job.samples, info), None))
+        if info is not None:
+            info.cut_rows = sum(1 for job in group for s in job.samples if s.status in ("pending", "aborted"))
+            info.cut_for = why if info.cut_rows else ""
             self.recent.append(info)
             log.debug("engine step %d: %d requests, %d rows, %.3f s", info.step, info.requests, info.rows, info.seconds)
-            settled, lo = [], 0
-            for job in group:
-                settled.append((job, GenerateResult(out[lo : lo + len(job.prompts)], info), None))
-                lo += len(job.prompts)
-            _settle_soon(settled)
+        self._jobs.extendleft(reversed(again))
+        self._rows += sum(len(job.prompts) for job in again)
+        drained, self._drained = self._drained, []
+        for future, count in drained:
+            settled.append((_Waiter(future), count + aborted, None))
+        _settle_soon(settled)
+        self._cv.notify()
 
 
-def _settle(items: list[tuple[_Job, Any, BaseException | None]]) -> None:
+@dataclasses.dataclass
+class _Waiter:
+    """A pause call waiting for the running step to end, settled like a job."""
+
+    future: asyncio.Future
+
+
+def _settle(items: list[tuple[_Job | _Waiter, Any, BaseException | None]]) -> None:
     """On the event loop: each job's future gets its result or error (a request that went away is skipped)."""
     for job, result, error in items:
         if job.future.done():
@@ -323,7 +464,7 @@ def _settle(items: list[tuple[_Job, Any, BaseException | None]]) -> None:
             job.future.set_exception(error)
 
 
-def _settle_soon(items: list[tuple[_Job, Any, BaseException | None]]) -> None:
+def _settle_soon(items: list[tuple[_Job | _Waiter, Any, BaseException | None]]) -> None:
     """Hand every result of a step to the event loop in one call: one wake-up of the loop, and its handlers
     all resume in the same turn, instead of one thread-safe call (a wake-up and a callback chain) per request."""
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}

@@ -87,7 +87,12 @@ def to_sampling(sp: SamplingParamsIn, vocab: int) -> SamplingParams:
     )
 
 
+ABORTED = {"type": "abort", "message": "generation was paused with mode abort"}
+
+
 def finish_reason(s: Sample, sampling: SamplingParams, end_ids: list[int]) -> dict:
+    if s.status in ("aborted", "pending"):  # cut short (or never started) by an abort pause
+        return dict(ABORTED)
     if s.status == "truncated":
         return {"type": "length", "length": sampling.max_new_tokens}
     if s.response_ids and s.response_ids[-1] in set(end_ids) | set(sampling.stop_token_ids):
@@ -170,19 +175,6 @@ class GenerateHandler:
 
     def _one(self, res: GenerateResult, j, rid, prompt, sp: SamplingParamsIn, sampling, want_lp, req, latency) -> dict:
         version = self.server.weight_version
-        if res.aborted:
-            meta = {
-                "id": rid,
-                "finish_reason": {"type": "abort", "message": "generation was paused with mode abort"},
-                "prompt_tokens": len(prompt),
-                "completion_tokens": 0,
-                "cached_tokens": 0,
-                "weight_version": version,
-                "e2e_latency": latency,
-            }
-            if want_lp:
-                meta["output_token_logprobs"] = []
-            return {"text": "", "output_ids": [], "meta_info": meta}
         s = res.samples[j]
         tok = self.server.engine.tokenizer
         text = s.response_text
@@ -198,8 +190,8 @@ class GenerateHandler:
             "cached_tokens": 0,
             "weight_version": version,
             "e2e_latency": latency,
-            "engine_step": res.step.step,
-            "engine_step_requests": res.step.requests,
+            "engine_step": res.step.step if res.step is not None else -1,  # -1: aborted before it ran
+            "engine_step_requests": res.step.requests if res.step is not None else 0,
         }
         if want_lp:
             texts = [tok.decode([t]) for t in s.response_ids] if req.return_text_in_logprobs else itertools.repeat(None)
