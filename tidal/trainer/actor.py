@@ -45,7 +45,7 @@ import torch
 
 from tidal.config.schema import init_on_device_default
 from tidal.dtypes import as_dtype, default_dtype_name
-from tidal.memory.base import MemoryResult, StateClass
+from tidal.memory.base import StateClass
 from tidal.memory.home import Adopter
 from tidal.rollout.types import Sample
 from tidal.trainer.base import Trainer
@@ -58,8 +58,6 @@ from tidal.trainer.schedule import LRSchedule
 from tidal.trainer.sharding import build_sharded, mixed_precision, shard
 from tidal.trainer.step import RolloutClock, RolloutSums, check_samples, rollout_metrics, token_stats
 from tidal.trainer.weights import iter_full_tensors, local_shard
-
-_CLASSES = (StateClass.WEIGHTS, StateClass.OPTIMIZER, StateClass.GRADS)
 
 
 class TrainerActor(Trainer):
@@ -155,13 +153,7 @@ class TrainerActor(Trainer):
             eps=self.cfg.adam_eps,
             weight_decay=self.cfg.weight_decay,
         )
-        self.schedule = LRSchedule(
-            lr=self.cfg.lr,
-            min_lr=self.cfg.min_lr,
-            warmup_steps=self.cfg.lr_warmup_steps,
-            decay_style=self.cfg.lr_decay_style,
-            total_steps=self.total_steps,
-        )
+        self.schedule = LRSchedule.of(self.cfg, self.total_steps)
 
     def _init_device(self) -> torch.device:
         """Where presets draw their initial weights: this rank's device with ``--init-on-device``, else the host."""
@@ -336,45 +328,13 @@ class TrainerActor(Trainer):
         if self.device_type == "cuda":
             torch.cuda.empty_cache()
 
-    def pause(self) -> MemoryResult:
-        """Release device memory of weights, optimizer state and grads (no-op unless offload_train)."""
-        self.residency.pause()
-        if not self.offload:
-            return MemoryResult({"memory/trainer_pause/effective": 0})
-        t0 = time.perf_counter()
-        self._free_transients()
-        t1 = time.perf_counter()
-        released = self.groups.release()
-        report = self.memory.pause(list(_CLASSES))
-        out = report.metrics("memory/trainer_pause")
-        out["memory/trainer_pause/free_transients_s"] = t1 - t0
-        out["memory/trainer_pause/effective"] = 1
-        out["memory/trainer_pause/groups_released"] = int(released)
-        out["memory/trainer_pause/total_s"] = time.perf_counter() - t0
-        return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
+    def _release_groups(self) -> dict[str, float]:
+        return {"groups_released": int(self.groups.release())}
 
-    def resume(self) -> MemoryResult:
-        """Bring weights and optimizer state back bit for bit; grads come back as None (zeroed every step)."""
-        self.residency.resume()
-        if not self.offload:
-            return MemoryResult({"memory/trainer_resume/effective": 0})
-        t0 = time.perf_counter()
-        report = self.memory.resume(list(_CLASSES))
-        rebuilt = self.groups.rebuild(fsdp_modules(self._models))
-        out = report.metrics("memory/trainer_resume")
-        out["memory/trainer_resume/effective"] = 1
-        out["memory/trainer_resume/groups_rebuilt"] = int(rebuilt)
-        out["memory/trainer_resume/total_s"] = time.perf_counter() - t0
-        return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
+    def _rebuild_groups(self) -> dict[str, float]:
+        return {"groups_rebuilt": int(self.groups.rebuild(fsdp_modules(self._models)))}
 
     # ---- weight source and state surface -------------------------------------------------------------
-    @property
-    def weights_from_backup(self) -> bool:
-        return self.offload and self.residency.paused
-
-    def require_active(self, what: str) -> None:
-        self.residency.require_active(what)
-
     def iter_weights(
         self, dtype: str | torch.dtype | None = None, *, on_device: bool = False
     ) -> Iterator[tuple[str, torch.Tensor | None]]:
@@ -418,12 +378,6 @@ class TrainerActor(Trainer):
         state = self.checkpoint_state()
         state.critic = None
         return export_hf(state, dir)
-
-    def memory_stats(self) -> dict[str, int]:
-        """Host RSS, device peak since the last call, and device memory in use (for the step line)."""
-        from tidal.memory.telemetry import process_memory_stats
-
-        return process_memory_stats(self.device_type)
 
     def shutdown(self) -> None:
         """Close the weight-sync strategy and the process groups (call on all ranks)."""

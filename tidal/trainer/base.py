@@ -11,7 +11,8 @@ each method on all ranks at once; rank 0 returns the reduced result, the other r
 a result only makes sense once. ``--train-backend`` picks the class from ``BACKENDS``.
 
 A backend implements the abstract methods below: its own process groups, model layout, optimizer
-and memory; a weight source (``iter_weights``: full tensors by Hugging Face names, whatever the
+and memory (``pause``/``resume`` are written here once, around the backend's hooks that free its
+transients and release/rebuild its process groups); a weight source (``iter_weights``: full tensors by Hugging Face names, whatever the
 layout); and a state surface for checkpoints and export (``checkpoint_state``, which speaks
 ``tidal.checkpoint.store.TrainState`` and ``tidal.checkpoint.export.ExportSource``). What is the
 same for every backend is written here once: connecting to the engines and pushing a weight
@@ -38,9 +39,13 @@ from tidal.checkpoint.store import TrainState, load_checkpoint, save_checkpoint
 from tidal.config.schema import AlgorithmConfig, MemoryConfig, ModelConfig, TrainerConfig, WeightSyncConfig
 from tidal.dtypes import as_dtype, default_dtype
 from tidal.errors import ConfigError, ResidencyError
-from tidal.memory.base import MemoryResult
+from tidal.memory.base import MemoryBackend, MemoryResult, StateClass
 from tidal.memory.residency import TrainerResidency
 from tidal.weight_sync.base import SyncReport
+
+# What a trainer's memory backend pauses and resumes; each backend registers its tensors of each class.
+STATE_CLASSES = (StateClass.WEIGHTS, StateClass.OPTIMIZER, StateClass.GRADS)
+_PAUSE, _RESUME = "memory/trainer_pause", "memory/trainer_resume"
 
 # --train-backend value -> "module:class"; imported only when chosen.
 BACKENDS = {"fsdp": "tidal.trainer.actor:TrainerActor", "megatron": "tidal.trainer.megatron.trainer:MegatronTrainer"}
@@ -66,6 +71,7 @@ class Trainer(ABC):
     engine_dtype: torch.dtype | None
     sync_cfg: WeightSyncConfig
     connected: bool  # connect_engines() has run
+    memory: MemoryBackend  # set by init; holds the WEIGHTS, OPTIMIZER and GRADS tensors
     # The local model folder the weights were loaded from (None for a preset), set by init.
     model_path: str | None = None
 
@@ -115,16 +121,18 @@ class Trainer(ABC):
         """All optimizer steps of one rollout's samples; rank 0 returns the metrics reduced over ranks."""
 
     @abstractmethod
-    def pause(self) -> MemoryResult:
-        """Release the device memory of weights, optimizer state and grads; memory metrics and figures."""
+    def _free_transients(self) -> None:
+        """Before a pause: drop what is not state (grads set to None, unsharded compute copies, cached blocks)."""
 
     @abstractmethod
-    def resume(self) -> MemoryResult:
-        """Bring back what ``pause`` released, bit for bit; memory metrics and figures."""
+    def _release_groups(self) -> dict[str, float]:
+        """Before a pause: destroy the process groups whose communicators hold device memory; their metrics
+        (``groups_released``, ...; the ``memory/trainer_pause/`` prefix is added)."""
 
     @abstractmethod
-    def memory_stats(self) -> dict[str, int]:
-        """Host RSS, device peak since the last call, device memory in use."""
+    def _rebuild_groups(self) -> dict[str, float]:
+        """After a resume: the groups ``_release_groups`` destroyed, built again and re-pointed; their metrics
+        (``groups_rebuilt``, ...; under ``memory/trainer_resume/``)."""
 
     # ---- backend: the weight source and the state surface -------------------------------------------
     @abstractmethod
@@ -134,18 +142,9 @@ class Trainer(ABC):
         """``(HF name, full tensor in dtype)`` on rank 0, ``(name, None)`` elsewhere; all ranks iterate together.
         Tensors are on the host unless ``on_device`` (the strategy packs on the device). Works while paused."""
 
-    @property
-    @abstractmethod
-    def weights_from_backup(self) -> bool:
-        """Whether the weight source reads host backups now (paused with offload)."""
-
     @abstractmethod
     def checkpoint_state(self) -> TrainState | ExportSource:
         """The state surface checkpoints and export read and fill (one object speaking both protocols)."""
-
-    @abstractmethod
-    def require_active(self, what: str) -> None:
-        """Raise ``ResidencyError`` unless the trainer is ACTIVE (``what`` names the operation)."""
 
     def shutdown(self) -> None:
         """Close the weight-sync strategy (a backend then closes its process groups); call on all ranks."""
@@ -153,6 +152,55 @@ class Trainer(ABC):
             self.strategy.close()
 
     # ---- the same for every backend -------------------------------------------------------------------
+    def pause(self) -> MemoryResult:
+        """Release the device memory of weights, optimizer state and grads (a no-op unless offload_train): the
+        backend's transients and process groups first, then the memory backend's state classes. Memory
+        metrics on rank 0, with the figures of the report."""
+        self.residency.pause()
+        if not self.offload:
+            return MemoryResult({f"{_PAUSE}/effective": 0})
+        t0 = time.perf_counter()
+        self._free_transients()
+        t1 = time.perf_counter()
+        groups = self._release_groups()
+        report = self.memory.pause(list(STATE_CLASSES))
+        out = report.metrics(_PAUSE)
+        out.update({f"{_PAUSE}/{k}": v for k, v in groups.items()})
+        out[f"{_PAUSE}/free_transients_s"] = t1 - t0
+        out[f"{_PAUSE}/effective"] = 1
+        out[f"{_PAUSE}/total_s"] = time.perf_counter() - t0
+        return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
+
+    def resume(self) -> MemoryResult:
+        """Bring back what ``pause`` released, bit for bit (grads start from zero at the next step), then the
+        process groups. Memory metrics on rank 0."""
+        self.residency.resume()
+        if not self.offload:
+            return MemoryResult({f"{_RESUME}/effective": 0})
+        t0 = time.perf_counter()
+        report = self.memory.resume(list(STATE_CLASSES))
+        groups = self._rebuild_groups()
+        out = report.metrics(_RESUME)
+        out.update({f"{_RESUME}/{k}": v for k, v in groups.items()})
+        out[f"{_RESUME}/effective"] = 1
+        out[f"{_RESUME}/total_s"] = time.perf_counter() - t0
+        return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Host RSS, device peak since the last call, and device memory in use (for the step line)."""
+        from tidal.memory.telemetry import process_memory_stats
+
+        return process_memory_stats(self.device_type)
+
+    @property
+    def weights_from_backup(self) -> bool:
+        """Whether the weight source reads host backups now (paused with offload)."""
+        return self.offload and self.residency.paused
+
+    def require_active(self, what: str) -> None:
+        """Raise ``ResidencyError`` unless the trainer is ACTIVE (``what`` names the operation)."""
+        self.residency.require_active(what)
+
     def connect_engines(self, engines: list, engine_dtype: str | torch.dtype, colocated: bool | None = None) -> None:
         """Rank 0 builds and connects the weight-sync strategy; every rank records the engine dtype."""
         self.engine_dtype = as_dtype(engine_dtype)

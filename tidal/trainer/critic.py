@@ -89,13 +89,7 @@ class Critic:
             weight_decay=trainer.weight_decay,
         )
         # The policy's schedule shape at the critic's own peak rate.
-        self.schedule = LRSchedule(
-            lr=lr,
-            min_lr=trainer.min_lr * lr / trainer.lr if trainer.lr > 0 else 0.0,
-            warmup_steps=trainer.lr_warmup_steps,
-            decay_style=trainer.lr_decay_style,
-            total_steps=total_steps,
-        )
+        self.schedule = LRSchedule.of(trainer, total_steps, lr=lr)
         self.clip_grad = trainer.clip_grad
 
     def values(self, input_ids: Tensor) -> Tensor:

@@ -30,6 +30,23 @@ class LRSchedule:
         self.decay_style, self.total_steps = decay_style, total_steps
         self.step = 0  # optimizer steps taken so far
 
+    @classmethod
+    def of(cls, trainer, total_steps: int | None, *, lr: float | None = None) -> LRSchedule:
+        """The schedule ``--lr``, ``--min-lr``, ``--lr-warmup-steps`` and ``--lr-decay-style`` (a
+        ``TrainerConfig``) describe; another peak ``lr`` (the critic's) scales ``min_lr`` with it."""
+        min_lr = trainer.min_lr
+        if lr is None:
+            lr = trainer.lr
+        else:
+            min_lr = trainer.min_lr * lr / trainer.lr if trainer.lr > 0 else 0.0
+        return cls(
+            lr=lr,
+            min_lr=min_lr,
+            warmup_steps=trainer.lr_warmup_steps,
+            decay_style=trainer.lr_decay_style,
+            total_steps=total_steps,
+        )
+
     def lr_at(self, step: int) -> float:
         if step < self.warmup_steps:
             # step 0 trains at lr/warmup rather than 0, so no optimizer step is wasted.

@@ -35,7 +35,7 @@ import torch
 
 from tidal.dtypes import as_dtype, default_dtype_name
 from tidal.errors import UserError
-from tidal.memory.base import MemoryResult, StateClass
+from tidal.memory.base import StateClass
 from tidal.memory.home import Adopter, rehome
 from tidal.memory.telemetry import device_used_bytes
 from tidal.rollout.types import Sample
@@ -53,7 +53,6 @@ from tidal.trainer.packing import plan_rollout
 from tidal.trainer.schedule import LRSchedule
 from tidal.trainer.step import RolloutSums, check_samples
 
-_CLASSES = (StateClass.WEIGHTS, StateClass.OPTIMIZER, StateClass.GRADS)
 CPU_REFUSAL = (
     "--train-backend megatron needs CUDA (Megatron-core's forward and DistributedDataParallel run on GPUs only); "
     "use --train-backend fsdp on CPU"
@@ -242,13 +241,7 @@ class MegatronTrainer(Trainer):
             use_distributed_optimizer=self.par.distributed_optimizer,
         )
         self.optimizer = get_megatron_optimizer(oc, [self.ddp])
-        self.schedule = LRSchedule(
-            lr=self.cfg.lr,
-            min_lr=self.cfg.min_lr,
-            warmup_steps=self.cfg.lr_warmup_steps,
-            decay_style=self.cfg.lr_decay_style,
-            total_steps=self.total_steps,
-        )
+        self.schedule = LRSchedule.of(self.cfg, self.total_steps)
 
     def _register(self) -> None:
         models = [m for m in (self.stage, self.ref_model) if m is not None]
@@ -292,62 +285,26 @@ class MegatronTrainer(Trainer):
         return RolloutSums(self.device), RolloutObjective(self.algo, self.device, self.custom_correction)
 
     # ---- memory --------------------------------------------------------------------------------------
-    def pause(self) -> MemoryResult:
-        """Release parameters, optimizer state (both backed up) and gradient buffers (not backed up with --offload-train)."""
-        self.residency.pause()
-        if not self.offload:
-            return MemoryResult({"memory/trainer_pause/effective": 0})
-        t0 = time.perf_counter()
+    def _free_transients(self) -> None:
         self.optimizer.zero_grad()
         gc.collect()
-        torch.cuda.empty_cache()
-        t1 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _release_groups(self) -> dict[str, float]:
+        t0 = time.perf_counter()
         used = device_used_bytes(self.device) if self.device.type == "cuda" else 0
         released = self.parallel_groups.release() if self.release_groups else 0
         freed = used - device_used_bytes(self.device) if self.device.type == "cuda" else 0
-        t2 = time.perf_counter()
-        report = self.memory.pause(list(_CLASSES))
-        out = report.metrics("memory/trainer_pause")
-        out["memory/trainer_pause/free_transients_s"] = t1 - t0
-        out["memory/trainer_pause/effective"] = 1
-        out["memory/trainer_pause/groups_released"] = released
-        out["memory/trainer_pause/groups_freed_bytes"] = freed
-        out["memory/trainer_pause/groups_s"] = t2 - t1
-        out["memory/trainer_pause/grads_backed_up"] = int(not self.grads_unbacked)
-        out["memory/trainer_pause/total_s"] = time.perf_counter() - t0
-        return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
+        return {"groups_released": released, "groups_freed_bytes": freed, "groups_s": time.perf_counter() - t0}
 
-    def resume(self) -> MemoryResult:
-        """Bring parameters and optimizer state back bit for bit; gradient buffers are zeroed before the next step."""
-        self.residency.resume()
-        if not self.offload:
-            return MemoryResult({"memory/trainer_resume/effective": 0})
+    def _rebuild_groups(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        report = self.memory.resume(list(_CLASSES))
-        t1 = time.perf_counter()
         rebuilt = self.parallel_groups.released is not None
         repointed = self.parallel_groups.rebuild([self.stage, self.ref_model, self.ddp, self.optimizer])
-        out = report.metrics("memory/trainer_resume")
-        out["memory/trainer_resume/effective"] = 1
-        out["memory/trainer_resume/groups_rebuilt"] = int(rebuilt)
-        out["memory/trainer_resume/groups_repointed"] = repointed
-        out["memory/trainer_resume/groups_s"] = time.perf_counter() - t1
-        out["memory/trainer_resume/total_s"] = time.perf_counter() - t0
-        return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
-
-    def memory_stats(self) -> dict[str, int]:
-        from tidal.memory.telemetry import process_memory_stats
-
-        return process_memory_stats(self.device_type)
+        return {"groups_rebuilt": int(rebuilt), "groups_repointed": repointed, "groups_s": time.perf_counter() - t0}
 
     # ---- weight source and state surface -------------------------------------------------------------
-    @property
-    def weights_from_backup(self) -> bool:
-        return self.offload and self.residency.paused
-
-    def require_active(self, what: str) -> None:
-        self.residency.require_active(what)
-
     def read(self, t: torch.Tensor) -> torch.Tensor:
         """A parameter or optimizer tensor as it can be read now: live, or its host backup while paused."""
         return self.memory.host_view(t) if self.weights_from_backup else t
