@@ -212,6 +212,8 @@ def _policy_logprobs(prompt: list[int], out: dict) -> tuple[torch.Tensor, torch.
 
 def test_pause_modes_and_rows_joining_a_running_step(server):
     """SGLang's pause modes against a running engine step, and rows arriving during a step joining it."""
+    warm = {"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 2}}
+    assert server.post("/generate", json=warm).status_code == 200  # the decoder built before a step is cut
     with ThreadPoolExecutor(2) as pool:
         try:
             _retract(pool, server)
@@ -258,7 +260,9 @@ def _admission(pool, server) -> None:
     fourth = _long(pool, server, [1, 9])
     c, d = _whole(third.result(timeout=120).json()), _whole(fourth.result(timeout=120).json())
     assert c["engine_step"] == d["engine_step"] and d["engine_step_requests"] == 2
-    steps = {s["step"]: s for s in _internal(server)["recent_steps"]}
+    state = _internal(server)
+    assert state["gc_enabled"]  # the collector, off during a step, is on again once its replies are out
+    steps = {s["step"]: s for s in state["recent_steps"]}
     joined = steps[c["engine_step"] - 1]
     assert (joined["rows"], joined["cut_rows"], joined["cut_for"]) == (1, 1, "admission")
 

@@ -14,6 +14,7 @@ open; here nothing is). Without a key the server is open, and it binds 127.0.0.1
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import secrets
@@ -283,6 +284,7 @@ def _generate_routes(app: FastAPI, state: ServerState) -> None:
                     "queued": w.queued(),
                     "running_rows": w.running_rows(),
                     "paused": w.paused,
+                    "gc_enabled": gc.isenabled(),  # off only during a step and its replies' rendering
                     "recent_steps": recent,
                 }
             ],

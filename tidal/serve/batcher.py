@@ -369,9 +369,13 @@ class EngineWorker:
                 self._running, self._running_since, self._cut_for = group, time.monotonic(), ""
                 if self._jobs:
                     self._maybe_admit_soon()
-            info, error = self._run_group(group)
-            with self._cv:
-                self._end_step(group, info, error)
+            try:
+                info, error = self._run_group(group)
+                with self._cv:
+                    self._end_step(group, info, error, enable_gc=True)
+            except BaseException:
+                gc.enable()  # else the event loop turns it back on once the step's replies are rendered
+                raise
 
     def _maybe_admit_soon(self) -> None:
         loop = self._event_loop
@@ -389,13 +393,13 @@ class EngineWorker:
         before = sum(len(s.response_ids) for s in samples)
         info.started = time.monotonic()
         clocks, gc0, passes = _cpu_clocks(self._loop_thread), GcClock.seconds, list(GcClock.passes)
-        gc.disable()  # a collection stops every thread, the decode loop's too: none during the step
+        # A collection stops every thread, the decode loop's too: none during the step, nor until its replies
+        # are rendered (``_end_step`` has the event loop turn the collector back on after them).
+        gc.disable()
         try:
             out = self.engine.generate(samples, group[0].sampling)
         except BaseException as e:  # noqa: BLE001 - every request of the step gets the error
             return info, e
-        finally:
-            gc.enable()  # what the step and the event loop allocated meanwhile is collected from here on
         info.ended = time.monotonic()
         info.decoder = decode_figures(self.engine)
         info.seconds = info.ended - info.started
@@ -408,7 +412,9 @@ class EngineWorker:
             job.samples, lo = out[lo : lo + len(job.prompts)], lo + len(job.prompts)
         return info, None
 
-    def _end_step(self, group: list[_Job], info: StepInfo | None, error: BaseException | None) -> None:
+    def _end_step(
+        self, group: list[_Job], info: StepInfo | None, error: BaseException | None, enable_gc: bool = False
+    ) -> None:
         """With the lock held: answer the jobs of the step that ended (or of groups a pause held back before
         they ran: ``info`` None); jobs with rows cut short go back to the head of the queue, or are answered
         as aborted under an abort pause."""
@@ -442,7 +448,7 @@ class EngineWorker:
         drained, self._drained = self._drained, []
         for future, count in drained:
             settled.append((_Waiter(future), count + aborted, None))
-        _settle_soon(settled)
+        _settle_soon(settled, enable_gc)
         self._cv.notify()
 
 
@@ -453,8 +459,9 @@ class _Waiter:
     future: asyncio.Future
 
 
-def _settle(items: list[tuple[_Job | _Waiter, Any, BaseException | None]]) -> None:
-    """On the event loop: each job's future gets its result or error (a request that went away is skipped)."""
+def _settle(items: list[tuple[_Job | _Waiter, Any, BaseException | None]], enable_gc: bool = False) -> None:
+    """On the event loop: each job's future gets its result or error (a request that went away is skipped).
+    ``enable_gc``: turn the collector back on once the handlers woken here have run (rendered their replies)."""
     for job, result, error in items:
         if job.future.done():
             continue
@@ -462,19 +469,28 @@ def _settle(items: list[tuple[_Job | _Waiter, Any, BaseException | None]]) -> No
             job.future.set_result(result)
         else:
             job.future.set_exception(error)
+    if enable_gc:
+        asyncio.get_running_loop().call_soon(gc.enable)  # after the wake-ups set_result scheduled
 
 
-def _settle_soon(items: list[tuple[_Job | _Waiter, Any, BaseException | None]]) -> None:
+def _settle_soon(items: list[tuple[_Job | _Waiter, Any, BaseException | None]], enable_gc: bool = False) -> None:
     """Hand every result of a step to the event loop in one call: one wake-up of the loop, and its handlers
-    all resume in the same turn, instead of one thread-safe call (a wake-up and a callback chain) per request."""
+    all resume in the same turn, instead of one thread-safe call (a wake-up and a callback chain) per request.
+    ``enable_gc``: the step ran with the collector off; it stays off until its replies are rendered (each
+    reply's log-prob triples are tracked objects: thousands per step that would trigger collections)."""
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
     for item in items:
         by_loop.setdefault(item[0].future.get_loop(), []).append(item)
-    for loop, part in by_loop.items():
+    for i, (loop, part) in enumerate(by_loop.items()):
         try:
-            loop.call_soon_threadsafe(_settle, part)
+            loop.call_soon_threadsafe(_settle, part, enable_gc and i == len(by_loop) - 1)
         except RuntimeError:
             pass  # that loop is closed: nobody waits on these futures any more
+        else:
+            if i == len(by_loop) - 1:
+                enable_gc = False
+    if enable_gc:
+        gc.enable()
 
 
 class GcClock:
