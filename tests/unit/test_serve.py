@@ -13,8 +13,6 @@ import asyncio
 import base64
 import io
 import os
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -522,23 +520,21 @@ def test_refused_weight_updates_change_nothing(server):
     assert server.get("/weight_checksums").json()["checksums"] == before
 
 
-def test_serve_refuses_a_busy_port_with_one_line():
+def test_serve_refuses_a_busy_port_with_one_line(capsys):
+    """``tidal serve``'s command (``tidal.cli.main``, in this process: the port is refused before any engine is
+    built) exits 2 with one line."""
     import socket
+
+    from tidal.cli import main
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        env = {**os.environ, "PYTHONPATH": REPO}
-        r = subprocess.run(
-            [sys.executable, "-m", "tidal", "serve", "--port", str(port)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=120,
-        )
-    assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and f"--port {port}: cannot listen" in r.stderr
+        code = main(["serve", "--port", str(port)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [err.strip()] and f"--port {port}: cannot listen" in err
 
 
 def _publish(disk, version: int, weights: dict, old: dict | None) -> None:
