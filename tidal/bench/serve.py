@@ -12,8 +12,9 @@ on a GPU ``tidal bench serve --shape qwen2.5-0.5b-shape --requests 512 --prompt-
    request), timed from the first send to the last reply read and parsed.
 
 Both engines stay alive (each at ``--rollout-mem-fraction`` 0.3) and are timed in turns, one
-warm-up each (compilation, CUDA graphs) and then ``--repeats`` rounds of in-process then HTTP, so
-a change of load on a shared machine hits both alike; the fastest of each counts.
+warm-up each (compilation, CUDA graphs) and then ``--repeats`` rounds of both, in-process first in
+even rounds and HTTP first in odd ones, so that a change of load on a shared machine, or a device
+slower after an idle gap, hits both alike; the fastest of each counts.
 Prints one JSON line: ``inproc_tokens_per_s``, ``http_tokens_per_s``, ``http_overhead`` (the
 relative loss of throughput, ``1 - http/inproc``) next to ``goal_overhead`` (0.10), and the engine
 steps the server used for the fastest burst (``http_engine_steps``: 1 when every request shared a
@@ -226,8 +227,8 @@ def _wait_healthy(url: str) -> None:
 
 
 def measure(args, device: str) -> dict:
-    """Both sides alive at once, timed in turns (in-process, then HTTP, per repeat), so that a change
-    of machine load hits both alike; one warm-up each first."""
+    """Both sides alive at once, timed in turns (each round both, alternating which goes first), so that a
+    change of machine load hits both alike; one warm-up each first."""
     proc, url = _start_server(args, device)
     clients = None
     try:
@@ -239,11 +240,16 @@ def measure(args, device: str) -> dict:
         _inproc_once(engine, prompts, args)
         _http_once(url, clients)
         inproc, best = (0.0, 0.0, 0.0, {}), None
-        for _ in range(args.repeats):
-            inproc = max(inproc, _inproc_once(engine, prompts, args), key=lambda x: x[0])
-            got = _http_once(url, clients)
-            if best is None or got["rate"] > best["rate"]:
-                best = got
+        for r in range(args.repeats):
+            # Alternating which side goes first: a device that is slower right after a pause (clocks, caches)
+            # or right after the other side's burst would otherwise always hurt the same side.
+            for side in ("inproc", "http") if r % 2 == 0 else ("http", "inproc"):
+                if side == "inproc":
+                    inproc = max(inproc, _inproc_once(engine, prompts, args), key=lambda x: x[0])
+                    continue
+                got = _http_once(url, clients)
+                if best is None or got["rate"] > best["rate"]:
+                    best = got
         return {
             "inproc": inproc[0],
             "inproc_cpu_s": inproc[1],
