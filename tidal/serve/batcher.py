@@ -303,6 +303,8 @@ class EngineWorker:
                             continue
                         if not self._loop_caught_up():
                             continue  # the event loop was still queueing the burst: wait for its end again
+                        if self._pause_mode is not None or not self._jobs or not self._jobs[0].is_generate:
+                            continue  # a pause (or its abort) came while the lock was released: look again
                     batch, rows = [], 0
                     while self._jobs and self._jobs[0].is_generate:
                         n = len(self._jobs[0].prompts)
@@ -339,6 +341,8 @@ class EngineWorker:
 
     def _loop(self) -> None:
         while (jobs := self._next()) is not None:
+            if not jobs:
+                continue
             self.busy = True
             try:
                 if jobs[0].is_generate:
