@@ -105,9 +105,15 @@ def actor_options(placement: Placement, slot: ActorSlot, env_vars: dict | None =
         ),
     }
     env = {**worker_env(placement), **(env_vars or {})}
-    if env != placement.cluster_env:
+    if not _has_env(placement.cluster_env, env):
         opts["runtime_env"] = {"env_vars": env}
     return opts
+
+
+def _has_env(cluster_env: dict | None, env: dict) -> bool:
+    """Whether every worker of the cluster already has ``env`` (it may have more, e.g. the compile
+    cache's variables): then the actor needs no runtime env and can take a prestarted worker."""
+    return cluster_env is not None and all(cluster_env.get(k) == v for k, v in env.items())
 
 
 def worker_env(placement: Placement) -> dict[str, str]:
