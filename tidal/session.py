@@ -16,8 +16,8 @@ import threading
 from typing import TYPE_CHECKING
 
 from tidal.cluster.groups import EngineGroup, TrainerGroup
-from tidal.cluster.placement import create_placement_group, plan_placement
-from tidal.cluster.ray_cluster import start_ray, stop_ray
+from tidal.cluster.placement import Placement, create_placement_group, plan_placement
+from tidal.cluster.ray_cluster import start_ray, start_warm, stop_ray
 from tidal.compile_cache import cache_env
 from tidal.config.schema import TidalConfig
 from tidal.dtypes import default_dtype_name
@@ -73,11 +73,14 @@ class Session:
         self.reward_fn = get_reward_fn(cfg.data.rm_type, cfg.data.custom_rm_path)
         self.load_path, load_note = self._find_checkpoint()  # before the run folder: a bad --load leaves nothing
         trainer_env = actor_env(cfg.memory, dict(cfg.cluster.train_env_vars), self.device)
-        # Tokenizer, prompts and the agent loop are read beside Ray's start (transformers takes seconds to import on a
-        # small host); a bad dataset still stops everything before the run folder or an actor exists.
-        inputs = _in_background(_read_inputs, cfg, spec)
+        placement, env, preload = self._plan_cluster(spec.config_dict().get("model_type"), trainer_env)
         try:
-            self._start_cluster(spec.config_dict().get("model_type"), trainer_env)
+            # First the warm process that imports the actors' modules once (a local CPU cluster), then the tokenizer,
+            # prompts and the agent loop, read beside Ray's start (transformers takes seconds to import on a small
+            # host); a bad dataset still stops everything before the run folder or an actor exists.
+            start_warm(cfg.cluster.ray_address, env, preload)
+            inputs = _in_background(_read_inputs, cfg, spec)
+            self._start_cluster(placement, env, preload)
             self.mark_startup("startup_ray_s")
             self.tokenizer, self.dataset, self.agent = inputs.result()
             from tidal.memory.telemetry import MemoryTimeline
@@ -94,8 +97,8 @@ class Session:
             raise
         return self
 
-    def _start_cluster(self, model_type: str | None, trainer_env: dict) -> None:
-        """Placement, Ray (started or joined) and the placement group."""
+    def _plan_cluster(self, model_type: str | None, trainer_env: dict) -> tuple[Placement, dict, list[str]]:
+        """Placement, the environment of a local cluster's workers and the modules they preload."""
         from tidal.cluster.placement import worker_env
         from tidal.cluster.ray_cluster import prestart_modules
 
@@ -111,6 +114,11 @@ class Session:
         if cfg.rollout.rollout_engine == "embedded" and not trainer_env:
             actors = len(placement.engines) + len(placement.trainers)
             preload = prestart_modules(model_type, actors=actors, trainer=not rollout_only, num_gpus=placement.num_gpus)
+        return placement, env, preload
+
+    def _start_cluster(self, placement: Placement, env: dict, preload: list[str]) -> None:
+        """Ray (started or joined) and the placement group."""
+        cfg = self.cfg
         self._ray_started = start_ray(
             cfg.cluster.ray_address,
             num_cpus=placement.num_cpus,

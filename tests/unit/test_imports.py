@@ -136,7 +136,7 @@ def test_driver_starts_ray_before_importing_torch_or_transformers():
         "import tidal.driver, tidal.session\n"
         "from tidal.memory.preload import actor_env\n"
         "from tidal.memory.telemetry import MemoryTimeline, device_used_bytes\n"
-        "from tidal.cluster.ray_cluster import prestart_modules\n"
+        "from tidal.cluster.ray_cluster import prestart_modules, start_warm\n"
         "actor_env(cfg.memory, {}, cfg.cluster.device); device_used_bytes('cpu'); MemoryTimeline()\n"
         "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))\n"
     )

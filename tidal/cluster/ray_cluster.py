@@ -17,11 +17,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Iterator, Sequence
 
 from tidal.errors import UserError
 
 log = logging.getLogger(__name__)
+
+# Preloaded modules that import Ray: Ray's workers import them themselves (tidal.cluster.warm says why).
+RAY_IMPORTING = ("tidal.rollout.actor",)
+IDLE_WORKER_KEEP_MS = 60_000
+_warm = None  # the warm process of the cluster started here (tidal.cluster.warm), if any
 
 # Environment every tidal process should see; set before Ray starts so actors inherit it.
 BASE_ENV = {
@@ -42,13 +48,13 @@ def start_ray(
     """Start or join Ray. Returns True when this process started the cluster (and must stop it).
 
     A cluster started here gets ``worker_env`` in the environment of its processes (so every worker
-    has it without a runtime env) and prestarts its workers with the ``preload`` modules imported.
-    Joining a cluster changes neither.
+    has it without a runtime env) and prestarts its workers with the ``preload`` modules imported:
+    forks of the warm process when ``start_warm`` started one, else fresh processes that import
+    them. Joining a cluster changes none of this.
     """
     import ray
 
-    for k, v in BASE_ENV.items():
-        os.environ.setdefault(k, v)
+    _set_base_env()
     if ray.is_initialized():
         return False
     if address:
@@ -65,9 +71,38 @@ def start_ray(
     # address="local" starts a new cluster even when another one runs here (joining is --ray-address's job).
     # Shielded: Ray's processes ignore SIGINT, so Ctrl-C stops the run through the driver alone.
     with shielded(), _environ(worker_env or {}):
-        _init_local(logical_cpus, num_gpus, list(preload))
+        if _warm is not None:
+            with _environ(_warm.env()):
+                _init_local(logical_cpus, num_gpus, [], warm=True)
+        else:
+            _init_local(logical_cpus, num_gpus, list(preload))
     log.info("started a local Ray cluster: %d CPUs, %d GPUs", int(logical_cpus), num_gpus)
     return True
+
+
+def start_warm(address: str | None, worker_env: dict[str, str], preload: Sequence[str]) -> bool:
+    """Start the warm process (``tidal.cluster.warm``) for the local cluster ``start_ray`` will start,
+    as early as possible: it imports ``preload`` while the driver starts Ray. Only for a cluster
+    started here, on Linux, with modules to preload (a small CPU host: ``prestart_modules``).
+    Returns whether it started one; ``stop_ray`` stops it."""
+    global _warm
+    ray = sys.modules.get("ray")  # not imported for this: the warm process should start first
+    if address or not preload or _warm is not None or not sys.platform.startswith("linux"):
+        return False
+    if ray is not None and ray.is_initialized():
+        return False
+    from tidal.cluster.warm import WarmProcess
+    from tidal.signals import shielded
+
+    _set_base_env()
+    with shielded(), _environ(worker_env):
+        _warm = WarmProcess.start([m for m in preload if m not in RAY_IMPORTING])
+    return True
+
+
+def _set_base_env() -> None:
+    for k, v in BASE_ENV.items():
+        os.environ.setdefault(k, v)
 
 
 def prestart_modules(model_type: str | None, *, actors: int, trainer: bool, num_gpus: int) -> list[str]:
@@ -147,13 +182,21 @@ def lean_head() -> Iterator[None]:
             setattr(Node, n, v)
 
 
-def _init_local(logical_cpus: float, num_gpus: int, preload: list[str]) -> None:
-    with lean_head():
+def _init_local(logical_cpus: float, num_gpus: int, preload: list[str], *, warm: bool = False) -> None:
+    from tidal.cluster.warm import worker_command
+
+    with lean_head(), worker_command() if warm else contextlib.nullcontext():
         _ray_init_local(logical_cpus, num_gpus, preload)
 
 
 def _ray_init_local(logical_cpus: float, num_gpus: int, preload: list[str]) -> None:
     import ray
+
+    # The workers Ray prestarts are the ones the actors are meant to take; Ray stops a worker idle
+    # for over a second when it has more than one per CPU, before the driver has asked for them.
+    system_config: dict = {"idle_worker_killing_time_threshold_ms": IDLE_WORKER_KEEP_MS}
+    if preload:
+        system_config["preload_python_modules"] = preload
 
     ray.init(
         address="local",
@@ -162,12 +205,16 @@ def _ray_init_local(logical_cpus: float, num_gpus: int, preload: list[str]) -> N
         include_dashboard=False,
         configure_logging=False,
         log_to_driver=True,
-        _system_config={"preload_python_modules": preload} if preload else None,
+        _system_config=system_config,
     )
 
 
 def stop_ray(started: bool) -> None:
     import ray
 
+    global _warm
     if started and ray.is_initialized():
         ray.shutdown()
+    if _warm is not None:
+        _warm.stop()
+        _warm = None

@@ -1,0 +1,101 @@
+"""The warm process: Ray's workers of a local CPU cluster are forks of one process that imported the actors' modules.
+
+The cluster test runs in its own process (a Ray cluster of its own, as ``tidal train`` starts one): an actor runs
+in a fork of the warm process with the workers' environment and the preloaded module; an actor with a runtime env
+of its own is started by Ray as usual; a worker dies with its handle; the warm process stops with ``stop_ray``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from tidal.cluster.placement import ActorSlot, Placement, actor_options, worker_env
+from tidal.cluster.warm_worker import differing
+
+CLUSTER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import psutil
+    from tidal.cluster import ray_cluster
+    from tidal.cluster.ray_cluster import start_ray, start_warm, stop_ray
+
+    env = {"TIDAL_TEST_MARK": "warm"}
+    assert start_warm(None, env, ["colorsys"])
+    warm = ray_cluster._warm.proc
+    started = start_ray(None, num_cpus=2, num_gpus=0, worker_env=env, preload=["colorsys"])
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def where(self):
+            print("hello from a warm worker", flush=True)
+            return os.getpid(), psutil.Process().ppid(), os.environ.get("TIDAL_TEST_MARK"), "colorsys" in sys.modules
+
+    first = Probe.remote()
+    pid, parent, mark, preloaded = ray.get(first.where.remote())
+    assert (parent, mark, preloaded) == (warm.pid, "warm", True), (parent, warm.pid, mark, preloaded)
+    own = Probe.options(runtime_env={"env_vars": {"TIDAL_TEST_MARK": "own"}}).remote()
+    own_pid, own_parent, own_mark, _ = ray.get(own.where.remote())
+    assert own_parent != warm.pid and own_mark == "own", (own_parent, own_mark)
+    # The raylet's handles on the forked workers: killed outright, their workers die too.
+    def command(p):
+        try:
+            return " ".join(p.cmdline())
+        except psutil.Error:
+            return ""
+
+    handles = [p for p in psutil.Process().children(recursive=True) if "warm_worker.py" in command(p)]
+    assert handles
+    for h in handles:
+        h.send_signal(signal.SIGKILL)
+    def gone(pid):
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    for _ in range(300):
+        if gone(pid):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("a forked worker outlived its handle")
+    stop_ray(started)
+    assert warm.wait(timeout=10) == 0 and ray_cluster._warm is None
+    print("warm ok")
+    """
+)
+
+
+def test_workers_of_a_local_cluster_are_forks_of_the_warm_process(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run(
+        [sys.executable, "-c", CLUSTER], capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path
+    )
+    assert out.returncode == 0 and "warm ok" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "hello from a warm worker" in out.stdout + out.stderr  # actor output still reaches the driver
+
+
+def test_a_worker_forks_only_when_its_environment_matches():
+    warm = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
+    assert differing({**warm, "RAY_JOB_ID": "01000000", "SPT_NOENV": "1", "TIDAL_WARM_SOCKET": "/s"}, warm) == []
+    assert differing({**warm, "OMP_NUM_THREADS": "2"}, warm) == ["OMP_NUM_THREADS"]
+    assert differing({**warm, "LD_PRELOAD": "/x.so"}, warm) == ["LD_PRELOAD"]
+    assert differing({"PATH": "/bin"}, warm) == ["OMP_NUM_THREADS"]
+
+
+def test_actors_need_no_runtime_env_when_the_cluster_already_has_their_variables():
+    """The cluster's workers may have more variables than an actor needs (the compile cache's): it still takes
+    a prestarted worker; a variable it needs set otherwise gives it a runtime env."""
+    placement = Placement(colocated=True, device="cpu", bundles=[{"CPU": 1}], trainers=[], engines=[])
+    placement.cluster_env = {**worker_env(placement), "TORCHINDUCTOR_CACHE_DIR": "/c"}
+    slot = ActorSlot(bundle=0, num_cpus=0.5, num_gpus=0.0)
+    assert "runtime_env" not in actor_options(placement, slot, {})
+    assert "runtime_env" not in actor_options(placement, slot, {"TORCHINDUCTOR_CACHE_DIR": "/c"})
+    opts = actor_options(placement, slot, {"LD_PRELOAD": "/x.so"})
+    assert opts["runtime_env"]["env_vars"]["LD_PRELOAD"] == "/x.so"
+    placement.cluster_env = None  # a joined cluster: every actor says what it needs
+    assert "runtime_env" in actor_options(placement, slot, {})
