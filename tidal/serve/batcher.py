@@ -12,8 +12,9 @@ of rows (``--rollout-max-batch``) is queued or no request arrived for ``--serve-
 batch the client sent as one request (a list of prompts) starts at once.
 
 Rows that arrive while a step runs join it (continuous batching across HTTP requests): when they
-have the step's sampling parameters, fit the engine's batch beside the step's rows and the step has
-run for ``admit_after_s``, the worker cuts the step at the decoder's next host sync (the engine's
+have the step's sampling parameters, fit the engine's batch beside the step's rows, number at least a
+quarter of them (a cut prefills the step's rows again) and the step has run for ``admit_after_s``,
+the worker cuts the step at the decoder's next host sync (the engine's
 ``pause_generation``, every few decode steps); requests whose rows all finished are answered then,
 and the unfinished rows go back to the head of the queue with the tokens they have, to continue in
 the next step beside the new rows (their prompt and partial response prefilled again, as SGLang's
@@ -100,6 +101,11 @@ async def _two_turns() -> None:
     await asyncio.sleep(0)
 
 
+# Rows join a running step only when they are at least 1/ADMIT_SHARE of its rows: each cut prefills the
+# step's rows (prompt and response so far) again, which a handful of new rows would not pay for.
+ADMIT_SHARE = 4
+
+
 def _key(s: SamplingParams) -> tuple:
     return (s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(s.stop), tuple(s.stop_token_ids), s.seed)
 
@@ -108,7 +114,8 @@ class EngineWorker:
     """``max_rows``: rows one step may take; ``fill_rows`` / ``wait_s``: a step starts once ``fill_rows``
     rows are queued or no request arrived for ``wait_s`` (a burst of requests becomes one step);
     ``admit_after_s``: rows arriving while a step runs join it once it ran this long (bounds how often a
-    step's rows are prefilled again), if the step and they fit ``fill_rows``."""
+    step's rows are prefilled again), if the step and they fit ``fill_rows`` and they are at least
+    ``1/ADMIT_SHARE`` of its rows."""
 
     def __init__(
         self,
@@ -197,8 +204,8 @@ class EngineWorker:
             if not job.is_generate:
                 break  # rows behind a barrier never join a step that began before it
             waiting += len(job.prompts) if job.key == key else 0
-        if waiting == 0 or rows + waiting > self.fill_rows:
-            return
+        if waiting == 0 or rows + waiting > self.fill_rows or ADMIT_SHARE * waiting < rows:
+            return  # none, too many, or too few to pay for prefilling the step's rows again
         left = self._running_since + self.admit_after_s - time.monotonic()
         if left > 0:
             if self._admit_timer is None and self._event_loop is not None:
