@@ -70,15 +70,25 @@ def megatron(ctx: Context) -> None:
             "--advantage-estimator ppo trains a critic, which the megatron backend does not have; use --train-backend fsdp"
         )
     shape = ctx.shape()
-    if shape.kv_heads % tp or shape.intermediate % tp:
-        raise ConfigError(
-            f"--tensor-model-parallel-size {tp} does not divide {shape.name}'s {shape.kv_heads} key-value heads and "
-            f"MLP width {shape.intermediate}; use a divisor of both"
+    problem = split_problem(
+        f"{shape.name}'s", kv_heads=shape.kv_heads, ffn=shape.intermediate, layers=shape.layers, tp=tp, pp=pp
+    )
+    if problem:
+        raise ConfigError(problem)
+
+
+def split_problem(model: str, *, kv_heads: int, ffn: int, layers: int, tp: int, pp: int) -> str | None:
+    """Why tensor-parallel size ``tp`` x pipeline size ``pp`` cannot split the model (one line naming the flag
+    and the fix; ``model`` names it, e.g. "tiny's"), or None. Query heads are a multiple of the key-value
+    heads, so dividing those divides both. The config rule and the trainer (built without one) both ask."""
+    if kv_heads % tp or ffn % tp:
+        return (
+            f"--tensor-model-parallel-size {tp} does not divide {model} {kv_heads} key-value heads and MLP width "
+            f"{ffn}; use a divisor of both"
         )
-    if shape.layers % pp:
-        raise ConfigError(
-            f"--pipeline-model-parallel-size {pp} does not divide {shape.name}'s {shape.layers} layers; use a divisor"
-        )
+    if layers % pp:
+        return f"--pipeline-model-parallel-size {pp} does not divide {model} {layers} layers; use a divisor"
+    return None
 
 
 def _transformer_impl(ctx: Context) -> None:

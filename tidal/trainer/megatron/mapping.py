@@ -100,19 +100,13 @@ def arch_from_hf(config) -> Arch:
 
 def check_parallel(arch: Arch, tp: int, pp: int) -> None:
     """Refuse TP/PP sizes the layout cannot split (one line naming the flag and the fix)."""
-    if arch.num_kv_heads % tp or arch.num_heads % tp:
-        raise UserError(
-            f"--tensor-model-parallel-size {tp} does not divide the model's {arch.num_heads} query / "
-            f"{arch.num_kv_heads} key-value heads; use a divisor of {arch.num_kv_heads}"
-        )
-    if arch.ffn_hidden_size % tp:
-        raise UserError(
-            f"--tensor-model-parallel-size {tp} does not divide the MLP width {arch.ffn_hidden_size}; use a divisor of it"
-        )
-    if arch.num_layers % pp:
-        raise UserError(
-            f"--pipeline-model-parallel-size {pp} does not divide the model's {arch.num_layers} layers; use a divisor of it"
-        )
+    from tidal.config.megatron_rules import split_problem
+
+    problem = split_problem(
+        "the model's", kv_heads=arch.num_kv_heads, ffn=arch.ffn_hidden_size, layers=arch.num_layers, tp=tp, pp=pp
+    )
+    if problem:
+        raise UserError(problem)
 
 
 @dataclass(frozen=True)
