@@ -9,8 +9,9 @@ then pause/resume, save while paused, load, and the checkpoint loaded into the F
 ``MegatronTrainer.init`` refuses a CPU device, so this builds it the way ``init`` does after its
 device and process-group setup (``_parallel_state``, ``build``). Megatron-core hard-codes
 ``device="cuda"`` in a few allocations (its DDP buffers ask ``torch.cuda.current_device()``, the
-schedule's token counter, the default causal mask, the FP32 optimizer's loss scale) and forks a CUDA
-RNG tracker around dropout (0 here): those device arguments are redirected to the CPU, and the
+schedule's token counter, the default causal mask, the FP32 optimizer's loss scale), moves an embedding
+tied across pipeline stages with ``.cuda()``, synchronises CUDA around the stages' shape exchange and
+forks a CUDA RNG tracker around dropout (0 here): those are redirected to the CPU, and the
 distributed optimizer's check of a parameter's type name (``torch.cuda.FloatTensor``) sees the CUDA
 name. Gradient clipping asserts CUDA tensors, so both backends run with ``--clip-grad 0``.
 
@@ -47,6 +48,8 @@ def _redirect_cuda_devices() -> None:
     for name in ("zeros", "ones", "tensor", "empty"):
         setattr(torch, name, host(getattr(torch, name)))
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # pipeline stages' shape exchange
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # an embedding tied across pipeline stages
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()

@@ -837,8 +837,18 @@ MEGATRON = ["--model", "tiny", "--device", "cuda", "--train-backend", "megatron"
         (MEGATRON, GPU2_MEGATRON, {"train_backend": "megatron", "tensor_model_parallel_size": 1}),
         (
             [*MEGATRON, "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+            dataclasses.replace(GPU2_MEGATRON, transformer_engine_available=True),
+            {"tensor_model_parallel_size": 2, "sequence_parallel": True, "transformer_impl": "transformer_engine"},
+        ),
+        (
+            [*MEGATRON, "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+            dataclasses.replace(GPU2_MEGATRON, apex_available=True),
+            {"sequence_parallel": True, "transformer_impl": "local"},
+        ),
+        (
+            [*MEGATRON, "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
             GPU2_MEGATRON,
-            {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+            "--sequence-parallel with --transformer-impl local needs apex",
         ),
         (
             [*MEGATRON, "--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2"],

@@ -88,6 +88,7 @@ class Environment:
     tms_available: bool = False  # torch_memory_saver importable
     megatron_available: bool = False  # megatron-core importable (--train-backend megatron)
     transformer_engine_available: bool = False  # transformer_engine installed (Megatron's TE layer spec)
+    apex_available: bool = False  # apex installed (its fused norm lets Megatron's local spec split sequences)
     num_nodes: int = 1  # nodes of the cluster (1 for a local cluster)
     assumed: bool = False  # built from --assume-* flags rather than probed
 
@@ -112,6 +113,7 @@ class Environment:
             tms_available=importlib.util.find_spec("torch_memory_saver") is not None,
             megatron_available=_has_megatron(),
             transformer_engine_available=importlib.util.find_spec("transformer_engine") is not None,
+            apex_available=importlib.util.find_spec("apex") is not None,
         )
 
     def with_assumptions(

@@ -59,6 +59,12 @@ def megatron(ctx: Context) -> None:
         )
     if t.sequence_parallel and tp == 1:
         raise ConfigError("--sequence-parallel splits over tensor-parallel ranks; add --tensor-model-parallel-size > 1")
+    if t.sequence_parallel and t.transformer_impl == "local" and not ctx.env.apex_available:
+        raise ConfigError(
+            "--sequence-parallel with --transformer-impl local needs apex (Megatron's local layer spec normalises "
+            "with torch's norm otherwise, which cannot split the sequence); install transformer_engine or apex, "
+            "or drop --sequence-parallel"
+        )
     ranks = c.actor_num_nodes * c.actor_num_gpus_per_node
     if ranks % (tp * pp):
         raise ConfigError(

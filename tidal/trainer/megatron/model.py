@@ -141,7 +141,7 @@ def build_stage(arch: Arch, config, spec, *, tp: int, pp_rank: int, pp_size: int
     """The ``GPTModel`` of pipeline stage ``pp_rank`` (embedding on the first, output layer on the last)."""
     from megatron.core.models.gpt import GPTModel
 
-    return GPTModel(
+    stage = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=arch.padded_vocab(tp),
@@ -153,6 +153,40 @@ def build_stage(arch: Arch, config, spec, *, tp: int, pp_rank: int, pp_size: int
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
     )
+    mark_tensor_parallel(stage)
+    return stage
+
+
+def mark_tensor_parallel(stage) -> int:
+    """Give each tensor-parallel weight Megatron's attributes (``tensor_model_parallel``, ``partition_dim``,
+    ``partition_stride``) where missing; returns how many were missing.
+
+    Megatron-core before 0.19 sets them only while initialising a weight, and tidal builds with
+    ``perform_initialization=False`` (every weight comes from the HF tensors): the sharded weights then
+    looked replicated, so the gradient norm, and the clipping by it, counted tensor-parallel rank 0's
+    shard of each weight only. 0.19 sets them either way; this does what it does (fc1 holds gate and up
+    interleaved per rank: stride 2)."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    marked = 0
+    for name, module in stage.named_modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        set_tensor_model_parallel_attributes(weight, True, dim, 2 if name.endswith("linear_fc1") else 1)
+        marked += 1
+    return marked
 
 
 def stage_parameters(
