@@ -7,7 +7,7 @@
 #   bash scripts/gpu_host.sh STEP ...
 #
 # Steps: env, tests, train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
-# bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, bench-async-mps, profile-ipc, megatron (or its halves megatron-loop, megatron-state), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
+# bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, bench-async-mps, profile-ipc, megatron (or its halves megatron-loop, megatron-state; megatron-2gpu: TP/PP = 2 on a two-GPU host), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); STARTUP05_RUNS, STARTUP05_ARGS, STARTUP05_TAG (startup-0.5b: its runs share one fresh compile cache, so the first is cold and the rest warm); MEM_GIB, MEM_CYCLES, MEM100_GIB
 # (bench-memory*); SYNC_MODELS, SYNC_MODES, SYNC_SOURCES, SYNC_ARGS (bench-sync); TRAINER_ARGS, TRAINER_TAG
@@ -68,9 +68,9 @@ for s in "$@"; do
       fi
       unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     profile-ipc) TAIL=20 run profile-ipc 120 python3 scripts/profile_ipc.py ;;
-    megatron|megatron-loop|megatron-state)
+    megatron|megatron-loop|megatron-state|megatron-2gpu)
       k=${s#megatron}; k=${k#-}
-      case $k in loop) expr="loop or matches_fsdp" ;; state) expr="pause_resume or checkpoint" ;; *) expr="" ;; esac
+      case $k in loop) expr="loop or matches_fsdp" ;; state) expr="pause_resume or checkpoint" ;; 2gpu) expr="two_gpus" ;; *) expr="" ;; esac
       TAIL=100 run "$s" 600 python3 -m pytest -q -s -m gpu tests/gpu/test_megatron_gpu.py -k "$expr" -p no:cacheprovider -o addopts="" -rfE --durations=6 ;;
     train-megatron) run train-megatron 200 python3 -m tidal.bench.reward_curve --train-backend megatron --num-rollout 40 --output-dir "$OUT/run-megatron" ;;
     *) echo "unknown step $s"; exit 2 ;;

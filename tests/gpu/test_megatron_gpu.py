@@ -17,7 +17,9 @@ memory).
    step next to FSDP2's;
 4. checkpoints (tiny-qwen2): written with and without the distributed optimizer (the first while
    paused, from the host backups), each loaded bit for bit by the other layout and by FSDP2; the HF
-   export loads with transformers.
+   export loads with transformers;
+5. on a host with two GPUs only: TP = 2 and PP = 2 (tiny-qwen2) train like one GPU, through a
+   pause/resume that destroys and rebuilds groups of two ranks.
 """
 
 from __future__ import annotations
@@ -91,6 +93,34 @@ def _start(ray, backend: str, *, model=SHAPE, offload=False, gpus=0.5, **trainer
     )
     info = ray.get(actor.init.remote(), timeout=900)
     return actor, info
+
+
+def _start_ranks(ray, world: int, *, model: str, **trainer) -> list:
+    """``world`` ranks of one Megatron job, one GPU each (``trainer``: the parallel sizes), initialised together."""
+    from tidal.trainer.base import trainer_class
+
+    cls = ray.remote(num_gpus=1, num_cpus=1)(trainer_class("megatron"))
+    kw = dict(lr=1e-5, lr_warmup_steps=1, max_tokens_per_gpu=8192, train_backend="megatron", **trainer)
+    port = _free_port()
+    ranks = [
+        cls.remote(
+            r,
+            world,
+            "127.0.0.1",
+            port,
+            model=ModelConfig(model=model),
+            trainer=TrainerConfig(**kw),
+            algorithm=AlgorithmConfig(),
+            memory=MemoryConfig(
+                offload_train=True, memory_backend="tms", tms_hook_mode="torch", offload_host_memory="release"
+            ),
+            weight_sync=WeightSyncConfig(),
+            device="cuda",
+        )
+        for r in range(world)
+    ]
+    ray.get([a.init.remote() for a in ranks], timeout=900)
+    return ranks
 
 
 def _samples(seed: int, n: int = 16, prompt=(32, 200), response=(16, 128)) -> list[Sample]:
@@ -423,3 +453,45 @@ def test_megatron_checkpoint_loads_in_both_layouts_and_fsdp_and_exports(ray_clus
     model = AutoModelForCausalLM.from_pretrained(out)
     got = {n: tensor_checksum(p.detach()) for n, p in model.named_parameters()}
     assert {k: states["distributed"][k] for k in got} == got
+
+
+# ---- 5. tensor and pipeline parallelism on two GPUs (needs a host with two) ------------------------------
+def test_megatron_tp2_and_pp2_on_two_gpus_train_like_one(ray_cluster):
+    """TP = 2, then PP = 2, over two GPUs (NCCL), with a pause/resume between two rollouts (groups of two ranks
+    destroyed and rebuilt): the same tokens, losses, entropy and gradient norm as one GPU, within bf16 noise."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    ray = ray_cluster
+    results = {}
+    for name, world, sizes in (
+        ("tp1", 1, {}),
+        ("tp2", 2, {"tensor_model_parallel_size": 2}),
+        ("pp2", 2, {"pipeline_model_parallel_size": 2}),
+    ):
+        ranks = _start_ranks(ray, world, model="tiny-qwen2", global_batch_size=8, **sizes)
+        rows = []
+        for i in range(2):
+            if i:
+                ray.get([a.resume.remote() for a in ranks])
+            rows.append(ray.get([a.train.remote(_samples(i), i) for a in ranks])[0])
+            pause = ray.get([a.pause.remote() for a in ranks])[0].metrics
+        results[name] = rows
+        print(
+            f"\n{name}: "
+            + "; ".join(
+                f"loss {m['loss']:.6g} entropy {m['entropy']:.6g} grad_norm {m['grad_norm']:.6g}"
+                f" train {m['train_s']:.2f} s"
+                for m in rows
+            )
+            + f"; groups destroyed {pause.get('memory/trainer_pause/groups_released')}"
+        )
+        for a in ranks:
+            ray.kill(a)
+    for name in ("tp2", "pp2"):
+        for got, one in zip(results[name], results["tp1"]):
+            assert got["tokens"] == one["tokens"] and got["optimizer_steps"] == one["optimizer_steps"], name
+            assert abs(got["entropy"] - one["entropy"]) < 0.01 * max(1.0, abs(one["entropy"])), (name, got, one)
+            assert abs(got["loss"] - one["loss"]) < 0.01 * max(0.1, abs(one["loss"])), (name, got, one)
+            assert abs(got["grad_norm"] - one["grad_norm"]) < 0.05 * one["grad_norm"], (name, got, one)
