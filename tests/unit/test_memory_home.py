@@ -80,7 +80,7 @@ def test_a_storage_with_users_not_given_is_swapped_or_refused(can_swap):
         hidden.fill_(7)
         assert a[1:3].tolist() == [7.0, 7.0] and a.untyped_storage().data_ptr() != ptrs[0]
     else:
-        with pytest.raises(UserError, match="2 tensors use a storage of 24 bytes, 1 given.*_swap_data_ptr_"):
+        with pytest.raises(UserError, match="may use \\(2 tensors use a storage of 24 bytes, 1 given.*_swap_data_ptr_"):
             rehome([other, a], region)
         assert region.entered == 0
         assert (a.untyped_storage().data_ptr(), other.untyped_storage().data_ptr()) == ptrs, "nothing moved"
@@ -120,3 +120,14 @@ def test_adopted_optimizer_state_trains_bit_for_bit_like_state_left_in_place(can
     assert all(p == (after, after) for p in ptrs[1:]), "adopted state is not moved again"
     replaced = [torch.zeros(3)]  # state replaced (a checkpoint load makes new tensors) is adopted again
     assert adopter.adopt(replaced) == 12 and adopter.adopt(replaced) == 0
+
+
+def test_a_torch_without_use_counts_moves_only_by_swapping(can_swap, monkeypatch):
+    """Where torch cannot count a storage's users, re-pointing could break sharing unseen: swap, or refuse."""
+    monkeypatch.setattr(home, "_HAS_USE_COUNT", False)
+    state = torch.ones(4)
+    if can_swap:
+        assert rehome([state], _Region()) == 16 and torch.equal(state, torch.ones(4))
+    else:
+        with pytest.raises(UserError, match="an unknown number of tensors"):
+            rehome([state], _Region())

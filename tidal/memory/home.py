@@ -45,18 +45,23 @@ Region = Callable[[], contextlib.AbstractContextManager]
 CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
+# Long in CUDA builds (CUDA graphs use it), in CPU builds since later releases.
+_HAS_USE_COUNT = hasattr(torch._C, "_storage_Use_Count")
+
+
 def _use_count(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 # A storage's use count with one tensor on it; what else holds a storage (its Python object, where
 # kept) differs between torch releases.
-_ONE_TENSOR = _use_count(torch.empty(1))
+_ONE_TENSOR = _use_count(torch.empty(1)) if _HAS_USE_COUNT else 1
 
 
-def storage_users(t: torch.Tensor) -> int:
-    """How many tensors (views and aliases included, wherever held) use ``t``'s storage."""
-    return _use_count(t) - _ONE_TENSOR + 1
+def storage_users(t: torch.Tensor) -> int | None:
+    """How many tensors (views and aliases included, wherever held) use ``t``'s storage; None where this
+    torch cannot tell (then only the swap can move it)."""
+    return _use_count(t) - _ONE_TENSOR + 1 if _HAS_USE_COUNT else None
 
 
 def _by_storage(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -88,9 +93,10 @@ def rehome(
     partial = [(g, n) for g, n in partial if n != len(g)]
     if partial and not CAN_SWAP:
         g, n = partial[0]
+        users = "an unknown number of" if n is None else str(n)
         raise UserError(
-            f"this torch ({torch.__version__}) cannot move a memory block that tensors not given to it also use "
-            f"({n} tensors use a storage of {g[0].untyped_storage().nbytes()} bytes, {len(g)} given; "
+            f"this torch ({torch.__version__}) cannot move a memory block that tensors not given to it may use "
+            f"({users} tensors use a storage of {g[0].untyped_storage().nbytes()} bytes, {len(g)} given; "
             f"no UntypedStorage._swap_data_ptr_): use a torch release that has it, or {hint}"
         )
     swap = {id(g) for g, _ in partial}
