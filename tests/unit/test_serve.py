@@ -25,6 +25,8 @@ import torch
 import xxhash
 from serve_process import serve_process
 
+from tidal.rollout.types import Sample, SamplingParams
+
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -215,8 +217,7 @@ def test_pause_modes_and_rows_joining_a_running_step(server):
     with ThreadPoolExecutor(2) as pool:
         try:
             _retract(pool, server)
-            _admission(pool, server)
-            _abort(pool, server)
+            _admission_then_abort(pool, server)
         finally:
             server.post("/continue_generation")  # a failed check leaves nothing held for the tests after it
 
@@ -250,13 +251,22 @@ def _retract(pool, server) -> None:
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
 
 
-def _admission(pool, server) -> None:
+def _admission_then_abort(pool, server) -> None:
     """A request arriving while a step runs joins it: the step is cut once it ran 0.2 s (``cut_for:
-    admission``) and both are served by the next step."""
+    admission``) and both run in the next step. An abort pause then answers both at once, from that step, with
+    the tokens they had and an ``abort`` finish reason; a request sent while paused waits for continue."""
     third = _long(pool, server, [1, 5, 6])
     _until(server, lambda s: s["running_rows"] == 1, "a running step")
     fourth = _long(pool, server, [1, 9])
-    c, d = _whole(third.result(timeout=120).json()), _whole(fourth.result(timeout=120).json())
+    _until(server, lambda s: s["running_rows"] == 2, "the step both requests run in")
+    time.sleep(0.1)  # past the prefill: both rows have tokens when they are cut
+    assert server.post("/pause_generation", json={"mode": "abort"}).json()["num_aborted_requests"] == 2
+    outs = [third.result(timeout=10).json(), fourth.result(timeout=10).json()]
+    for out in outs:
+        meta = out["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort" and 0 < meta["completion_tokens"] < 220
+        assert len(out["output_ids"]) == len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    c, d = (o["meta_info"] for o in outs)
     assert c["engine_step"] == d["engine_step"] and d["engine_step_requests"] == 2
     state = _internal(server)
     assert state["gc_enabled"]  # the collector, off during a step, is on again once its replies are out
@@ -264,23 +274,44 @@ def _admission(pool, server) -> None:
     joined = steps[c["engine_step"] - 1]
     assert (joined["rows"], joined["cut_rows"], joined["cut_for"]) == (1, 1, "admission")
 
-
-def _abort(pool, server) -> None:
-    """The running request is answered at once with the tokens it had and an ``abort`` finish reason; a request
-    sent while paused waits for continue."""
-    fifth = _long(pool, server, [1, 5, 6])
-    _until(server, lambda s: s["running_rows"] == 1, "a running step")
-    time.sleep(0.15)  # past the prefill: the row has tokens when it is cut
-    assert server.post("/pause_generation", json={"mode": "abort"}).json()["num_aborted_requests"] == 1
-    e = fifth.result(timeout=10).json()
-    meta = e["meta_info"]
-    assert meta["finish_reason"]["type"] == "abort" and 0 < meta["completion_tokens"] < 220
-    assert len(e["output_ids"]) == len(meta["output_token_logprobs"]) == meta["completion_tokens"]
     body = {"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 2}}
     later = pool.submit(server.post, "/generate", json=body)
     _until(server, lambda s: s["queued"] == 1, "a request held by the pause")
     server.post("/continue_generation")
     assert later.result(timeout=60).json()["meta_info"]["finish_reason"]["type"] != "abort"
+
+    # tidal's HTTP engine through the same pause: its requests come back aborted, are sent again, held by the
+    # paused server, and answered whole after continue.
+    engine = _http_engine(server)
+    sample = Sample(index=0, group=0, prompt=None, prompt_ids=[1, 5, 6])
+    done = pool.submit(engine.generate, [sample], SamplingParams(temperature=1.0, max_new_tokens=60, seed=3))
+    _until(server, lambda s: s["running_rows"] == 1, "a running step")
+    engine.pause_generation()
+    _until(server, lambda s: s["queued"] == 1, "the engine's request sent again and held")
+    engine.continue_generation()
+    (out,) = done.result(timeout=60)
+    assert out.status in ("completed", "truncated") and len(out.response_ids) == len(out.response_logprobs) > 0
+
+
+def _http_engine(server):
+    from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, WeightSyncConfig
+    from tidal.rollout.http_engine import HttpEngineActor
+
+    address = str(server.base_url).removeprefix("http://")
+    rollout = RolloutConfig(
+        rollout_engine="sglang", rollout_external_engine_addrs=[address], rollout_engine_api_key=KEY
+    )
+    engine = HttpEngineActor(
+        0,
+        model=ModelConfig(),
+        rollout=rollout,
+        memory=MemoryConfig(),
+        weight_sync=WeightSyncConfig(),
+        device="cpu",
+        address=address,
+    )
+    engine.init()
+    return engine
 
 
 def test_update_weights_from_tensor_direct_and_flattened(server):

@@ -149,7 +149,10 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def pause_generation(self) -> None:
-        """Stop taking new generate work until ``continue_generation`` (in-flight requests finish)."""
+        """Stop generating until ``continue_generation``. The embedded engine cuts a running ``generate`` at its
+        next step boundary (rows cut short come back ``aborted``, to be continued by a later call); an HTTP
+        engine asks its server for SGLang's ``abort`` mode (requests in flight come back aborted, and its
+        ``generate`` sends them again, answered once the server continues)."""
 
     @abc.abstractmethod
     def continue_generation(self) -> None:

@@ -340,6 +340,8 @@ class HttpEngineActor(RolloutEngine):
                 time.sleep(0.2)
 
     def pause_generation(self) -> None:
+        """SGLang's ``abort`` mode: the server answers what it is generating as aborted (``generate`` sends
+        those requests again; the server holds them until ``continue_generation``)."""
         self._c().post("/pause_generation", {"mode": "abort"})
 
     def continue_generation(self) -> None:
