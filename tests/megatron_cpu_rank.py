@@ -12,7 +12,13 @@ not hidden/heads) it builds the Hugging Face model from the shared seed, builds 
    only) equal the HF model's, and tidal's vocab-parallel log-probs and entropy on the shards equal
    the full-vocabulary ones (with their gradients w.r.t. the logits);
 3. with TP > 1, for the first architecture: Megatron's process groups destroyed and rebuilt as around
-   a pause (``tidal.trainer.megatron.groups``), no reference to an old group left, the same logits.
+   a pause (``tidal.trainer.megatron.groups``), no reference to an old group left, the same logits;
+4. with TP = 2 over two ranks, the training path itself, in the same processes: ``MegatronTrainer.train``
+   on ``tests/megatron_cpu_train.py``'s seeded ``tiny-qwen2`` (tied embeddings), sections and two
+   rollouts, with a pause/resume between them (groups of two ranks destroyed and rebuilt), laid out
+   as two data-parallel ranks, then TP = 2 (vocabulary-parallel log-probs, sharded QKV/MLP, the
+   gradient norm over both shards), then two pipeline stages (activations sent between them, the
+   tied embedding's gradient summed across the first and last stage); each layout's metrics.
 
 Megatron's forward looks up ``torch.cuda.current_device()`` for its rotary table and forks its
 CUDA RNG tracker around attention dropout; on a CPU-only host both are redirected (device "cpu", a
@@ -31,6 +37,8 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # megatron_cpu_train's sections and samples
 
 
 def hf_models(only=None):
@@ -159,6 +167,43 @@ def release_and_rebuild(stage, forward, logits) -> dict:
     }
 
 
+TRAIN_LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+
+
+def train_layouts(rank: int, port: int) -> dict:
+    """Step 4 of the module docstring: rank 0's metrics of two rollouts per layout (other ranks: empty)."""
+    from megatron.core import parallel_state as ps
+    from megatron_cpu_train import _metrics, _redirect_cuda_devices, _samples, _sections
+
+    from tidal.memory import home
+    from tidal.trainer.megatron.trainer import MegatronTrainer
+
+    _redirect_cuda_devices()  # Megatron's DDP, optimizer and schedule ask for CUDA in a few more places
+    home.CAN_SWAP = False  # memory moved into its regions as on torch 2.11
+    out = {}
+    for name, (tp, pp) in TRAIN_LAYOUTS.items():
+        ps.destroy_model_parallel()
+        sections = _sections("megatron")
+        sections["trainer"].tensor_model_parallel_size = tp
+        sections["trainer"].pipeline_model_parallel_size = pp
+        tr = MegatronTrainer(rank, 2, "127.0.0.1", port, release_process_groups=True, **sections)
+        tr._place()
+        tr._parallel_state()
+        tr.build()
+        rows = []
+        for i, gbs in enumerate((None, 8)):  # as megatron_cpu_train: one optimizer step, then two
+            tr.cfg.global_batch_size = gbs
+            if i:
+                tr.resume()
+            m = tr.train(_samples(i), i)
+            rows.append(_metrics(m) if rank == 0 else {})  # rank 0 returns the metrics reduced over ranks
+            tr.pause()
+        tr.resume()
+        out[name] = rows
+        del tr
+    return out
+
+
 def main() -> None:
     rank, world, tp, pp, port, out_path = sys.argv[1:7]
     only = sys.argv[7].split(",") if len(sys.argv) > 7 else None
@@ -187,6 +232,7 @@ def main() -> None:
         stages = Topology(rank=rank, tp=1, cp=1, dp=1, pp=2)
         for name, hf in hf_models([n for n in (only or ["llama", "qwen2"]) if n != "qwen3"]):
             results[f"{name}/pp2"] = check(name, hf, stages, 1, 2, dist.group.WORLD)
+        results["train"] = train_layouts(rank, int(port))
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

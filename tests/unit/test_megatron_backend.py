@@ -102,8 +102,8 @@ def test_megatron_trains_like_fsdp_on_cpu(tmp_path):
     (tests/megatron_cpu_train.py): the same seeded start, the same metrics for a one-step and a two-step
     rollout with a KL reference, weights within fp32 noise after three AdamW steps; pause/resume and
     save/load bit-exact; the FSDP2 backend loads the Megatron checkpoint bit for bit; memory moved into its
-    regions without torch's block swap; the distributed optimizer trains like the plain one; and two ranks with
-    TP = 2, then PP = 2, train like the one rank."""
+    regions without torch's block swap; the distributed optimizer trains like the plain one. (Two ranks with
+    DP, TP and PP = 2: test_megatron_layout.py.)"""
     import json
     import os
     import socket
@@ -111,24 +111,9 @@ def test_megatron_trains_like_fsdp_on_cpu(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out, parallel_out = tmp_path / "result.json", tmp_path / "parallel.json"
+    out = tmp_path / "result.json"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        parallel_port = s.getsockname()[1]
-    # Two more ranks at the same time: tensor parallelism 2, then two pipeline stages (tests/megatron_cpu_parallel.py).
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, os.path.join(root, "tests", "megatron_cpu_parallel.py"), str(r), str(parallel_port)]
-            + [str(parallel_out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
     r = subprocess.run(
         [sys.executable, os.path.join(root, "tests", "megatron_cpu_train.py"), str(port), str(out)],
         env=env,
@@ -136,9 +121,7 @@ def test_megatron_trains_like_fsdp_on_cpu(tmp_path):
         text=True,
         timeout=300,
     )
-    logs = [p.communicate(timeout=300)[0] for p in ranks]
     assert r.returncode == 0, r.stderr[-4000:]
-    assert all(p.returncode == 0 for p in ranks), "\n".join(log[-3000:] for log in logs)
     res = json.loads(out.read_text())
     assert res["start_equal"]
     for meg, fsdp in res["rollouts"]:
@@ -157,15 +140,6 @@ def test_megatron_trains_like_fsdp_on_cpu(tmp_path):
     dist_opt = res["distributed_optimizer"]
     assert dist_opt["param_buffers_moved"] > 0
     assert dist_opt["rollouts"] == [meg for meg, _ in res["rollouts"]]
-    # TP = 2 and PP = 2 over two ranks (groups of two destroyed and rebuilt between the rollouts) train like one
-    # rank: the same tokens and steps, losses, entropy and the gradient norm over every shard.
-    parallel = json.loads(parallel_out.read_text())
-    assert sorted(parallel) == ["pp2", "tp2"]
-    for layout, rollouts in parallel.items():
-        for got, (one, _) in zip(rollouts, res["rollouts"], strict=True):
-            assert got["tokens"] == one["tokens"] and got["optimizer_steps"] == one["optimizer_steps"], layout
-            for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
-                assert abs(got[k] - one[k]) <= 1e-5 * max(1.0, abs(one[k])), (layout, k, got[k], one[k])
     # Megatron's process groups: destroyed at the pause, rebuilt at the resume, no reference to an old one
     # left anywhere, and the rollout after the resume (above) trained like FSDP2's through the new ones.
     groups = res["groups"]

@@ -232,10 +232,21 @@ def test_megatron_gpt_model_on_cpu_matches_hf(tmp_path):
     """Megatron's own GPTModel (local spec, CPU init, TP = 2 over gloo): HF -> Megatron -> HF bit for bit
     through the weight source, logits equal to the HF model's, vocab-parallel log-probs/entropy and their
     gradients equal to the full-vocabulary ones, for all three architectures; Megatron's groups destroyed and
-    rebuilt as around a pause with nothing left pointing at an old one; then PP = 2 (round trip)."""
+    rebuilt as around a pause with nothing left pointing at an old one; then PP = 2 (round trip); then
+    MegatronTrainer.train over the two ranks as DP = 2, TP = 2 and PP = 2, the three alike."""
     archs = "llama,qwen2,qwen3"
     results = _run_ranks(tmp_path, world=2, tp=2, pp=1, archs=archs)
-    assert sorted(results) == ["llama", "llama/pp2", "qwen2", "qwen2/pp2", "qwen3"]
+    assert sorted(results) == ["llama", "llama/pp2", "qwen2", "qwen2/pp2", "qwen3", "train"]
+    # The training path over two ranks: TP = 2 and two pipeline stages train like two data-parallel ranks (the
+    # same tokens and steps, losses, entropy, gradient norm over every shard), through a pause/resume each.
+    train = results.pop("train")
+    assert sorted(train) == ["dp2", "pp2", "tp2"]
+    for layout in ("tp2", "pp2"):
+        for got, ref in zip(train[layout], train["dp2"], strict=True):
+            assert got["tokens"] == ref["tokens"] and got["optimizer_steps"] == ref["optimizer_steps"], layout
+            for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
+                assert abs(got[k] - ref[k]) <= 1e-5 * max(1.0, abs(ref[k])), (layout, k, got[k], ref[k])
+    assert train["dp2"][1]["kl"] > 0 and train["dp2"][1]["optimizer_steps"] == 2
     for name in ("llama/pp2", "qwen2/pp2"):  # two pipeline stages: the round trip only
         r = results.pop(name)
         assert r["names_equal"] and r["bitwise"], name
