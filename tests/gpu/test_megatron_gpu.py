@@ -5,8 +5,8 @@ Run on the GPU host: ``pytest -m gpu -s tests/gpu/test_megatron_gpu.py`` (needs 
 memory).
 
 1. the colocated loop with ``--train-backend megatron --offload`` learns the default task, syncing
-   weights the engines agree with (``logprob_diff``) from the paused trainer's backups, its process
-   groups destroyed and rebuilt around every pause;
+   weights the engines agree with (``logprob_diff``; delta syncs, the first checked bit for bit) from
+   the paused trainer's backups, its process groups destroyed and rebuilt around every pause;
 2. on identical weights and one batch (Qwen2.5-0.5B shape): log-probs and entropy, gradients of the
    same loss, and one training step's metrics against the FSDP2 backend (max and mean |diff|), and the
    step time of each on 64 samples of 32 + 256 tokens;
@@ -226,7 +226,18 @@ def _train_cli(tmp_path, name: str, *args: str) -> list[dict]:
 
 
 def test_megatron_loop_learns_the_default_task_with_offload(tmp_path):
-    rows = _train_cli(tmp_path, "learn", "--num-rollout", "40", "--offload")
+    # Delta syncs (changed bytes only) of the HF-named weights read from the paused trainer's backups; the first
+    # sync is checked bit for bit against engine weights randomised at the start.
+    rows = _train_cli(
+        tmp_path,
+        "learn",
+        "--num-rollout",
+        "40",
+        "--offload",
+        "--update-weight-mode",
+        "delta",
+        "--check-weight-update-equal",
+    )
     rewards = [r["reward_mean"] for r in rows]
     start, end = sum(rewards[:3]) / 3, max(sum(rewards[i - 2 : i + 1]) / 3 for i in range(2, len(rewards)))
     diffs = [r.get("logprob_diff", 0.0) for r in rows]
