@@ -99,3 +99,13 @@ def test_actors_need_no_runtime_env_when_the_cluster_already_has_their_variables
     assert opts["runtime_env"]["env_vars"]["LD_PRELOAD"] == "/x.so"
     placement.cluster_env = None  # a joined cluster: every actor says what it needs
     assert "runtime_env" in actor_options(placement, slot, {})
+
+
+def test_cpu_actors_wait_passively_unless_the_user_chose(monkeypatch):
+    cpu = Placement(colocated=True, device="cpu", bundles=[{"CPU": 1}], trainers=[], engines=[])
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert worker_env(cpu)["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert worker_env(cpu)["OMP_WAIT_POLICY"] == "ACTIVE"
+    gpu = Placement(colocated=True, device="cuda", bundles=[{"CPU": 1, "GPU": 1}], trainers=[], engines=[])
+    assert "OMP_WAIT_POLICY" not in worker_env(gpu)
