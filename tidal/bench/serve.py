@@ -29,7 +29,10 @@ the decode loop for the GIL) and the seconds in the garbage collector during the
 (``inproc_gc_seconds``, ``http_gc_seconds_during_step``; the server runs its steps with the collector
 off), and the fast decoder's own figures in both (``inproc_decoder``, ``http_decoder``: prefill and
 decode-loop seconds, decode steps, CUDA graph captures; the rest of a step is the engine's work
-around the decoder). Then the same split as lines, next to the in-process seconds.
+around the decoder), and the in-process engine's tokens/s when called from a thread that is not the
+main one, as the server's engine thread is (``inproc_thread_tokens_per_s``, and the overhead against
+it, ``http_overhead_vs_thread``: on a busy CPU host torch's intra-op threads slow the main thread's
+call, not a worker thread's). Then the same split as lines, next to the in-process seconds.
 Response tokens are counted after cutting at EOS, as the engine returns them.
 """
 
@@ -85,6 +88,17 @@ def _inproc_once(engine, prompts, args) -> tuple[float, float, float, dict]:
     seconds = time.perf_counter() - t0
     rate = sum(len(s.response_ids) for s in out) / seconds
     return rate, time.thread_time() - c0, GcClock.seconds - gc0, decode_figures(engine)
+
+
+def _on_a_thread(engine, prompts, args) -> float:
+    """Tokens/s of ``_inproc_once`` run in a new thread."""
+    import threading
+
+    got: list = []
+    worker = threading.Thread(target=lambda: got.append(_inproc_once(engine, prompts, args)))
+    worker.start()
+    worker.join()
+    return got[0][0]
 
 
 def _start_server(args, device: str) -> tuple[subprocess.Popen, str]:
@@ -250,11 +264,15 @@ def measure(args, device: str) -> dict:
                 got = _http_once(url, clients)
                 if best is None or got["rate"] > best["rate"]:
                     best = got
+        # The same in-process generate from a thread that is not the main one (as the server's engine thread
+        # is), once per repeat: whether running the engine off the main thread alone costs anything.
+        threaded = max(_on_a_thread(engine, prompts, args) for _ in range(args.repeats))
         return {
             "inproc": inproc[0],
             "inproc_cpu_s": inproc[1],
             "inproc_gc_s": inproc[2],
             "inproc_decoder": inproc[3],
+            "inproc_thread": threaded,
             "http": best["rate"],
             **best,
         }
@@ -295,8 +313,12 @@ def main(argv: list[str] | None = None) -> int:
         "new_tokens": args.new_tokens,
         "client_procs": max(1, min(args.client_procs, args.requests)),
         "inproc_tokens_per_s": round(inproc, 1),
+        "inproc_thread_tokens_per_s": round(m["inproc_thread"], 1),
         "http_tokens_per_s": round(http, 1),
         "http_overhead": round(1 - http / inproc, 4),
+        # Against the in-process engine called from a non-main thread, as the server's engine thread calls it
+        # (on a busy CPU host torch's intra-op threads make the main thread's call the slower one).
+        "http_overhead_vs_thread": round(1 - http / m["inproc_thread"], 4),
         "goal_overhead": GOAL_OVERHEAD,
         "http_engine_steps": len(step_rows),
         "http_step_rows": step_rows,
@@ -344,6 +366,11 @@ def _table(row: dict) -> str:
         f"{row['http_gc_seconds_during_step']:.4f} s (in-process {row['inproc_gc_seconds']:.4f} s)"
     )
     lines.append(f"  fast decoder: in-process {row['inproc_decoder']}, HTTP {row['http_decoder']}")
+    lines.append(
+        f"  in-process from a thread that is not the main one: {row['inproc_thread_tokens_per_s']:.0f} tok/s "
+        f"(from the main thread {row['inproc_tokens_per_s']:.0f}): HTTP overhead against it "
+        f"{100 * row['http_overhead_vs_thread']:.1f} %"
+    )
     return "\n".join(lines)
 
 
