@@ -204,6 +204,7 @@ class Full(_Loop):
                     break
                 self.pump()
         groups = self.buffer.take(self.r.rollout_batch_size)
+        self.fill()  # the room the batch left: the engines generate while it trains
 
         def keep_generating(refs):
             import ray
@@ -221,8 +222,9 @@ class Full(_Loop):
             self.buffer.put(self.collect(self.flight.drain()))
         with t("sync", s.display):  # no call starts during the sync
             metrics["_sync"] = self.sync()
-        self.flight.resume()
-        self.fill()
+        if rollout_id + 1 < self.r.num_rollout:  # after the last step nothing would use them
+            self.flight.resume()
+            self.fill()
         metrics["async/paused_groups"], self.flight.paused_groups = self.flight.paused_groups, 0
         metrics.update(
             {

@@ -13,6 +13,10 @@ that dies mid-run); ``--hang-on-generate K[,K2...]`` makes it answer nothing, ``
 ``--hang-seconds`` from the K-th request on, then answer again (an engine that stops answering for a
 while). ``--tidal-extras`` adds ``GET /weight_checksums`` and ``POST /randomize_weights``
 (xxh3-128 of each tensor's bytes; what ``tidal serve`` offers for ``--check-weight-update-equal``).
+``POST /abort_request`` (``abort_all`` or a ``rid``) stops the requests running at their next token,
+each answered with the tokens it has and finish reason ``abort``; ``POST /toy_pace`` and
+``GET /generate_bodies`` are the tests' own (seconds per token, and every N-th request from then on
+waiting after its first token until an abort; the /generate bodies received).
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ VOCAB = 64
 def build_app(args) -> FastAPI:
     app = FastAPI()
     state = {"version": "default", "weights": {}, "released": set(), "generates": 0, "groups": {}, "group_calls": []}
+    # /abort_request: every request running when an abort comes stops at its next token (``aborts`` counts them);
+    # ``token_seconds`` (POST /toy_pace, the tests' own) makes each token take that long, so one can be caught.
+    # ``hold_every`` N (also /toy_pace): every N-th /generate from then on waits after its first token until an abort.
+    state.update(aborts=0, token_seconds=0.0, generate_bodies=[], tokens=0, hold_every=0, paced=0)
     lock = threading.Lock()
 
     @app.middleware("http")
@@ -68,13 +76,51 @@ def build_app(args) -> FastAPI:
             state["hung"] = False
         if state["released"]:
             raise HTTPException(400, f"memory released: {sorted(state['released'])}")
+        state["generate_bodies"].append(body)
         ids = body["input_ids"]
         batched = bool(ids) and isinstance(ids[0], list)
         prompts = ids if batched else [ids]
         params = body.get("sampling_params") or {}
         params = params if isinstance(params, list) else [params] * len(prompts)
-        out = [_one(p, sp, bool(body.get("return_logprob")), state["version"]) for p, sp in zip(prompts, params)]
+        epoch = state["aborts"]
+        state["paced"] += 1
+        hold = bool(state["hold_every"]) and state["paced"] % state["hold_every"] == 0
+        made = [0]
+
+        def aborted() -> bool:
+            if state["token_seconds"]:
+                time.sleep(state["token_seconds"])
+            deadline = time.monotonic() + 60
+            while hold and made[0] == 1 and state["aborts"] == epoch and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if state["aborts"] != epoch:
+                return True
+            state["tokens"] += 1
+            made[0] += 1
+            return False
+
+        logprob = bool(body.get("return_logprob"))
+        out = [_one(p, sp, logprob, state["version"], aborted) for p, sp in zip(prompts, params)]
         return out if batched else out[0]
+
+    @app.post("/abort_request")
+    def abort(body: dict):
+        if not body.get("abort_all") and not body.get("rid"):
+            return JSONResponse({"error": "give rid or abort_all"}, status_code=400)
+        state["aborts"] += 1
+        return {}
+
+    @app.post("/toy_pace")
+    def pace(body: dict):
+        """For the tests (not SGLang's): seconds each generated token takes."""
+        state["token_seconds"] = float(body.get("token_seconds", 0.0))
+        state["hold_every"], state["paced"] = int(body.get("hold_every", 0)), 0
+        return {}
+
+    @app.get("/generate_bodies")
+    def generate_bodies():
+        """For the tests (not SGLang's): every /generate body received, in order, and tokens generated so far."""
+        return {"bodies": state["generate_bodies"], "tokens": state["tokens"]}
 
     @app.post("/release_memory_occupation")
     def release(body: dict):
@@ -198,11 +244,16 @@ def build_app(args) -> FastAPI:
     return app
 
 
-def _one(prompt: list[int], sp: dict, logprob: bool, version: str) -> dict:
-    """A deterministic toy continuation: token k is (sum(prompt) + 7k) mod VOCAB."""
+def _one(prompt: list[int], sp: dict, logprob: bool, version: str, aborted=lambda: False) -> dict:
+    """A deterministic toy continuation: token k is (sum(prompt) + 7k) mod VOCAB. A request aborted part-way
+    ends with what it has and finish reason ``abort`` (SGLang answers an aborted request so, log-probs and
+    weight version included)."""
     stop_ids = set(sp.get("stop_token_ids") or [])
     out, reason = [], {"type": "length", "length": sp.get("max_new_tokens", 16)}
     for k in range(int(sp.get("max_new_tokens", 16))):
+        if aborted():
+            reason = {"type": "abort", "message": "Abort in running batch"}
+            break
         tok = (sum(prompt) + 7 * k) % VOCAB
         out.append(tok)
         if tok in stop_ids:

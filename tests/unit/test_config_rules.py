@@ -1023,7 +1023,12 @@ def test_explain_does_not_show_api_keys():
             CPU,
             {"partial_rollout": True, "custom_generate_function_path": "m:f"},
         ),
-        (["--async", "full", "--partial-rollout", "--task", "guess"], CPU, "not with a multi-turn environment"),
+        (["--async", "full", "--partial-rollout", "--task", "guess"], CPU, "not a multi-turn environment"),
+        (
+            ["--async", "full", "--partial-rollout", "--rollout-engine", "sglang"],
+            CPU,
+            {"partial_rollout": True, "rollout_engine": "sglang"},
+        ),
         (["--async", "full", "--debug-rollout-only"], CPU, "--debug-rollout-only has none"),
         # Colocated by choice: both resident; an explicit offload is refused in one line.
         (["--async", "one-step", "--colocate"], CPU, {"colocate": True, "offload_train": False}),

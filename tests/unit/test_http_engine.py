@@ -121,6 +121,52 @@ def test_generate_fills_samples_from_sglang_shapes(server):
     assert len(eng.generate(_samples(2), SamplingParams(max_new_tokens=2))) == 2
 
 
+def test_partial_rollout_aborts_requests_and_continues_them_from_their_tokens(server):
+    """``--partial-rollout`` over SGLang's protocol: ``pause_generation`` aborts the request in flight
+    (``/abort_request`` with ``abort_all``, as slime does); the rows come back ``aborted`` with the tokens and
+    log-probs the server returned; the next call sends prompt + response so far with the budget left, on
+    the new weight version, and appends (each token's version recorded)."""
+    import threading
+
+    eng = _engine(server.address, partial_rollout=True)
+    post = lambda path, body: httpx.post(f"http://{server.address}{path}", json=body).raise_for_status()  # noqa: E731
+    progress = lambda: httpx.get(f"http://{server.address}/generate_bodies").json()  # noqa: E731
+    post("/update_weight_version", {"new_version": "5"})
+    eng.get_weight_version()
+    post("/toy_pace", {"token_seconds": 0.05})
+    samples, sampling = _samples(3), SamplingParams(max_new_tokens=8)
+    before = progress()
+    call = threading.Thread(target=eng.generate, args=(samples, sampling))
+    call.start()
+    for _ in range(400):  # the first row has a token or two: then the pause
+        if progress()["tokens"] >= before["tokens"] + 2:
+            break
+        time.sleep(0.01)
+    eng.pause_generation()
+    call.join(30)
+    post("/toy_pace", {"token_seconds": 0.0})
+    first = samples[0].response_ids
+    assert all(s.status == "aborted" for s in samples) and 2 <= len(first) < 8, [s.response_ids for s in samples]
+    assert first == [(6 + 7 * k) % 64 for k in range(len(first))]  # the toy server's tokens for prompt [1, 2, 3]
+    assert samples[0].response_logprobs == pytest.approx([-0.1 * (1 + t % 5) for t in first])
+    assert samples[0].weight_version == 5 and not samples[1].response_ids and not samples[2].response_ids
+    sent = len(progress()["bodies"])
+    assert eng.generate(samples, sampling) is samples and len(progress()["bodies"]) == sent  # paused: not sent
+    post("/update_weight_version", {"new_version": "6"})
+    eng.continue_generation()
+    eng.generate(samples, sampling)
+    body = progress()["bodies"][-1]
+    k = len(first)
+    assert body["input_ids"][0] == [1, 2, 3, *first] and body["input_ids"][1] == [2, 2, 3]
+    assert [sp["max_new_tokens"] for sp in body["sampling_params"]] == [8 - k, 8, 8]
+    rest = [(6 + sum(first) + 7 * j) % 64 for j in range(8 - k)]
+    assert samples[0].response_ids == first + rest and samples[0].status == "truncated"
+    assert samples[0].response_versions == [5] * k + [6] * (8 - k) and samples[0].weight_version == 5
+    assert len(samples[0].response_logprobs) == 8 and samples[0].response_text.count(" ") == 6
+    assert samples[1].weight_version == 6 and not samples[1].response_versions and len(samples[1].response_ids) == 8
+    post("/update_weight_version", {"new_version": "default"})
+
+
 def test_bad_addresses_and_replies_are_one_line(server, tmp_path):
     dead = f"127.0.0.1:{_free_port()}"
     with pytest.raises(UserError) as exc:
@@ -355,6 +401,28 @@ def test_broadcast_in_sglang_layout_to_the_sglang_shaped_server(ray_cluster, ser
     assert got == {n: tensor_checksum(t) for n, t in weights.items()}
     strategy.close()
     assert [c[0] for c in httpx.get(f"http://{server.address}/group_calls").json()] == ["init", "destroy"]
+
+
+@pytest.mark.slow
+def test_full_loop_with_partial_rollout_over_sglang_protocol(ray_cluster, server, tmp_path):
+    """``--async full --partial-rollout`` with an HTTP engine: the SGLang-shaped server holds every second
+    request after its first token until an abort, so each sync finds a request in flight; it is aborted,
+    continued from its tokens on the new weights, and trained with its tokens' versions."""
+    pace = lambda body: httpx.post(f"http://{server.address}/toy_pace", json=body).raise_for_status()  # noqa: E731
+    pace({"hold_every": 2})
+    try:
+        rows = _train(
+            tmp_path, "--rollout-external-engine-addrs", server.address, "--async", "full", "--partial-rollout",
+            "--num-rollout", "3", "--rollout-max-response-len", "6", "--log-samples", "8",
+        )  # fmt: skip
+    finally:
+        pace({})
+    recs = [json.loads(x) for x in open(tmp_path / "run" / "samples.jsonl")]
+    assert [r["async/paused_groups"] for r in rows] == [2, 2, 2]  # the held request, at every sync
+    assert [r["async/partial_samples"] for r in rows] == [0, 1, 1]  # its first row: one token on the old weights
+    spans = [x["response_versions"] for x in recs if "response_versions" in x]
+    held = {r["step"]: r["async/trainer_version"] for r in rows}
+    assert spans == [[[v - 1, 1], [v, 5]] for v in (held[1], held[2])], spans
 
 
 @pytest.mark.slow

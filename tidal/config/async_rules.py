@@ -10,9 +10,9 @@ rule and the offload decision, because they settle placement and offload:
 - Samples come from older weights, so the engine's log-probs are the behaviour policy: without
   ``--use-tis`` or ``--use-rollout-logprobs`` given, ``--use-tis`` is derived (an explicit
   ``--no-use-tis`` is kept).
-- ``--partial-rollout`` (full only; the embedded engine's generate step, which a custom generate function
-  reaches through ``generate_default``): requests in flight at a sync are paused and continued on the
-  new weights.
+- ``--partial-rollout`` (full only, single-turn; the embedded engine's generate step, which a custom generate
+  function reaches through ``generate_default``, or an HTTP engine's requests): requests in flight at a
+  sync are paused and continued on the new weights.
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ def async_mode(ctx: Context) -> None:
 
 def _partial_rollout(ctx: Context) -> None:
     """``--partial-rollout``: requests in flight at a sync are paused and continued on the new weights. It needs
-    the full loop (one-step waits for its generation before syncing) and the embedded engine's generate step
-    (a custom generate function is paused inside the ``generate_default`` it calls; one that never calls it
-    finishes its call on the old weights, as without the flag)."""
+    the full loop (one-step waits for its generation before syncing) and single generate calls: the embedded
+    engine's generate step (a custom generate function is paused inside the ``generate_default`` it calls; one
+    that never calls it finishes its call on the old weights, as without the flag) or an HTTP engine's
+    requests (aborted and continued from prompt + response so far, as slime does)."""
     from tidal.config.agent_rules import is_multi_turn
 
     r = ctx.cfg.rollout
@@ -76,14 +77,10 @@ def _partial_rollout(ctx: Context) -> None:
             "--partial-rollout continues requests in flight at a weight update; --async one-step has none (it syncs "
             "after its generation ended): use --async full or drop the flag"
         )
-    why = None
-    if r.rollout_engine != "embedded":
-        why = f"--rollout-engine {r.rollout_engine} (continuing an aborted HTTP request is not supported yet)"
-    elif is_multi_turn(ctx.cfg):
-        why = "a multi-turn environment (its turns are whole generate calls)"
-    if why:
+    if is_multi_turn(ctx.cfg):
         raise ConfigError(
-            f"--partial-rollout works with the embedded engine's own generate step, not with {why}; drop it"
+            "--partial-rollout continues single generate calls, not a multi-turn environment (its turns are whole "
+            "generate calls); drop it"
         )
 
 

@@ -188,9 +188,9 @@ class EngineActor(RolloutEngine):
 
 
 class ProbedEngineActor(EngineActor):
-    """``EngineActor`` whose ``health``, ``pid`` and ``pause_generation`` answer from their own concurrency group, beside a running
-    ``generate``: an engine whose process stopped (frozen, or stuck holding the GIL) does not answer, a busy
-    one does. Start it with ``ray.remote(concurrency_groups={"probe": 2})`` (``cluster.groups`` does);
+    """``EngineActor`` whose ``health``, ``pid``, ``pause_generation`` and ``memory_stats`` answer from their own
+    concurrency group, beside a running ``generate``: an engine whose process stopped (frozen, or stuck
+    holding the GIL) does not answer, a busy one does. Start it with ``ray.remote(concurrency_groups={"probe": 2})`` (``cluster.groups`` does);
     ``EngineActor`` itself stays a plain actor class for ``ray.remote`` alone."""
 
     @ray.method(concurrency_group="probe")
@@ -204,3 +204,8 @@ class ProbedEngineActor(EngineActor):
     @ray.method(concurrency_group="probe")
     def pause_generation(self) -> None:
         super().pause_generation()
+
+    @ray.method(concurrency_group="probe")
+    def memory_stats(self) -> dict[str, int]:
+        """Read each step beside the call out (the async loops): waiting behind it would stall every step."""
+        return super().memory_stats()

@@ -152,7 +152,8 @@ class RolloutEngine(abc.ABC):
         """Stop generating until ``continue_generation``. The embedded engine cuts a running ``generate`` at its
         next step boundary (rows cut short come back ``aborted``, to be continued by a later call); an HTTP
         engine asks its server for SGLang's ``abort`` mode (requests in flight come back aborted, and its
-        ``generate`` sends them again, answered once the server continues)."""
+        ``generate`` sends them again, answered once the server continues); with ``--partial-rollout`` it
+        aborts them (``/abort_request``) and returns their rows ``aborted`` with the tokens they had."""
 
     @abc.abstractmethod
     def continue_generation(self) -> None:

@@ -17,8 +17,22 @@ Calls map one to one onto SGLang's endpoints (``docs/engines.md`` has the table)
     update_weights_from_distributed  POST /update_weights_from_distributed {names, dtypes, shapes,
                                   load_format: flattened_bucket}, while the trainer broadcasts
     get_weight_version / health   GET /model_info, GET /health
-    flush_cache, pause/continue   POST /flush_cache, /pause_generation, /continue_generation
+    flush_cache                   POST /flush_cache
+    pause/continue_generation     POST /pause_generation {mode: abort}, /continue_generation; with
+                                  --partial-rollout POST /abort_request {abort_all: true} (slime's), again
+                                  while the generate request is still out, and no new request until
+                                  continue_generation (nothing to send then: the server was never paused)
     pull_weights                  POST /pull_weights (slime's; delta over disk)
+
+``--partial-rollout``: ``pause_generation`` answers beside a running ``generate`` (the ``probe``
+concurrency group). The server aborts the requests in flight; each returns ``finish_reason`` abort
+with the tokens and log-probs it had, and those samples come back ``aborted``. A later call sends
+them again as ``input_ids`` = prompt + response so far with ``max_new_tokens`` = what is left, and
+appends what comes back (each token's ``weight_version`` recorded), as slime's rollout does. Abort,
+not ``/pause_generation``: SGLang's pause holds requests that arrive after it until
+``/continue_generation``, and a request already on its way when the pause lands would then hold the
+call (and the sync waiting for it) for good; an abort never holds one, and is sent again until the
+call returned.
 
 Verification: every bucket's checksum is checked when it reaches this actor (tensor transport), and
 each tensor's xxh3-128 travels along as ``checksums`` (name -> hex), which ``tidal serve`` checks
@@ -33,7 +47,9 @@ non-200 reply is one ``UserError`` line naming the address, the endpoint and the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -52,6 +68,7 @@ from tidal.rollout.engine import (
 from tidal.rollout.sglang_client import (
     EngineReplyError,
     SglangClient,
+    append_output,
     fill_sample,
     parse_version,
     sampling_body,
@@ -77,6 +94,10 @@ class HttpEngineActor(RolloutEngine):
         self._version = -1
         self._stale = False  # a weight update failed part-way: refuse to generate until a full version landed
         self._residency = "AWAKE"
+        # --partial-rollout: pause_generation (probe thread) and generate (the call's thread) meet here.
+        self._cv = threading.Condition()
+        self._pausing = False  # asked to pause: no request is sent until continue_generation
+        self._posting = False  # a /generate request is out
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -169,6 +190,8 @@ class HttpEngineActor(RolloutEngine):
             from tidal.errors import ResidencyError
 
             raise ResidencyError(f"engine {self.address}: generate while {self._residency}; resume its memory first")
+        if self.rollout_cfg.partial_rollout:
+            return self._generate_partial(samples, sampling)
         todo = list(samples)
         for _ in range(3):  # requests the server aborted (a pause, an update) are sent again
             if not todo:
@@ -189,6 +212,50 @@ class HttpEngineActor(RolloutEngine):
             todo = [s for s, o in zip(todo, out) if not fill_sample(s, o, where, self._version)]
         if todo:
             raise EngineDiedError(f"engine {self.address}: POST /generate aborted {len(todo)} requests three times")
+        return samples
+
+    def _generate_partial(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
+        """``--partial-rollout``: pending and aborted samples are sent from prompt + response so far; rows an
+        abort of ours cut short come back ``aborted`` (see the module docstring). Aborts the server made on
+        its own are continued at once, up to three times."""
+        where = f"engine {self.address}: POST /generate"
+        for _ in range(3):
+            send = []
+            for s in samples:
+                left = sampling.max_new_tokens - len(s.response_ids)
+                if s.status in ("pending", "aborted"):
+                    if left > 0:
+                        send.append((s, left))
+                    else:
+                        s.status = "truncated"
+            with self._cv:
+                if self._pausing:  # rows not started stay aborted with what they have (as the embedded engine's)
+                    for x, _ in send:
+                        x.status = "aborted"
+                if not send or self._pausing:
+                    return samples
+                self._posting = True
+            try:
+                body = {
+                    "input_ids": [list(s.prompt_ids) + list(s.response_ids) for s, _ in send],
+                    "sampling_params": [
+                        sampling_body(dataclasses.replace(sampling, max_new_tokens=left)) for _, left in send
+                    ],
+                    "return_logprob": True,
+                    "logprob_start_len": -1,
+                }
+                out = self._c().post("/generate", body)
+            finally:
+                with self._cv:
+                    self._posting = False
+                    self._cv.notify_all()
+            out = out if isinstance(out, list) else [out]
+            if len(out) != len(send):
+                raise EngineReplyError(f"{where} answered {len(out)} results for {len(send)} prompts")
+            for (s, _), o in zip(send, out):
+                append_output(s, o, where, self._version, sampling.max_new_tokens)
+        if any(s.status == "aborted" for s in samples) and not self._pausing:
+            raise EngineDiedError(f"{where} aborted requests three times")
         return samples
 
     # ------------------------------------------------------------------ memory
@@ -339,13 +406,33 @@ class HttpEngineActor(RolloutEngine):
                     raise
                 time.sleep(0.2)
 
+    @ray.method(concurrency_group="probe")
     def pause_generation(self) -> None:
-        """SGLang's ``abort`` mode: the server answers what it is generating as aborted (``generate`` sends
-        those requests again; the server holds them until ``continue_generation``)."""
-        self._c().post("/pause_generation", {"mode": "abort"})
+        """Without ``--partial-rollout``, SGLang's ``abort`` mode: the server answers what it is generating as
+        aborted (``generate`` sends those requests again; the server holds them until ``continue_generation``).
+        With it: the requests in flight return at the server's next step, their rows ``aborted`` with the
+        tokens they have, and no request is sent until ``continue_generation`` (module docstring)."""
+        if not self.rollout_cfg.partial_rollout:
+            self._c().post("/pause_generation", {"mode": "abort"})
+            return
+        deadline = time.monotonic() + self.rollout_cfg.engine_health_timeout
+        with self._cv:
+            self._pausing = True
+        while True:
+            self._c().post("/abort_request", {"abort_all": True}, timeout=self.rollout_cfg.engine_health_timeout)
+            with self._cv:  # a request still out may have reached the server after the abort: abort again
+                if not self._cv.wait_for(lambda: not self._posting, timeout=0.5) and time.monotonic() < deadline:
+                    continue
+                return
 
     def continue_generation(self) -> None:
-        self._c().post("/continue_generation")
+        """The server generates again (``--partial-rollout``: requests may be sent again; same concurrency group
+        as ``generate``, so before the next call)."""
+        if not self.rollout_cfg.partial_rollout:
+            self._c().post("/continue_generation")
+            return
+        with self._cv:
+            self._pausing = False
 
     @ray.method(concurrency_group="probe")
     def health(self) -> EngineHealth:
@@ -371,8 +458,9 @@ class HttpEngineActor(RolloutEngine):
         except EngineReplyError as e:
             log.warning("%s: weights not randomised before the equality check", e)
 
+    @ray.method(concurrency_group="probe")
     def memory_stats(self) -> dict[str, int]:
-        """This client's host memory (the server's own figures are its business)."""
+        """This client's host memory (the server's own figures are its business); answered beside a call."""
         from tidal.memory.telemetry import process_memory_stats
 
         return process_memory_stats("cpu")

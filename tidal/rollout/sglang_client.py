@@ -17,7 +17,8 @@ from typing import Any
 from tidal.errors import EngineDiedError, UserError
 from tidal.rollout.types import Sample, SamplingParams
 
-# SGLang's finish reasons -> Sample.status; "abort" means the request was dropped and is re-run.
+# SGLang's finish reasons -> Sample.status; "abort" means the request was dropped and is re-run (or, with
+# --partial-rollout, kept as far as it got and continued later: ``append_output``).
 _STATUS = {"stop": "completed", "length": "truncated"}
 
 
@@ -128,6 +129,44 @@ def fill_sample(sample: Sample, out: dict, where: str, fallback_version: int) ->
     version = meta.get("weight_version")
     sample.weight_version = parse_version(version) if version is not None else fallback_version
     return True
+
+
+def append_output(sample: Sample, out: dict, where: str, fallback_version: int, max_new_tokens: int) -> None:
+    """``--partial-rollout``: append one ``/generate`` result to ``sample``'s response so far (the request
+    continued it from prompt + response), recording each new token's weight version.
+
+    An aborted request (SGLang's ``/abort_request`` or ``/pause_generation`` in ``abort`` mode) carries
+    the tokens and log-probs it had (a request aborted while queued has none, possibly without
+    ``output_token_logprobs``): the sample stays ``aborted``, to be continued by a later call. As in
+    slime, stop strings are matched by the server within each piece only."""
+    meta = out.get("meta_info") if isinstance(out, dict) else None
+    reason = (meta or {}).get("finish_reason") or {}
+    kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+    if not isinstance(meta, dict) or ("output_token_logprobs" not in meta and kind != "abort"):
+        raise EngineReplyError(
+            f"{where}: a result without meta_info.output_token_logprobs ({short(str(out))}); the server must answer return_logprob"
+        )
+    if kind not in (*_STATUS, "abort"):
+        raise EngineReplyError(f"{where}: finish_reason {reason!r} is not stop, length or abort")
+    pairs = meta.get("output_token_logprobs") or []
+    ids = out.get("output_ids")
+    ids = [int(p[1]) for p in pairs] if ids is None else [int(t) for t in ids]
+    if len(pairs) != len(ids) or any(int(p[1]) != t for p, t in zip(pairs, ids)):
+        raise EngineReplyError(
+            f"{where}: {len(ids)} output_ids but {len(pairs)} output_token_logprobs that do not name the same tokens"
+        )
+    version = parse_version(meta["weight_version"]) if meta.get("weight_version") is not None else fallback_version
+    if not sample.response_ids:
+        sample.weight_version = version
+    versions = sample.token_versions + [version] * len(ids)
+    sample.response_ids = list(sample.response_ids) + ids
+    sample.response_logprobs = list(sample.response_logprobs) + [float(p[0]) for p in pairs]
+    sample.response_text += str(out.get("text", "") or "")
+    sample.response_versions = versions if len(set(versions)) > 1 else []
+    if kind == "abort":
+        sample.status = "truncated" if len(sample.response_ids) >= max_new_tokens else "aborted"
+    else:
+        sample.status = _STATUS[kind]
 
 
 def serialize_named_tensors(named: list) -> str:

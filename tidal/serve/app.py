@@ -32,6 +32,7 @@ from tidal.rollout.engine import TAGS
 from tidal.serve.batcher import EngineWorker
 from tidal.serve.generate import GenerateHandler, RequestTiming
 from tidal.serve.protocol import (
+    AbortReqInput,
     DestroyWeightsUpdateGroupReqInput,
     GenerateReqInput,
     GetWeightsByNameReqInput,
@@ -342,6 +343,16 @@ def _memory_routes(app: FastAPI, state: ServerState) -> None:
     async def resume_generation():
         state.worker.resume()
         return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/abort_request")
+    async def abort_request(req: AbortReqInput):
+        if not req.abort_all:
+            raise UserError("tidal serve aborts all requests only: send abort_all: true")
+        held = state.worker.paused
+        aborted = await state.worker.pause("abort")  # once the running step ended, its requests answered
+        if not held:  # later requests are not held (a server paused before stays paused)
+            state.worker.resume()
+        return {"message": "Requests aborted.", "status": "ok", "num_aborted_requests": aborted}
 
 
 async def _apply(state: ServerState, fn, version, what: str):

@@ -134,6 +134,13 @@ class PauseGenerationReqInput(_Body):
     mode: str = "abort"
 
 
+class AbortReqInput(_Body):
+    """``/abort_request``: ``abort_all`` aborts every request (slime's partial rollout sends it)."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
 class GetWeightsByNameReqInput(_Body):
     name: str
     truncate_size: int = 100
