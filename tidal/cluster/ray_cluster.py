@@ -123,7 +123,7 @@ def prestart_modules(model_type: str | None, *, actors: int, trainer: bool, num_
         mods.append(f"transformers.models.{model_type}.modeling_{model_type}")
     mods += ["tidal.rollout.actor", "tidal.rollout.embedded"]
     if trainer:
-        mods.append("tidal.trainer.actor")
+        mods += ["torch.distributed.fsdp", "tidal.trainer.actor"]  # FSDP2 is imported where the model is sharded
     return mods
 
 

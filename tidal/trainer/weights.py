@@ -23,13 +23,23 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor. ``torch.distributed.tensor`` is imported here, not by the module: it
+    pulls in sympy (over a second on a small host), and the driver imports the trainer class only to
+    create its Ray actors; a tensor that is not a torch subclass cannot be one."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's piece of a (possibly DTensor) tensor, without copying."""
     with torch.no_grad():
-        return t.to_local() if isinstance(t, DTensor) else t
+        return t.to_local() if _is_dtensor(t) else t
 
 
 def shard_rows(n: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -90,7 +100,7 @@ def iter_full_tensors(
 
     for name, t in named:
         want = dtype or t.dtype
-        if host_view is None and device_gather and isinstance(t, DTensor):
+        if host_view is None and device_gather and _is_dtensor(t):
             with torch.no_grad():
                 full = t.detach().to(want).full_tensor()
             yield name, (None if rank != 0 else full if on_device else to_host(full))
