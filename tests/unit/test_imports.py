@@ -139,6 +139,10 @@ def test_driver_starts_ray_before_importing_torch_or_transformers():
         "from tidal.cluster.ray_cluster import prestart_modules, start_warm\n"
         "actor_env(cfg.memory, {}, cfg.cluster.device); device_used_bytes('cpu'); MemoryTimeline()\n"
         "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))\n"
+        # The trainer class the driver needs to create the ranks: no DTensor, no sympy (a second and more).
+        "from tidal.trainer.base import trainer_class\n"
+        "trainer_class('fsdp')\n"
+        "print(sorted(m for m in ('sympy', 'torch.distributed.tensor', 'torch._dynamo') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, check=True)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert out.stdout.split() == ["[]", "[]"], out.stdout + out.stderr
