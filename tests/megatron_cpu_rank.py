@@ -18,7 +18,10 @@ not hidden/heads) it builds the Hugging Face model from the shared seed, builds 
    rollouts, with a pause/resume between them (groups of two ranks destroyed and rebuilt), laid out
    as two data-parallel ranks, then TP = 2 (vocabulary-parallel log-probs, sharded QKV/MLP, the
    gradient norm over both shards), then two pipeline stages (activations sent between them, the
-   tied embedding's gradient summed across the first and last stage); each layout's metrics.
+   tied embedding's gradient summed across the first and last stage), then two data-parallel ranks
+   with the distributed optimizer (ZeRO-1: moments sharded, parameter buffers moved into WEIGHTS
+   without torch's block swap; a checkpoint saved while paused loads back bit for bit); each
+   layout's metrics.
 
 Megatron's forward looks up ``torch.cuda.current_device()`` for its rotary table and forks its
 CUDA RNG tracker around attention dropout; on a CPU-only host both are redirected (device "cpu", a
@@ -167,11 +170,13 @@ def release_and_rebuild(stage, forward, logits) -> dict:
     }
 
 
-TRAIN_LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+# name: (tensor, pipeline, distributed optimizer)
+TRAIN_LAYOUTS = {"dp2": (1, 1, False), "tp2": (2, 1, False), "pp2": (1, 2, False), "dp2-zero1": (1, 1, True)}
 
 
-def train_layouts(rank: int, port: int) -> dict:
-    """Step 4 of the module docstring: rank 0's metrics of two rollouts per layout (other ranks: empty)."""
+def train_layouts(rank: int, port: int, ckpt: str) -> dict:
+    """Step 4 of the module docstring: rank 0's metrics of two rollouts per layout (other ranks: empty), and for
+    the distributed optimizer whether a checkpoint saved while paused loads back bit for bit."""
     from megatron.core import parallel_state as ps
     from megatron_cpu_train import _metrics, _redirect_cuda_devices, _samples, _sections
 
@@ -181,11 +186,12 @@ def train_layouts(rank: int, port: int) -> dict:
     _redirect_cuda_devices()  # Megatron's DDP, optimizer and schedule ask for CUDA in a few more places
     home.CAN_SWAP = False  # memory moved into its regions as on torch 2.11
     out = {}
-    for name, (tp, pp) in TRAIN_LAYOUTS.items():
+    for name, (tp, pp, zero1) in TRAIN_LAYOUTS.items():
         ps.destroy_model_parallel()
         sections = _sections("megatron")
         sections["trainer"].tensor_model_parallel_size = tp
         sections["trainer"].pipeline_model_parallel_size = pp
+        sections["trainer"].use_distributed_optimizer = zero1
         tr = MegatronTrainer(rank, 2, "127.0.0.1", port, release_process_groups=True, **sections)
         tr._place()
         tr._parallel_state()
@@ -198,7 +204,16 @@ def train_layouts(rank: int, port: int) -> dict:
             m = tr.train(_samples(i), i)
             rows.append(_metrics(m) if rank == 0 else {})  # rank 0 returns the metrics reduced over ranks
             tr.pause()
-        tr.resume()
+        if zero1:  # each rank holds half of the moments: saved while paused, reloaded after another rollout
+            state = tr.state_checksums()
+            tr.save(ckpt, {"rollout_id": 1})
+            tr.resume()
+            tr.train(_samples(5), 2)
+            tr.load(ckpt)
+            loaded = tr.state_checksums()  # collective: every rank
+            out[f"{name}/load_bit_exact"] = loaded == state if rank == 0 else None
+        else:
+            tr.resume()
         out[name] = rows
         del tr
     return out
@@ -232,7 +247,7 @@ def main() -> None:
         stages = Topology(rank=rank, tp=1, cp=1, dp=1, pp=2)
         for name, hf in hf_models([n for n in (only or ["llama", "qwen2"]) if n != "qwen3"]):
             results[f"{name}/pp2"] = check(name, hf, stages, 1, 2, dist.group.WORLD)
-        results["train"] = train_layouts(rank, int(port))
+        results["train"] = train_layouts(rank, int(port), os.path.join(os.path.dirname(out_path), "ckpt-zero1"))
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

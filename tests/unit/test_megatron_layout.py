@@ -233,15 +233,17 @@ def test_megatron_gpt_model_on_cpu_matches_hf(tmp_path):
     through the weight source, logits equal to the HF model's, vocab-parallel log-probs/entropy and their
     gradients equal to the full-vocabulary ones, for all three architectures; Megatron's groups destroyed and
     rebuilt as around a pause with nothing left pointing at an old one; then PP = 2 (round trip); then
-    MegatronTrainer.train over the two ranks as DP = 2, TP = 2 and PP = 2, the three alike."""
+    MegatronTrainer.train over the two ranks as DP = 2, TP = 2, PP = 2 and DP = 2 with the distributed optimizer,
+    all alike, the last one's checkpoint (saved while paused) loading back bit for bit."""
     archs = "llama,qwen2,qwen3"
     results = _run_ranks(tmp_path, world=2, tp=2, pp=1, archs=archs)
     assert sorted(results) == ["llama", "llama/pp2", "qwen2", "qwen2/pp2", "qwen3", "train"]
     # The training path over two ranks: TP = 2 and two pipeline stages train like two data-parallel ranks (the
     # same tokens and steps, losses, entropy, gradient norm over every shard), through a pause/resume each.
     train = results.pop("train")
-    assert sorted(train) == ["dp2", "pp2", "tp2"]
-    for layout in ("tp2", "pp2"):
+    assert sorted(train) == ["dp2", "dp2-zero1", "dp2-zero1/load_bit_exact", "pp2", "tp2"]
+    assert train.pop("dp2-zero1/load_bit_exact") is True
+    for layout in ("tp2", "pp2", "dp2-zero1"):
         for got, ref in zip(train[layout], train["dp2"], strict=True):
             assert got["tokens"] == ref["tokens"] and got["optimizer_steps"] == ref["optimizer_steps"], layout
             for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):

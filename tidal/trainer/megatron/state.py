@@ -43,9 +43,12 @@ class MegatronState:
     ) -> list[tuple[Any, torch.nn.Parameter, Any, torch.Tensor | None, tuple[int, int] | None]]:
         """Per mapped parameter of this stage: (entry, parameter, its torch optimizer, the tensor its optimizer
         state is keyed by, and with the distributed optimizer this rank's flat range of it). A parameter
-        outside this data-parallel rank's shard has no optimizer (None)."""
+        outside this data-parallel rank's shard has no optimizer (None), and with the distributed optimizer an
+        empty range (its moments come from the other ranks)."""
         by_id: dict[int, tuple] = {}
-        for opt in getattr(self.tr.optimizer, "chained_optimizers", [self.tr.optimizer]):
+        opts = getattr(self.tr.optimizer, "chained_optimizers", [self.tr.optimizer])
+        outside = (None, None, (0, 0)) if any(hasattr(o, "shard_fp32_groups") for o in opts) else (None, None, None)
+        for opt in opts:
             if hasattr(opt, "shard_fp32_groups"):  # the distributed optimizer: state keyed by shard views
                 for models, shards in zip(opt.model_fp32_groups, opt.shard_fp32_groups):
                     for mp, sp in zip(models, shards):
@@ -55,7 +58,7 @@ class MegatronState:
                 for group in opt.optimizer.param_groups:
                     for p in group["params"]:
                         by_id[id(p)] = (opt.optimizer, p, None)
-        return [(e, p, *by_id.get(id(p), (None, None, None))) for e, p in params]
+        return [(e, p, *by_id.get(id(p), outside)) for e, p in params]
 
     def _tied_copy(self):
         """PP > 1 with tied embeddings: the last stage's output layer (a copy of the embedding Megatron keeps
