@@ -184,7 +184,10 @@ def _megatron_probe(self, samples):
 
     with torch.no_grad():
         schedule_call(self, self.ddp, [mb], stats, forward_only=True)
+    # As a training step starts: after a step Megatron's optimizer leaves each param.grad aliasing its main_grad,
+    # and a backward onto that would count every gradient twice.
     self.ddp.zero_grad_buffer()
+    self.optimizer.zero_grad()
     schedule_call(self, self.ddp, [mb], loss, forward_only=False)
     grads = {}
     for e, p in stage_parameters(self.stage, self.arch, pp_rank=0, pp_size=1, te=self.te):

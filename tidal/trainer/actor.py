@@ -43,7 +43,6 @@ from collections.abc import Iterator
 
 import torch
 
-from tidal.config.schema import init_on_device_default
 from tidal.dtypes import as_dtype, default_dtype_name
 from tidal.memory.base import StateClass
 from tidal.memory.home import Adopter
@@ -154,14 +153,6 @@ class TrainerActor(Trainer):
             weight_decay=self.cfg.weight_decay,
         )
         self.schedule = LRSchedule.of(self.cfg, self.total_steps)
-
-    def _init_device(self) -> torch.device:
-        """Where presets draw their initial weights: this rank's device with ``--init-on-device``, else the host."""
-        from tidal.model.load import preset_init_device
-
-        on = self.model_cfg.init_on_device
-        on = init_on_device_default(self.device_type) if on is None else on
-        return preset_init_device(self.spec, self.device, on)
 
     def _build_sharded(self, build_model, *, trainable: bool) -> torch.nn.Module:
         return build_sharded(

@@ -36,7 +36,14 @@ import torch
 
 from tidal.checkpoint.export import ExportSource, export_hf
 from tidal.checkpoint.store import TrainState, load_checkpoint, save_checkpoint
-from tidal.config.schema import AlgorithmConfig, MemoryConfig, ModelConfig, TrainerConfig, WeightSyncConfig
+from tidal.config.schema import (
+    AlgorithmConfig,
+    MemoryConfig,
+    ModelConfig,
+    TrainerConfig,
+    WeightSyncConfig,
+    init_on_device_default,
+)
 from tidal.dtypes import as_dtype, default_dtype
 from tidal.errors import ConfigError, ResidencyError
 from tidal.memory.base import MemoryBackend, MemoryResult, StateClass
@@ -185,6 +192,16 @@ class Trainer(ABC):
         out[f"{_RESUME}/effective"] = 1
         out[f"{_RESUME}/total_s"] = time.perf_counter() - t0
         return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
+
+    def _init_device(self) -> torch.device:
+        """Where presets draw their initial weights (``self.spec``, on ``self.device``): this rank's device with
+        ``--init-on-device``, else the host. Every backend and the engines decide alike, so that they draw the
+        same weights."""
+        from tidal.model.load import preset_init_device
+
+        on = self.model_cfg.init_on_device
+        on = init_on_device_default(self.device_type) if on is None else on
+        return preset_init_device(self.spec, self.device, on)
 
     def memory_stats(self) -> dict[str, int]:
         """Host RSS, device peak since the last call, and device memory in use (for the step line)."""

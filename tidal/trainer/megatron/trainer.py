@@ -102,7 +102,8 @@ class MegatronTrainer(Trainer):
         self.model_path = self.spec.path
         self.tokenizer = load_tokenizer(self.spec)
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
-        hf = build_model(self.spec, dtype=torch.float32, seed=self.cfg.seed, device="cpu")
+        # Drawn where the FSDP2 backend and the engines draw it (--init-on-device), so all start from the same weights.
+        hf = build_model(self.spec, dtype=torch.float32, seed=self.cfg.seed, device=self._init_device())
         self.hf_config, self.generation_config = hf.config, getattr(hf, "generation_config", None)
         self.arch = mapping.arch_from_hf(hf.config)
         mapping.check_parallel(self.arch, self.par.tp, self.par.pp)
