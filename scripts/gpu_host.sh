@@ -11,7 +11,7 @@
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); STARTUP05_RUNS, STARTUP05_ARGS, STARTUP05_TAG (startup-0.5b: its runs share one fresh compile cache, so the first is cold and the rest warm); MEM_GIB, MEM_CYCLES, MEM100_GIB
 # (bench-memory*); SYNC_MODELS, SYNC_MODES, SYNC_SOURCES, SYNC_ARGS (bench-sync); TRAINER_ARGS, TRAINER_TAG
-# (bench-trainer); ROLLOUT_ARGS, ROLLOUT_TAG (bench-rollout, e.g. ROLLOUT_ARGS='--paths fast --profile'); FAST_CASES, FAST_ARGS, FAST_TAG (bench-fast); SERVE_ARGS (bench-serve); MULTITURN_ARGS (bench-multiturn); ASYNC_MODES, ASYNC_ROLLOUTS, ASYNC_ARGS, ASYNC_TAG (bench-async, bench-async-mps); TAIL (lines of each log printed).
+# (bench-trainer); ROLLOUT_ARGS, ROLLOUT_TAG (bench-rollout, e.g. ROLLOUT_ARGS='--paths fast --profile'); FAST_CASES, FAST_ARGS, FAST_TAG (bench-fast); SERVE_ARGS (bench-serve); MEGATRON_K (megatron: a pytest -k expression); MULTITURN_ARGS (bench-multiturn); ASYNC_MODES, ASYNC_ROLLOUTS, ASYNC_ARGS, ASYNC_TAG (bench-async, bench-async-mps); TAIL (lines of each log printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -70,7 +70,7 @@ for s in "$@"; do
     profile-ipc) TAIL=20 run profile-ipc 120 python3 scripts/profile_ipc.py ;;
     megatron|megatron-loop|megatron-state|megatron-2gpu)
       k=${s#megatron}; k=${k#-}
-      case $k in loop) expr="loop or matches_fsdp" ;; state) expr="pause_resume or checkpoint" ;; 2gpu) expr="two_gpus" ;; *) expr="" ;; esac
+      case $k in loop) expr="loop or matches_fsdp" ;; state) expr="pause_resume or checkpoint" ;; 2gpu) expr="two_gpus" ;; *) expr="${MEGATRON_K:-}" ;; esac
       TAIL=100 run "$s" 600 python3 -m pytest -q -s -m gpu tests/gpu/test_megatron_gpu.py -k "$expr" -p no:cacheprovider -o addopts="" -rfE --durations=6 ;;
     train-megatron) run train-megatron 200 python3 -m tidal.bench.reward_curve --train-backend megatron --num-rollout 40 --output-dir "$OUT/run-megatron" ;;
     *) echo "unknown step $s"; exit 2 ;;
