@@ -18,6 +18,35 @@ def test_time_command_sees_the_first_step_line_and_the_exit():
     assert time_command([sys.executable, "-c", "print('no step')"], "step    0 |")["first_step_s"] is None
 
 
+# A child burns 0.3 s of CPU, says so, and lives until its parent exits (its stdin closes) a second after the
+# step line: the sampler sees it after its burn however busy the host is.
+BURN = (
+    "import subprocess, sys, time\n"
+    "child = 'import sys, time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.3: pass\\n"
+    "print(1, flush=True)\\nsys.stdin.read()'\n"
+    "p = subprocess.Popen([sys.executable, '-c', child], stdin=subprocess.PIPE, stdout=subprocess.PIPE)\n"
+    "p.stdout.readline(); time.sleep(0.3); print('step    0 | x', flush=True); time.sleep(1)\n"
+)
+
+
+def test_time_command_counts_the_cpu_of_every_process_of_the_command():
+    row = time_command([sys.executable, "-c", BURN], "step    0 |")
+    assert row["rc"] == 0 and row["cpu_first_step_s"] >= 0.28, row  # the child's busy loop
+    assert row["cpu_total_s"] >= row["cpu_first_step_s"] and "driver" in row["cpu_first_step_by_role"]
+    assert row["load"] >= 0
+
+
+def test_processes_of_a_run_are_named_by_role():
+    from tidal.bench.startup import role
+
+    assert role(["python", "-m", "tidal", "train"], root=True) == "driver"
+    assert role(["ray::TrainerActor"], root=False) == "TrainerActor"
+    assert role(["ray::ProbedEngineActor.generate"], root=False) == "ProbedEngineActor"
+    assert role(["ray::IDLE"], root=False) == "ray idle worker"
+    assert role(["python", "-m", "tidal.cluster.warm", "/tmp/s", "3", "4", "torch"], root=False) == "warm process"
+    assert role(["/x/raylet", "--raylet_socket_name=/s", "--python_worker_command=default_worker.py"], False) == "ray"
+
+
 def test_medians_leave_out_failed_runs():
     rows = [{"rc": 0, "total_s": 3.0}, {"rc": 0, "total_s": 5.0}, {"rc": 1, "total_s": 0.1}, {"rc": 0, "total_s": None}]
     assert _median(rows, "total_s") == 4.0

@@ -14,6 +14,13 @@ With ``--with-trl`` the two commands run in turn (tidal, TRL, tidal, ...) so tha
 speed drifts slows both alike. Prints one JSON line per run, then the medians next to the limits
 they are measured against: ``first_step_s`` <= 8 s on a 2-core CPU, and tidal's ``total_s`` no
 more than TRL's.
+
+Wall times mean little on a host others are using, so each run also says how much CPU its processes
+used (``ProcessCPU``: the command's whole process tree, sampled every 0.1 s): ``cpu_first_step_s``
+up to the first step line and ``cpu_total_s`` to the exit, and ``cpu_first_step_by_role`` (the
+driver, the warm process that forks the workers, Ray's own processes, each actor). On 2 cores the
+first step cannot come sooner than half its CPU seconds. ``load`` is the host's 1-minute load average
+when the run ended.
 """
 
 from __future__ import annotations
@@ -30,24 +37,101 @@ import time
 FIRST_STEP_LIMIT_S = 8.0
 
 
+def role(cmdline: list[str], root: bool) -> str:
+    """What a process of a run is, from its command line (Ray names its workers ``ray::<Actor>``)."""
+    if root:
+        return "driver"
+    head = cmdline[0] if cmdline else ""
+    if head.startswith("ray::"):
+        name = head[5:].split(".")[0].split(" ")[0]
+        return "ray idle worker" if name == "IDLE" else name
+    line = " ".join(cmdline)
+    if "tidal.cluster.warm" in line:
+        return "warm process"
+    if "default_worker.py" in line and "raylet" not in head:
+        return "ray worker starting"
+    return "ray"  # gcs, raylet, its agents, the log monitor, the workers' handles
+
+
+class ProcessCPU:
+    """CPU seconds (user + system) of a process and all its descendants, sampled in a thread; a process
+    that exits keeps its last sample."""
+
+    def __init__(self, pid: int, interval: float = 0.1):
+        import threading
+
+        import psutil
+
+        self._root = psutil.Process(pid)
+        self._seen: dict[int, tuple[str, float]] = {}
+        self._interval = interval
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="process-cpu")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            self.sample()
+            self._done.wait(self._interval)
+
+    def sample(self) -> None:
+        import psutil
+
+        try:
+            procs = [self._root, *self._root.children(recursive=True)]
+        except psutil.Error:
+            return
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                label = role(p.cmdline(), p.pid == self._root.pid)
+            except psutil.Error:
+                continue
+            with self._lock:
+                self._seen[p.pid] = (label, t.user + t.system)
+
+    def by_role(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        with self._lock:
+            for label, cpu in self._seen.values():
+                out[label] = out.get(label, 0.0) + cpu
+        return {k: round(v, 2) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 def time_command(cmd: list[str], first_line: str | None = None) -> dict:
-    """Run ``cmd``; seconds to the first output line starting with ``first_line`` and to its exit."""
+    """Run ``cmd``; seconds to the first output line starting with ``first_line`` and to its exit,
+    and the CPU seconds of its processes by then."""
     t0 = time.perf_counter()
     first = None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
-    last = ""
+    cpu = ProcessCPU(proc.pid)
+    last, at_first = "", {}
     for line in proc.stdout:
         if first is None and first_line is not None and line.startswith(first_line):
             first = time.perf_counter() - t0
+            cpu.sample()
+            at_first = cpu.by_role()
         if line.strip():
             last = line.strip()
     rc = proc.wait()
-    return {
+    cpu.stop()
+    row = {
         "rc": rc,
         "first_step_s": None if first is None else round(first, 2),
         "total_s": round(time.perf_counter() - t0, 2),
+        "cpu_total_s": round(sum(cpu.by_role().values()), 2),
+        "load": round(os.getloadavg()[0], 2),
         "last_line": last[-160:],
     }
+    if at_first:
+        row["cpu_first_step_s"] = round(sum(at_first.values()), 2)
+        row["cpu_first_step_by_role"] = at_first
+    return row
 
 
 def step0_breakdown(run_dir: str) -> dict:
@@ -94,9 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         "tidal_first_step_s": _median(tidal_rows, "first_step_s"),
         "first_step_limit_s": FIRST_STEP_LIMIT_S,
         "tidal_total_s": _median(tidal_rows, "total_s"),
+        "tidal_cpu_first_step_s": _median(tidal_rows, "cpu_first_step_s"),
+        "tidal_cpu_total_s": _median(tidal_rows, "cpu_total_s"),
+        "load_max": max((r["load"] for r in tidal_rows + trl_rows), default=None),
     }
     if args.with_trl:
         summary["trl_total_s"] = _median(trl_rows, "total_s")
+        summary["trl_cpu_total_s"] = _median(trl_rows, "cpu_total_s")
         if summary["tidal_total_s"] and summary["trl_total_s"]:
             summary["tidal_over_trl"] = round(summary["tidal_total_s"] / summary["trl_total_s"], 3)
     print(json.dumps(summary), flush=True)
