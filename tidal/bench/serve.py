@@ -80,7 +80,7 @@ def _inproc_once(engine, prompts, args) -> tuple[float, float, float, dict]:
     batch = [Sample(index=i, group=i, prompt=None, prompt_ids=list(p)) for i, p in enumerate(prompts)]
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
-    from tidal.serve.batcher import GcClock, decode_figures
+    from tidal.serve.clocks import GcClock, decode_figures
 
     GcClock.start()
     t0, c0, gc0 = time.perf_counter(), time.thread_time(), GcClock.seconds

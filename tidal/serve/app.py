@@ -9,6 +9,9 @@ into shared engine steps). Replies keep SGLang's shapes: a failed request answer
 or wrong key answers 401 ``{"error": "Unauthorized"}`` as SGLang does (SGLang leaves ``/health``
 open; here nothing is). Without a key the server is open, and it binds 127.0.0.1 unless
 ``--host`` says otherwise.
+
+Size: a little over 500 lines, so that every SGLang route and its reply shape are in one place (the
+generate path, the OpenAI routes and the weight appliers are their own modules).
 """
 
 from __future__ import annotations

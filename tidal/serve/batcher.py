@@ -43,6 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tidal.rollout.types import Sample, SamplingParams
+from tidal.serve.clocks import GcClock, cpu_clocks, cpu_spent, decode_figures
 
 log = logging.getLogger(__name__)
 
@@ -403,7 +404,7 @@ class EngineWorker:
         info = StepInfo(step=self.steps, requests=len(group), rows=len(samples))
         before = sum(len(s.response_ids) for s in samples)
         info.started = time.monotonic()
-        clocks, gc0, passes = _cpu_clocks(self._loop_thread), GcClock.seconds, list(GcClock.passes)
+        clocks, gc0, passes = cpu_clocks(self._loop_thread), GcClock.seconds, list(GcClock.passes)
         # A collection stops every thread, the decode loop's too: none during the step, nor until its replies
         # are rendered (``_end_step`` has the event loop turn the collector back on after them).
         gc.disable()
@@ -414,7 +415,7 @@ class EngineWorker:
         info.ended = time.monotonic()
         info.decoder = decode_figures(self.engine)
         info.seconds = info.ended - info.started
-        info.engine_cpu_seconds, info.loop_cpu_seconds = _cpu_spent(self._loop_thread, clocks)
+        info.engine_cpu_seconds, info.loop_cpu_seconds = cpu_spent(self._loop_thread, clocks)
         info.gc_seconds = GcClock.seconds - gc0
         info.gc_passes = tuple(b - a for a, b in zip(passes, GcClock.passes))
         info.new_tokens = sum(len(s.response_ids) for s in out) - before
@@ -502,48 +503,3 @@ def _settle_soon(items: list[tuple[_Job | _Waiter, Any, BaseException | None]], 
                 enable_gc = False
     if enable_gc:
         gc.enable()
-
-
-class GcClock:
-    """Seconds this process has spent in the cyclic garbage collector since ``start()`` (a ``gc.callbacks``
-    hook; each collection stops every thread, the engine's decode loop included)."""
-
-    seconds = 0.0
-    passes = [0, 0, 0]  # collections of each generation
-    _began = 0.0
-    _on = False
-
-    @classmethod
-    def start(cls) -> None:
-        if not cls._on:
-            cls._on = True
-            gc.callbacks.append(cls._hook)
-
-    @classmethod
-    def _hook(cls, phase: str, info: dict) -> None:
-        if phase == "start":
-            cls._began = time.perf_counter()
-        else:
-            cls.seconds += time.perf_counter() - cls._began
-            cls.passes[info["generation"]] += 1
-
-
-def decode_figures(engine) -> dict:
-    """The fast decoder's figures of ``engine``'s last decoder call (empty without a fast decoder)."""
-    stats = getattr(getattr(engine, "_fast_decoder", None), "last_stats", None) or {}
-    keys = ("prefill_s", "decode_s", "steps", "graph_captures", "capture_s", "compactions")
-    return {k: stats[k] for k in keys if k in stats}
-
-
-def _cpu_clocks(loop_thread: int | None) -> tuple[float, float | None]:
-    """CPU seconds so far of this thread and of the event loop's thread (None where unreadable)."""
-    try:
-        other = time.clock_gettime(time.pthread_getcpuclockid(loop_thread)) if loop_thread is not None else None
-    except (AttributeError, OSError):  # not Linux, or that thread ended
-        other = None
-    return time.thread_time(), other
-
-
-def _cpu_spent(loop_thread: int | None, since: tuple[float, float | None]) -> tuple[float, float | None]:
-    now = _cpu_clocks(loop_thread)
-    return now[0] - since[0], (now[1] - since[1] if now[1] is not None and since[1] is not None else None)
