@@ -75,10 +75,14 @@ def _last(e: BaseException) -> str:
 def _loop(s, on_step) -> dict:
     """The steps of one run inside an open session (see the module docstring)."""
     from tidal.rollout import orchestrate
+    from tidal.rollout.buffer import PromptCursor
 
     cfg = s.cfg
     trainer, display = s.trainer, s.display
     offload_train, offload_rollout = cfg.memory.offload_train, cfg.memory.offload_rollout
+    # Prompts by serial, as in the async loops: a checkpoint's data position and the prompts done past it
+    # (an async run's, whose groups finished out of order) are honoured here too.
+    s.cursor = PromptCursor(s.dataset)
     start = s.resume_from_checkpoint()
     if offload_train:
         s.timeline_mark("trainer init", trainer.call("pause").after)
@@ -97,6 +101,7 @@ def _loop(s, on_step) -> dict:
         t = Timer()
         with t("generate", display):
             samples, gen_metrics = orchestrate.generate_rollout(s, rollout_id)
+        s.cursor.finish_drawn()  # trained below, or dropped (dynamic sampling, over-sampling)
         s.log_samples(rollout_id, samples)
         if offload_rollout:
             with t("release", display):

@@ -56,7 +56,9 @@ class Session:
         self.step_restarts = 0  # since the last step line (the step's engine_restarts metric)
         self.stop = StopSignal()
         self._last_saved: int | None = None
-        self.cursor = None  # --async: the prompt cursor whose data position checkpoints record (tidal.rollout.buffer)
+        self.cursor = (
+            None  # the training loops' prompt cursor, whose data position checkpoints record (tidal.rollout.buffer)
+        )
         self.last_sync_version = 0  # the weight version of the last sync (restarts resync under a new one)
         # Where the time before the first step goes: seconds since the process started at each stage,
         # and the actors' own build times (step 0's row carries them, ``startup_*``).

@@ -111,13 +111,33 @@ def test_full_learns_within_max_staleness_across_sigterm_resume_and_an_engine_re
     assert end["restarts"] == 1
 
 
+def _resume_without_async(tmp_path, at_end: dict, done: set[int], *flags) -> None:
+    """The async run's last checkpoint resumed by the synchronous loop (one step, nothing saved): it draws the
+    first prompts not done, past the data position, skipping those the async run finished out of order."""
+    import itertools
+
+    drawn: list[int] = []
+
+    def spy(s, rollout_id, row):
+        if rollout_id == 3:  # after the resumed run's first sync: record the serials its step draws
+            real = s.cursor.draw
+            s.cursor.draw = lambda n: [drawn.append(x[0]) or x for x in real(n)]
+
+    train(_cfg(tmp_path, "sync", "--load", str(tmp_path / "ck"), "--num-rollout", "5", *flags), on_step=spy)
+    skip = set(at_end["done"])
+    assert skip and min(skip) > at_end["low"]  # finished out of order: done past the first prompt not done
+    assert drawn == list(itertools.islice((x for x in itertools.count(at_end["low"]) if x not in skip), 8))
+    assert not set(drawn) & done
+
+
 @pytest.mark.slow
 def test_full_partial_rollout_continues_requests_on_new_weights_under_dynamic_sampling(ray_cluster, tmp_path, caplog):
     """``--partial-rollout``: the calls in flight at each sync are paused and continued on the new weights
     (engine 0 waits part-decoded for each pause: ``engine_plugins.held_until_paused``, a custom generate
     function around the built-in step, so rows with tokens are always there to continue). The same small run
     checks over-sampling and dynamic sampling in the full loop, and an engine frozen (SIGSTOP) with a call
-    out: its health probe finds it, it is restarted, and its call runs again."""
+    out: its health probe finds it, it is restarted, and its call runs again. Its last checkpoint, resumed
+    without ``--async``, draws the prompts not done, skipping those finished out of order."""
     import signal
 
     import ray
@@ -128,13 +148,24 @@ def test_full_partial_rollout_continues_requests_on_new_weights_under_dynamic_sa
     flags += ["--custom-generate-function-path", held]  # engine 0's calls wait, part-decoded, for each pause
     flags += ["--rollout-batch-size", "8", "--over-sampling-batch-size", "12", "--async-buffer-size", "96"]
     flags += ["--max-staleness", "3", "--rollout-max-response-len", "24", "--dynamic-sampling", "--custom-rm-path", rm]
-    cfg = _cfg(tmp_path, "partial", *flags, "--log-samples", "64", "--engine-health-timeout", "5")
+    cfg = _cfg(
+        tmp_path,
+        "partial",
+        *flags,
+        "--log-samples",
+        "64",
+        "--engine-health-timeout",
+        "5",
+        "--save",
+        str(tmp_path / "ck"),
+    )
     rows, end = [], {}
 
     def on_step(s, rollout_id, row):
         if rollout_id >= 0:
             rows.append(row)
             end.update(low=s.cursor.low, done=list(s.async_loop.dropped_serials))
+            end["done_after"] = s.cursor.state_dict()["done_after"]  # what the checkpoint of this step holds
         if rollout_id == 1:  # the engines were sent their next calls before this hook: freeze one with a call out
             engine = next(iter(s.async_loop.flight.calls.values())).engine
             end["frozen"] = engine
@@ -163,6 +194,11 @@ def test_full_partial_rollout_continues_requests_on_new_weights_under_dynamic_sa
     assert sum(r["async/filtered_groups"] for r in rows) > 0
     assert len(groups) == 4 * 8 and not set(groups) & set(end["done"])
     assert set(range(end["low"])) <= set(groups) | set(end["done"])
+    # The last checkpoint (groups buffered below others done: filtered, or trained first) resumed without --async.
+    sync = ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--rollout-batch-size", "8"]
+    sync += ["--rollout-max-response-len", "24", "--custom-rm-path", rm]
+    at_end = {"low": end["low"], "done": end["done_after"]}
+    _resume_without_async(tmp_path, at_end, set(groups) | set(end["done"]), *sync)
 
 
 def test_bench_summary_figures_from_step_rows():

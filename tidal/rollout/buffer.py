@@ -6,7 +6,9 @@ A prompt is *done* once its group is trained or dropped (stale, or zero-advantag
 sampling); prompts in flight or buffered are not. ``state_dict()`` is the data position a
 checkpoint records: the first serial not done (the dataset seeks there on resume) plus the done
 serials after it (groups finish out of order when engines run at different speeds), so a resumed
-run draws exactly the prompts that were not done: none skipped, none repeated.
+run draws exactly the prompts that were not done: none skipped, none repeated. The synchronous loop
+draws through the same cursor (``finish_drawn`` after each rollout), so a checkpoint of either loop
+resumes in either loop.
 
 ``GroupBuffer`` holds scored groups in arrival order, at most ``capacity`` together with the
 groups in flight. ``take(n, version)`` drops every group more than ``max_staleness`` versions
@@ -68,6 +70,11 @@ class PromptCursor:
         while self.low in self._done:
             self._done.discard(self.low)
             self.low += 1
+
+    def finish_drawn(self) -> None:
+        """Every prompt drawn so far is done (the synchronous loop: a rollout's prompts are all trained or
+        dropped by the time it ends)."""
+        self.done(x for x in range(self.low, self.next_serial) if x not in self._done)
 
     def state_dict(self) -> dict:
         """The dataset's state at the first serial not done, and the done serials after it."""

@@ -203,7 +203,8 @@ def _generate_round(s, rollout_id: int, round_no: int, prompts: int) -> tuple[li
     """``prompts`` prompts generated, scored and given advantages (then dynamic sampling); groups numbered
     after the earlier rounds' of this rollout."""
     r = s.cfg.rollout
-    batch = s.dataset.next_batch(prompts)
+    cursor = getattr(s, "cursor", None)  # the training loops draw through it (prompts a checkpoint marked done skipped)
+    batch = [item for _, item in cursor.draw(prompts)] if cursor is not None else s.dataset.next_batch(prompts)
     samples = make_rollout_samples(
         batch, r.n_samples_per_prompt, start_index=round_no * prompts * r.n_samples_per_prompt
     )
