@@ -331,7 +331,7 @@ def test_abort_request_answers_the_running_step_and_holds_nothing(server):
         assert reply.status_code == 200 and reply.json()["num_aborted_requests"] == 1
         out = running.result(timeout=10).json()
     meta = out["meta_info"]
-    assert meta["finish_reason"]["type"] == "abort" and 0 < meta["completion_tokens"] < 220
+    assert meta["finish_reason"]["type"] == "abort" and 0 < meta["completion_tokens"] < 250
     assert [p[1] for p in meta["output_token_logprobs"]] == out["output_ids"] and len(out["output_ids"]) > 0
     assert not _internal(server)["paused"]
     assert _whole(server.post("/generate", json={**warm, "return_logprob": True}).json())
