@@ -107,7 +107,8 @@ def _start_server(args, device: str) -> tuple[subprocess.Popen, str]:
     cmd += ["--rollout-mem-fraction", str(MEM_FRACTION)]
     if device == "cpu":
         cmd += ["--no-rollout-compile"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ})
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
     if "listening on" not in line:
         proc.kill()
@@ -301,7 +302,15 @@ def main(argv: list[str] | None = None) -> int:
         help="client processes sharing the requests (default: a quarter of the cores, at most 8)",
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads of both sides (default: torch's; 1 keeps CPU figures steady on a busy host)",
+    )
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     m = measure(args, device)
     inproc, http, step_rows = m["inproc"], m["http"], m["rows"]
