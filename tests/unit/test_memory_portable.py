@@ -227,6 +227,27 @@ def test_without_the_swap_a_backup_read_through_numpy_while_paused_resumes(monke
     assert torch.equal(w, expect)
 
 
+def test_without_the_swap_weights_checksummed_while_live_still_pause(monkeypatch):
+    """The checksum and delta views of live weights (``as_numpy_u8``) leave the storage resizable, so the
+    portable backend can still free it in place on a torch without the block swap; ``Tensor.numpy()``
+    would have made that pause fail ("Trying to resize storage that is not resizable")."""
+    from tidal.memory import portable
+    from tidal.weight_sync.checksum import as_numpy_u8, tensor_checksum
+
+    monkeypatch.setattr(portable, "CAN_SWAP", False)
+    backend = PortableBackend({S.WEIGHTS: make_backend(MemoryConfig(), device="cpu", role="trainer").policy[S.WEIGHTS]})
+    w = torch.randn(64)
+    before = tensor_checksum(w)
+    view = as_numpy_u8(w)
+    assert view.nbytes == 256 and (view == w.view(torch.uint8).clone().numpy()).all()
+    del view
+    backend.register(S.WEIGHTS, lambda: [w])
+    backend.pause([S.WEIGHTS])
+    assert w.untyped_storage().nbytes() == 0
+    backend.resume([S.WEIGHTS])
+    assert tensor_checksum(w) == before
+
+
 def _touched(nbytes: int) -> torch.Tensor:
     t = torch.empty(nbytes, dtype=torch.uint8)
     t.fill_(7)  # touch every page so that it counts in RSS

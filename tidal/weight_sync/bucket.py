@@ -199,8 +199,3 @@ def entry_view(flat: torch.Tensor, e: dict) -> torch.Tensor:
 
 def bytes_total(entries: list[dict]) -> int:
     return sum(math.prod(e["shape"]) * dtype_of(e["dtype"]).itemsize for e in entries)
-
-
-def as_numpy_u8(t: torch.Tensor) -> np.ndarray:
-    """A uint8 numpy view of a CPU tensor's bytes (copies only if it is not contiguous)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()

@@ -12,6 +12,7 @@ the same as the one-shot's.
 
 from __future__ import annotations
 
+import ctypes
 import zlib
 
 import numpy as np
@@ -19,13 +20,30 @@ import torch
 import xxhash
 
 
+def as_numpy_u8(t: torch.Tensor) -> np.ndarray:
+    """A uint8 numpy view of a CPU tensor's bytes (copies only if it is not contiguous).
+
+    Not ``Tensor.numpy()``: that marks the tensor's storage as never resizable again, and on a torch
+    without the in-place block swap (``tidal.memory.home.CAN_SWAP``, e.g. 2.11) the portable memory
+    backend frees a paused storage by resizing it, so a checksum of the live weights would make the
+    next pause fail. The array is a view of the same memory through ``ctypes`` and keeps the tensor
+    alive (its ``base``)."""
+    t = t.detach().contiguous()
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return np.empty(0, dtype=np.uint8)
+    raw = (ctypes.c_ubyte * nbytes).from_address(t.data_ptr())
+    raw.owner = t  # the view's lifetime holds the tensor (and a contiguous copy, when one was made)
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:
-    """A uint8 numpy view of a CPU tensor's bytes (copies only when not contiguous or not on CPU)."""
+    """A uint8 numpy view of a tensor's bytes, on the host (copies only when not contiguous or not on CPU;
+    the storage stays resizable: ``as_numpy_u8``)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy()
+    return as_numpy_u8(t)
 
 
 # Above this size xxhash's ``update`` runs without the GIL (python-xxhash releases it past 64 KiB).

@@ -66,7 +66,8 @@ from tidal.errors import ConfigError, WeightSyncError, last_line
 from tidal.weight_sync import disk_codec as codec
 from tidal.weight_sync import disk_format as fmt
 from tidal.weight_sync.base import NamedTensors, SyncReport, WeightSyncStrategy
-from tidal.weight_sync.bucket import as_numpy_u8, dtype_name, plan_buckets
+from tidal.weight_sync.bucket import dtype_name, plan_buckets
+from tidal.weight_sync.checksum import as_numpy_u8
 from tidal.weight_sync.stream import timed_stream
 
 log = logging.getLogger(__name__)

@@ -44,7 +44,6 @@ from tidal.weight_sync.bucket import (
     ALIGN,
     BucketHeader,
     align,
-    as_numpy_u8,
     buffer_checksum,
     dtype_name,
     entry_view,
@@ -52,6 +51,7 @@ from tidal.weight_sync.bucket import (
     pack,
     plan_buckets,
 )
+from tidal.weight_sync.checksum import as_numpy_u8
 from tidal.weight_sync.delta import DeltaState
 
 if TYPE_CHECKING:  # the engines' result type; no runtime import of the rollout package
