@@ -81,6 +81,9 @@ def serve(cfg: TidalConfig) -> int:
     # What is alive now (modules, the model's objects, the tokenizer) lives as long as the server: keep it out of
     # the garbage collector's full passes, which otherwise walk all of it while every thread, decode included, waits.
     gc.freeze()
+    # The engine thread, woken when a burst is queued, waits for the GIL until the event loop blocks or the switch
+    # interval passes (5 ms by default: it showed as the queue wait before a step); the two threads rarely compete.
+    sys.setswitchinterval(0.001)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"tidal serve: listening on http://{shown}:{port}", flush=True)
