@@ -392,7 +392,7 @@ def test_fused_projections_fall_back_for_other_families():
 def test_sampling_bench_reports_each_core_against_its_floor(capsys):
     from tidal.bench import sampling as bench
 
-    bench.main(["--device", "cpu", "--rows", "8", "--vocab", "64", "--iters", "1"])
+    bench.main(["--device", "cpu", "--rows", "8", "--vocab", "64", "--iters", "1", "--copy-mib", "4"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["variant"] for r in rows] == ["eager", "plain"]
     plain = rows[1]

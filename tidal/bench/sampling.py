@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--copy-mib", type=int, default=1024, help="size of the copy that measures the bandwidth floor")
     ap.add_argument(
         "--variants",
         default=None,
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(args.rows, args.vocab, device=device, generator=gen).mul_(3).to(torch.bfloat16)
     noise = torch.empty(args.rows, args.vocab, device=device).exponential_(generator=gen)
-    gbps = copy_gbps(device)
+    gbps = copy_gbps(device, args.copy_mib << 20)
     moved = logits.numel() * logits.element_size() + 2 * noise.numel() * 4
     ref_tokens, ref_lp = plain_core(logits, noise, torch.ones(1, device=device), False, False)
     for name, fn in variants(args.vocab, device, names).items():
