@@ -5,7 +5,8 @@ Run on the GPU host: ``pytest -m gpu -s tests/gpu/test_serve_gpu.py``. The serve
 process on 127.0.0.1 (bf16 engine, ``--memory-backend tms``); this test process plays the trainer:
 it holds bf16 CUDA tensors on the same GPU and sends them in SGLang's form (torch ``ForkingPickler``
 bytes, base64; CUDA tensors travel as IPC handles, never as values), then compares the server's
-weights bitwise with what it sent.
+weights bitwise with what it sent. Then the engine worker's cuts on CUDA: a pause that retracts a running
+decode, a request joining a running step, an abort pause.
 """
 
 from __future__ import annotations
@@ -86,3 +87,59 @@ def test_release_resume_through_tms(server):
     assert res["residency"] == "AWAKE"
     out = server.post("/generate", json={"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 8}}).json()
     assert out["meta_info"]["weight_version"] == "2" and out["meta_info"]["completion_tokens"] >= 1
+
+
+def _internal(server) -> dict:
+    return server.get("/server_info").json()["internal_states"][0]
+
+
+def _until(server, pred, what: str) -> dict:
+    for _ in range(3000):
+        state = _internal(server)
+        if pred(state):
+            return state
+        time.sleep(0.01)
+    raise AssertionError(f"the server never had {what}: {state}")
+
+
+def test_pause_and_rows_joining_a_running_step_on_cuda(server):
+    """The engine worker's cuts on CUDA (captured graphs, compiled decode step): a retract pause cuts a running
+    1-row decode and, after continue, the row runs on to its full length from the tokens it had; a request
+    arriving during a step joins it (``cut_for: admission``); an abort pause answers both with what they had.
+    (1000 tokens of the 0.5B shape's 151,936-word vocabulary: an EOS from random weights is rare.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def long(prompt):
+        sp = {"max_new_tokens": 1000, "temperature": 1.0, "sampling_seed": 5}
+        return pool.submit(server.post, "/generate", json={"input_ids": prompt, "sampling_params": sp})
+
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            first = long([11, 12, 13])
+            _until(server, lambda s: s["running_rows"] == 1, "a running step")
+            time.sleep(0.3)
+            assert server.post("/pause_generation", json={"mode": "retract"}).status_code == 200
+            cut = _internal(server)["recent_steps"][-1]
+            assert (cut["cut_rows"], cut["cut_for"]) == (1, "pause") and 0 < cut["new_tokens"] < 1000
+            server.post("/continue_generation")
+            meta = first.result(timeout=120).json()["meta_info"]
+            after = {s["step"]: s for s in _internal(server)["recent_steps"]}[meta["engine_step"]]
+            print(
+                f"retract: cut after {cut['new_tokens']} tokens, {after['new_tokens']} more in {after['seconds']:.3f} s"
+            )
+            if meta["finish_reason"]["type"] == "length":
+                assert meta["completion_tokens"] == 1000 == cut["new_tokens"] + after["new_tokens"]
+
+            second = long([21, 22, 23])
+            _until(server, lambda s: s["running_rows"] == 1, "a running step")
+            third = long([31, 32])
+            _until(server, lambda s: s["running_rows"] == 2, "the step both requests run in")
+            time.sleep(0.2)
+            assert server.post("/pause_generation", json={"mode": "abort"}).json()["num_aborted_requests"] == 2
+            b, c = second.result(timeout=60).json()["meta_info"], third.result(timeout=60).json()["meta_info"]
+            assert b["finish_reason"]["type"] == c["finish_reason"]["type"] == "abort"
+            assert b["engine_step"] == c["engine_step"] and 0 < c["completion_tokens"] < 1000
+            joined = {s["step"]: s for s in _internal(server)["recent_steps"]}[b["engine_step"] - 1]
+            assert (joined["rows"], joined["cut_for"]) == (1, "admission")
+        finally:
+            server.post("/continue_generation")
