@@ -109,3 +109,16 @@ def test_cpu_actors_wait_passively_unless_the_user_chose(monkeypatch):
     assert worker_env(cpu)["OMP_WAIT_POLICY"] == "ACTIVE"
     gpu = Placement(colocated=True, device="cuda", bundles=[{"CPU": 1, "GPU": 1}], trainers=[], engines=[])
     assert "OMP_WAIT_POLICY" not in worker_env(gpu)
+
+
+def test_no_warm_process_where_its_socket_cannot_be_made(tmp_path, monkeypatch):
+    """A temp folder whose path is too long for a Unix socket: Ray starts the workers itself, nothing is left."""
+    from tidal.cluster import ray_cluster
+
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir()
+    monkeypatch.setenv("TMPDIR", str(deep))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    monkeypatch.delitem(sys.modules, "ray", raising=False)  # as in a driver before Ray starts (the suite's Ray is up)
+    assert not ray_cluster.start_warm(None, {}, ["colorsys"]) and ray_cluster._warm is None
+    assert list(deep.iterdir()) == []

@@ -95,8 +95,12 @@ def start_warm(address: str | None, worker_env: dict[str, str], preload: Sequenc
     from tidal.signals import shielded
 
     _set_base_env()
-    with shielded(), _environ(worker_env):
-        _warm = WarmProcess.start([m for m in preload if m not in RAY_IMPORTING])
+    try:
+        with shielded(), _environ(worker_env):
+            _warm = WarmProcess.start([m for m in preload if m not in RAY_IMPORTING])
+    except OSError as e:  # e.g. a temp folder whose path is too long for a Unix socket: Ray starts the workers
+        log.info("no warm process (%s); Ray starts each worker itself", e)
+        return False
     return True
 
 

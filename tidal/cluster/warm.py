@@ -73,8 +73,13 @@ class WarmProcess:
         folder = tempfile.mkdtemp(prefix="tidal-warm-")
         path = os.path.join(folder, "s")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(path)
-        listener.listen(64)
+        try:
+            listener.bind(path)
+            listener.listen(64)
+        except OSError:
+            listener.close()
+            os.rmdir(folder)
+            raise
         alive_r, alive_w = os.pipe()
         cmd = [sys.executable, "-m", "tidal.cluster.warm", path, str(listener.fileno()), str(alive_r), *modules]
         try:
