@@ -122,17 +122,29 @@ def test_compaction_and_waves_do_not_change_outputs(models):
         prompts, max_new_tokens=limits, temperature=0
     )
     compact = FastDecoder(model, max_batch=16, max_seq_len=64, check_every=1)
-    res = compact.generate(prompts, max_new_tokens=limits, temperature=0)
+    early: dict[int, tuple] = {}
+
+    def ended(rows, results):  # rows handed on at the host syncs, before the call returns
+        assert not set(rows) & set(early)
+        early.update(zip(rows, results))
+
+    res = compact.generate(prompts, max_new_tokens=limits, temperature=0, on_rows_done=ended)
     assert res.stats["compactions"] >= 2
+    # Every row that ended before the last sync was handed on once, as the result holds it (compaction included).
+    assert set(early) == {i for i, lim in enumerate(limits) if lim < max(limits)}
+    for i, (tok, lp, stopped) in early.items():
+        assert (tok, lp, stopped) == (res.tokens[i], res.logprobs[i], res.stopped[i])
     assert [b for b, _, _ in res.stats["buckets"]][-1] < 16
     assert res.tokens == plain.tokens
     assert _max_diff(res.logprobs, plain.logprobs) < 1e-5
     assert [len(t) for t in res.tokens] == limits
+    early.clear()
     waves = FastDecoder(model, max_batch=4, max_seq_len=64, check_every=3).generate(
-        prompts, max_new_tokens=limits, temperature=0
+        prompts, max_new_tokens=limits, temperature=0, on_rows_done=ended
     )
     assert waves.stats["waves"] == 4
     assert waves.tokens == plain.tokens
+    assert early and all(early[i][0] == waves.tokens[i] for i in early)  # indices of the call, across waves
 
 
 def test_row_limits_and_stop_ids(models):

@@ -317,6 +317,23 @@ def _http_engine(server):
     return engine
 
 
+def test_a_request_is_answered_when_its_rows_end(server):
+    """Two requests in one engine step: the one whose row ends first (an EOS, from this seed) is answered then,
+    while the step goes on for the other."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    with ThreadPoolExecutor(2) as pool:
+        both = [_long(pool, server, [1, 5, 6]), _long(pool, server, [1, 9])]
+        done, _ = wait(both, timeout=60, return_when=FIRST_COMPLETED)
+        state = _internal(server)
+        (early,) = done
+        later = both[1] if early is both[0] else both[0]
+        assert state["running_rows"] == 2 and not later.done()  # the step still runs for the other row
+        first, second = early.result().json()["meta_info"], later.result(timeout=60).json()["meta_info"]
+    assert first["engine_step"] == second["engine_step"] and first["engine_step_requests"] == 2
+    assert first["finish_reason"]["type"] == "stop" and first["completion_tokens"] < second["completion_tokens"]
+
+
 def test_abort_request_answers_the_running_step_and_holds_nothing(server):
     """SGLang's ``/abort_request`` with ``abort_all`` (what slime's partial rollout sends): the running request is
     answered at once with the tokens and log-probs it had and finish reason ``abort``; unlike an abort pause,

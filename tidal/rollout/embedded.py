@@ -37,6 +37,7 @@ Weights: taking syncs, loading tensors by name and checksums are ``EngineWeights
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import logging
 import threading
@@ -209,14 +210,14 @@ class EmbeddedEngine(EngineWeights):
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
+    def generate(self, samples: list[Sample], sampling: SamplingParams, on_done=None) -> list[Sample]:
         self.residency.require_generate()
         check_sampling(sampling)
         if not samples:
             return []
         if self._custom_generate is not None:
             return self._check_custom(self._custom_generate(self, samples, sampling), len(samples))
-        return self.generate_default(samples, sampling)
+        return self.generate_default(samples, sampling, on_done)
 
     def _check_custom(self, out: Any, expected: int) -> list[Sample]:
         """A custom generate function's result must be as complete as the built-in one's."""
@@ -243,8 +244,12 @@ class EmbeddedEngine(EngineWeights):
                 s.weight_version = self._version
         return out
 
-    def generate_default(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
-        """The built-in generate step (a custom generate function may call it for its inner sampling)."""
+    def generate_default(self, samples: list[Sample], sampling: SamplingParams, on_done=None) -> list[Sample]:
+        """The built-in generate step (a custom generate function may call it for its inner sampling).
+
+        ``on_done(samples)``: called from inside the call with samples whose responses are final before the
+        call returns (the fast path hands rows that ended on at its host syncs; the others are final when
+        the call returns)."""
         self.residency.require_generate()
         limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         for s in samples:
@@ -263,25 +268,34 @@ class EmbeddedEngine(EngineWeights):
         # Similar lengths share a chunk so that little of it is padding.
         order = sorted(range(len(todo)), key=lambda i: todo[i].total_len)
         rows = self._rows_per_chunk(max(s.total_len for s in todo), sampling.max_new_tokens) if todo else 1
+        extend = functools.partial(
+            extend_response,
+            version=self._version,
+            max_new_tokens=sampling.max_new_tokens,
+            end_ids=end_ids,
+            stop=sampling.stop,
+            tokenizer=self.tokenizer,
+        )
         for lo in range(0, len(order), rows):
             part = [todo[i] for i in order[lo : lo + rows]]
             limits = [sampling.max_new_tokens - len(s.response_ids) for s in part]
+            early: set[int] = set()  # rows of the chunk handed on before it returned
+
+            def rows_done(ended, results, part=part, limits=limits, early=early):
+                for j, (ids, lps, _) in zip(ended, results):
+                    extend(part[j], ids[: limits[j]], lps[: limits[j]])
+                    early.add(j)
+                on_done([part[j] for j in ended])
+
             if self.paused.is_set():  # asked to pause: rows not started stay aborted, with what they have
                 new_ids, logprobs = [[] for _ in part], [[] for _ in part]
             else:
                 contexts = [list(s.prompt_ids) + list(s.response_ids) for s in part]
-                new_ids, logprobs = self._generate_chunk(contexts, sampling, end_ids, limits)
-            for s, ids, lps, limit in zip(part, new_ids, logprobs, limits):
-                extend_response(
-                    s,
-                    ids[:limit],
-                    lps[:limit],
-                    version=self._version,
-                    max_new_tokens=sampling.max_new_tokens,
-                    end_ids=end_ids,
-                    stop=sampling.stop,
-                    tokenizer=self.tokenizer,
-                )
+                hook = rows_done if on_done is not None else None
+                new_ids, logprobs = self._generate_chunk(contexts, sampling, end_ids, limits, hook)
+            for j, (s, ids, lps, limit) in enumerate(zip(part, new_ids, logprobs, limits)):
+                if j not in early:
+                    extend(s, ids[:limit], lps[:limit])
         if self._calls == 1:
             # The first call compiled and captured the decode step: its graphs, guards and caches live
             # for the whole run, so they leave the collector too (else every flush walks them: ~0.2 s).
@@ -329,18 +343,22 @@ class EmbeddedEngine(EngineWeights):
         sampling: SamplingParams,
         end_ids: list[int],
         limits: Sequence[int] | None = None,
+        on_rows_done=None,
     ) -> tuple[list[list[int]], list[list[float]]]:
         """Sample one chunk: new token ids (padded past the end) and their policy log-probs, per row.
 
         ``limits``: new tokens per row (default ``sampling.max_new_tokens``; the generate path samples
         up to the largest, the caller cuts). A ``pause_generation`` stops the chunk at its next step
-        boundary with the tokens so far. The only place that runs the model for generation; a faster
-        decoding path replaces this.
+        boundary with the tokens so far. ``on_rows_done``: the fast path hands it the rows that ended at
+        each host sync (``fast_generate_chunk``). The only place that runs the model for generation; a
+        faster decoding path replaces this.
         """
         # Fast decode path (tidal.rollout.fast): static KV cache, on-device sampling, CUDA graphs.
         from tidal.rollout.fast.plug import fast_generate_chunk
 
-        fast = fast_generate_chunk(self._decoder(), prompts, sampling, end_ids, limits, self.paused.is_set)
+        fast = fast_generate_chunk(
+            self._decoder(), prompts, sampling, end_ids, limits, self.paused.is_set, on_rows_done
+        )
         if fast is not None:
             return fast
         if limits is not None:

@@ -19,6 +19,8 @@ the worker cuts the step at the decoder's next host sync (the engine's
 and the unfinished rows go back to the head of the queue with the tokens they have, to continue in
 the next step beside the new rows (their prompt and partial response prefilled again, as SGLang's
 ``retract`` recomputes a retracted request). Each row keeps its own token budget and log-probs.
+A request is answered as soon as its rows end, from inside the step (the engine's ``on_done``: the
+fast decoder hands rows that ended on at its host syncs), not when the whole step ends.
 
 Pause (SGLang's ``/pause_generation``, whose reply waits until no engine step runs): a running step
 is cut at its next host sync in every mode. ``abort`` answers every request of the running step and
@@ -90,6 +92,7 @@ class _Job:
     # step starts without a pass over every row first.
     samples: list[Sample] = dataclasses.field(default_factory=list)
     key: tuple = ()
+    answered: bool = False  # settled from inside its step, as soon as all its rows ended
 
     @property
     def is_generate(self) -> bool:
@@ -409,7 +412,7 @@ class EngineWorker:
         # are rendered (``_end_step`` has the event loop turn the collector back on after them).
         gc.disable()
         try:
-            out = self.engine.generate(samples, group[0].sampling)
+            out = self.engine.generate(samples, group[0].sampling, self._answer_early(group, info))
         except BaseException as e:  # noqa: BLE001 - every request of the step gets the error
             return info, e
         info.ended = time.monotonic()
@@ -424,6 +427,24 @@ class EngineWorker:
             job.samples, lo = out[lo : lo + len(job.prompts)], lo + len(job.prompts)
         return info, None
 
+    def _answer_early(self, group: list[_Job], info: StepInfo):
+        """The engine's ``on_done`` for a step: a request whose rows have all ended is answered at once, while
+        the step goes on for the others (its reply names the step; its ``ended`` is when it was answered)."""
+        owner = [job for job in group for _ in job.samples]
+        left = {id(job): sum(s.status in ("pending", "aborted") for s in job.samples) for job in group}
+
+        def on_done(samples: list[Sample]) -> None:
+            now, settled = time.monotonic(), []
+            for s in samples:
+                job = owner[s.index]
+                left[id(job)] -= 1
+                if left[id(job)] == 0:
+                    job.answered = True
+                    settled.append((job, GenerateResult(job.samples, dataclasses.replace(info, ended=now)), None))
+            _settle_soon(settled)
+
+        return on_done
+
     def _end_step(
         self, group: list[_Job], info: StepInfo | None, error: BaseException | None, enable_gc: bool = False
     ) -> None:
@@ -437,6 +458,8 @@ class EngineWorker:
                 go()  # the cut was for admission: the next step runs
         settled, again, aborted = [], [], 0
         for job in group:
+            if job.answered:
+                continue  # its rows ended inside the step and it was answered then
             if error is not None:
                 settled.append((job, None, error))
                 continue

@@ -17,7 +17,8 @@ model code runs every layer) and generates a batch of prompts:
 4. Every ``check_every`` steps the host reads how many rows are still running (the only host sync
    of the loop). When they fit a smaller batch bucket, their cache rows and state move to the front
    (compaction) and the loop continues at that bucket, so rows that finished early stop costing
-   anything and a long tail runs at a small batch. When none is left, the wave ends.
+   anything and a long tail runs at a small batch. When none is left, the wave ends. A caller may have
+   the rows that ended handed on there (``on_rows_done``), before the call returns.
 
 The attention of a step covers only the cache columns written so far, rounded up to ``kv_block``
 (a static length per graph), not the whole cache.
@@ -283,6 +284,7 @@ class FastDecoder:
         stop_ids: Sequence[int] = (),
         seed: int | None = None,
         should_stop: Callable[[], bool] | None = None,
+        on_rows_done: Callable[[list[int], list[tuple[list[int], list[float], bool]]], None] | None = None,
     ) -> DecodeResult:
         """Generate for every prompt; see ``DecodeResult``.
 
@@ -290,6 +292,9 @@ class FastDecoder:
         CUDA the device's default generator); without it the stream continues. ``should_stop`` is
         asked at each of the wave's host syncs (every ``check_every`` steps): once it answers True
         the call returns the tokens so far (rows not started: none), ``stats["interrupted"]`` set.
+        ``on_rows_done(rows, results)`` is called at those syncs with the rows that ended since the last one
+        (indices into ``prompts``) and their (tokens, log-probs, stopped), as the result will hold them: a
+        caller can hand them on before the call returns.
         """
         t_start = time.perf_counter()
         n = len(prompts)
@@ -313,7 +318,16 @@ class FastDecoder:
                 stats["interrupted"] = True
                 break
             idx = list(range(lo, min(n, lo + self.rows)))
-            out_tok, out_lp = self._wave([prompts[i] for i in idx], [limits[i] for i in idx], mode, stats, should_stop)
+            report = None
+            if on_rows_done is not None:
+
+                def report(rows, tok, lp, idx=idx):
+                    done = cut_at_stops(tok, lp, [limits[idx[r]] for r in rows], stop_set)
+                    on_rows_done([idx[r] for r in rows], done)
+
+            out_tok, out_lp = self._wave(
+                [prompts[i] for i in idx], [limits[i] for i in idx], mode, stats, should_stop, report
+            )
             rows = cut_at_stops(out_tok.tolist(), out_lp.tolist(), [limits[i] for i in idx], stop_set)
             for i, (tok, lp, hit) in zip(idx, rows):
                 tokens[i], logprobs[i], stopped[i] = tok, lp, hit
@@ -382,9 +396,11 @@ class FastDecoder:
         mode: SamplingMode,
         stats: dict,
         should_stop: Callable[[], bool] | None = None,
+        report: Callable[[list[int], list[list[int]], list[list[float]]], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Generate one wave (at most ``rows`` prompts); returns host ``[n, columns]`` tokens and log-probs
-        (``max_new`` columns, fewer when ``should_stop`` cut the wave short)."""
+        (``max_new`` columns, fewer when ``should_stop`` cut the wave short). ``report(rows, tokens,
+        log-probs)``: the wave rows that ended since the last host sync, with their columns so far."""
         dev = self.device
         n = len(prompts)
         width = max(len(p) for p in prompts)
@@ -421,11 +437,13 @@ class FastDecoder:
         t1 = time.perf_counter()
         stats["prefill_s"] += t1 - t0
 
-        steps, columns = 0, max_new
+        steps, columns, reported = 0, max_new, set()
         for t in range(1, max_new):
             if (t - 1) % self.check_every == 0:
                 active = torch.nonzero(~self.s_done[:bs]).squeeze(1)
                 left = int(active.numel())  # the loop's one host sync, every check_every steps
+                if report is not None and n - left > len(reported):
+                    self._report_ended(bs, n, t, reported, report)
                 if left == 0:
                     break
                 if should_stop is not None and should_stop():
@@ -449,6 +467,17 @@ class FastDecoder:
         stats["decode_s"] += time.perf_counter() - t1
         stats["steps"] += steps
         return out_tok, out_lp
+
+    def _report_ended(self, bs: int, n: int, columns: int, reported: set[int], report) -> None:
+        """Hand ``report`` the wave rows that ended since the last call, with their first ``columns`` columns
+        (the rest of a row that ended is never read); before a compaction drops their slots."""
+        slots = torch.nonzero(self.s_done[:bs]).squeeze(1)
+        rows = [r for r in self.s_rowmap[slots].tolist() if r < n and r not in reported]
+        if not rows:
+            return
+        reported.update(rows)
+        pick = torch.tensor(rows, dtype=torch.long, device=self.device)
+        report(rows, self.s_out_tok[pick, :columns].tolist(), self.s_out_lp[pick, :columns].tolist())
 
     def _prefill(self, prompts: list[Sequence[int]], row0: int, width: int, mode: SamplingMode) -> None:
         """One eager forward over a chunk of left-padded prompts; samples each row's first token.

@@ -78,11 +78,13 @@ def fast_generate_chunk(
     end_ids: list[int],
     limits: Sequence[int] | None = None,
     should_stop=None,
+    on_rows_done=None,
 ) -> tuple[list[list[int]], list[list[float]]] | None:
     """New token ids and their policy log-probs per row, or None to fall back to ``generate``.
 
     ``limits``: new tokens per row (default ``sampling.max_new_tokens`` for each); ``should_stop``:
-    asked at the decoder's host syncs, True cuts the call short (``FastDecoder.generate``)."""
+    asked at the decoder's host syncs, True cuts the call short; ``on_rows_done``: rows that ended, handed
+    on at those syncs (``FastDecoder.generate``)."""
     if dec == OFF or len(end_ids) > dec.max_stop_ids:
         return None
     # No seed: the engine has seeded torch for this call (CPU: the decoder draws its seed from it;
@@ -95,5 +97,6 @@ def fast_generate_chunk(
         top_k=int(sampling.top_k),
         stop_ids=end_ids,
         should_stop=should_stop,
+        on_rows_done=on_rows_done,
     )
     return res.tokens, res.logprobs
