@@ -123,7 +123,9 @@ def test_pause_and_rows_joining_a_running_step_on_cuda(server):
             assert (cut["cut_rows"], cut["cut_for"]) == (1, "pause") and 0 < cut["new_tokens"] < 1000
             server.post("/continue_generation")
             meta = first.result(timeout=120).json()["meta_info"]
-            after = {s["step"]: s for s in _internal(server)["recent_steps"]}[meta["engine_step"]]
+            step = meta["engine_step"]
+            state = _until(server, lambda st: step in {x["step"] for x in st["recent_steps"]}, "the step recorded")
+            after = {x["step"]: x for x in state["recent_steps"]}[step]
             print(
                 f"retract: cut after {cut['new_tokens']} tokens, {after['new_tokens']} more in {after['seconds']:.3f} s"
             )

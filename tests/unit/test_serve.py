@@ -245,7 +245,9 @@ def _retract(pool, server) -> None:
     assert a["engine_step"] == b["engine_step"] == cut["step"] + 1 and a["engine_step_requests"] == 2
     assert a["weight_version"] == b["weight_version"] == "7"
     # The continuing step added only what the row lacked: it kept the tokens it had when it was cut.
-    after = {s["step"]: s for s in _internal(server)["recent_steps"]}[a["engine_step"]]
+    # (A request is answered as its rows end: the step is recorded when its last row ended, maybe a moment later.)
+    state = _until(server, lambda st: a["engine_step"] in {x["step"] for x in st["recent_steps"]}, "the step recorded")
+    after = {x["step"]: x for x in state["recent_steps"]}[a["engine_step"]]
     assert after["new_tokens"] == a["completion_tokens"] - cut["new_tokens"] + b["completion_tokens"]
     got, want = _policy_logprobs([1, 5, 6], out)
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
