@@ -203,8 +203,12 @@ def _http_once(url: str, clients: _Clients) -> dict:
 
     t0, out = clients.burst()
     wall = max(out["done"]) - t0
-    info = httpx.get(url + "/server_info").json()["internal_states"][0]["recent_steps"]
-    steps = [s for s in info if s["step"] in out["steps"]]
+    for _ in range(200):  # a request is answered as its rows end: its step is recorded when the step ends
+        info = httpx.get(url + "/server_info").json()["internal_states"][0]["recent_steps"]
+        steps = [s for s in info if s["step"] in out["steps"]]
+        if len(steps) == len(out["steps"]):
+            break
+        time.sleep(0.01)
     rids = {f"bench-{i}" for i in range(len(out["done"]))}
     timings = [t for t in httpx.get(url + "/request_timings").json()["requests"] if t["rid"] in rids]
     timings = {t["rid"]: t for t in timings}.values()  # the latest burst's (rids repeat between bursts)
