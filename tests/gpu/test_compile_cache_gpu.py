@@ -62,7 +62,9 @@ def test_second_process_reuses_the_compile_cache(tmp_path):
             f"[{tag}] first call {r['first_call_s']:.1f} s, fx graph hits {r['hit']} misses {r['miss']}, aot hits {r['aot_hit']}"
         )
     assert cold["compiled"] and warm["compiled"], (cold["fallback"], warm["fallback"])
-    assert cold["miss"] > 0 and cold["hit"] == 0
+    # The cold process compiles (misses) and may hit an entry it wrote itself a moment before (a graph compiled
+    # twice in one process: 1 of 8 on the H200); the warm one misses nothing.
+    assert cold["miss"] > 0 and cold["hit"] < warm["hit"]
     assert warm["hit"] >= cold["miss"] and warm["miss"] == 0
     assert os.listdir(os.path.join(cache, "inductor"))
     assert warm["tokens"] == cold["tokens"]

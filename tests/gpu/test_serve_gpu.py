@@ -113,6 +113,10 @@ def test_pause_and_rows_joining_a_running_step_on_cuda(server):
         sp = {"max_new_tokens": 1000, "temperature": 1.0, "sampling_seed": 5}
         return pool.submit(server.post, "/generate", json={"input_ids": prompt, "sampling_params": sp})
 
+    # One short request first: the first step on a fresh server compiles and captures for longer than the
+    # 0.3 s the pause below waits, so the cut would come before the row's first token.
+    warm = {"max_new_tokens": 16, "temperature": 1.0, "sampling_seed": 5}
+    assert server.post("/generate", json={"input_ids": [11, 12, 13], "sampling_params": warm}).status_code == 200
     with ThreadPoolExecutor(2) as pool:
         try:
             first = long([11, 12, 13])
