@@ -2,7 +2,9 @@
 ``/health`` answers, and the server's own log printed afterwards (pytest shows it when a test failed).
 
 Shared by ``tests/unit/test_serve.py`` (CPU) and ``tests/gpu/test_serve_gpu.py`` (CUDA); importable from
-both because pytest puts the folder of ``tests/conftest.py`` on the path (its default import mode).
+both because pytest puts the folder of ``tests/conftest.py`` on the path (its default import mode). Also here:
+reading the engine worker's state from ``/server_info`` and waiting for one, and an ``HttpEngineActor`` pointed
+at a server (used by those tests and by ``tests/unit/test_http_engine.py``).
 """
 
 from __future__ import annotations
@@ -50,3 +52,39 @@ def serve_process(args, log_path, *, key, env_extra=None, health_s=20.0, timeout
             proc.wait(timeout=stop_s)
             log.seek(0)
             print(log.read()[-4000:])  # the server's own log, shown when a test failed
+
+
+def server_state(client) -> dict:
+    """The engine worker's ``internal_states`` entry of ``/server_info``."""
+    return client.get("/server_info").json()["internal_states"][0]
+
+
+def wait_for_state(client, pred, what: str, timeout_s: float = 30.0) -> dict:
+    """Poll ``server_state`` until ``pred`` holds for it (returned), failing after ``timeout_s`` naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = server_state(client)
+        if pred(state):
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server never had {what}: {state}")
+        time.sleep(0.01)
+
+
+def http_engine(address: str, **rollout):
+    """A started ``HttpEngineActor`` (rank 0, CPU, default sections) for the server at ``address``."""
+    from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, WeightSyncConfig
+    from tidal.rollout.http_engine import HttpEngineActor
+
+    r = RolloutConfig(rollout_engine="sglang", rollout_external_engine_addrs=[address], **rollout)
+    eng = HttpEngineActor(
+        0,
+        model=ModelConfig(),
+        rollout=r,
+        memory=MemoryConfig(),
+        weight_sync=WeightSyncConfig(),
+        device="cpu",
+        address=address,
+    )
+    eng.init()
+    return eng

@@ -10,6 +10,7 @@ staleness bound (full).
 from __future__ import annotations
 
 import pytest
+from engine_pause import PauseAfter
 
 from tidal.config import parse, resolve
 from tidal.weight_sync.verify import compare_checksums
@@ -61,17 +62,6 @@ def test_full_partial_rollout_resident_on_one_gpu(ray_cluster, tmp_path):
     print({k: sum(r[k] for r in rows) for k in ("async/paused_groups", "async/partial_samples")})
 
 
-class _PauseAfter:
-    """A pause request that arrives on the engine's ``k``-th check (deterministic, as in tests/unit/test_engine.py)."""
-
-    def __init__(self, k: int):
-        self.k, self.calls = k, 0
-
-    def is_set(self) -> bool:
-        self.calls += 1
-        return self.calls >= self.k
-
-
 def test_a_paused_cuda_call_returns_partial_rows_that_continue_on_new_weights():
     import threading
 
@@ -84,7 +74,7 @@ def test_a_paused_cuda_call_returns_partial_rows_that_continue_on_new_weights():
     prompts = [eng.tokenizer.encode(t) for t in ("12+34=", "7*8=", "5", "abc")] * 4
     samples = [Sample(index=i, group=i, prompt="", prompt_ids=p) for i, p in enumerate(prompts)]
     sp = SamplingParams(max_new_tokens=40, seed=2)
-    eng.paused = _PauseAfter(4)  # the fast path's second host sync: 9 tokens, between graph replays
+    eng.paused = PauseAfter(4)  # the fast path's second host sync: 9 tokens, between graph replays
     out = eng.generate(samples, sp)
     aborted = [s for s in out if s.status == "aborted"]
     assert aborted and all(0 < len(s.response_ids) < 40 for s in aborted)

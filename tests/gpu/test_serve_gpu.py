@@ -19,7 +19,7 @@ from multiprocessing.reduction import ForkingPickler
 import pytest
 import torch
 import xxhash
-from serve_process import serve_process
+from serve_process import serve_process, server_state, wait_for_state
 
 pytestmark = pytest.mark.gpu
 
@@ -89,19 +89,6 @@ def test_release_resume_through_tms(server):
     assert out["meta_info"]["weight_version"] == "2" and out["meta_info"]["completion_tokens"] >= 1
 
 
-def _internal(server) -> dict:
-    return server.get("/server_info").json()["internal_states"][0]
-
-
-def _until(server, pred, what: str) -> dict:
-    for _ in range(3000):
-        state = _internal(server)
-        if pred(state):
-            return state
-        time.sleep(0.01)
-    raise AssertionError(f"the server never had {what}: {state}")
-
-
 def test_pause_and_rows_joining_a_running_step_on_cuda(server):
     """The engine worker's cuts on CUDA (captured graphs, compiled decode step): a retract pause cuts a running
     1-row decode and, after continue, the row runs on to its full length from the tokens it had; a request
@@ -120,15 +107,17 @@ def test_pause_and_rows_joining_a_running_step_on_cuda(server):
     with ThreadPoolExecutor(2) as pool:
         try:
             first = long([11, 12, 13])
-            _until(server, lambda s: s["running_rows"] == 1, "a running step")
+            wait_for_state(server, lambda s: s["running_rows"] == 1, "a running step")
             time.sleep(0.3)
             assert server.post("/pause_generation", json={"mode": "retract"}).status_code == 200
-            cut = _internal(server)["recent_steps"][-1]
+            cut = server_state(server)["recent_steps"][-1]
             assert (cut["cut_rows"], cut["cut_for"]) == (1, "pause") and 0 < cut["new_tokens"] < 1000
             server.post("/continue_generation")
             meta = first.result(timeout=120).json()["meta_info"]
             step = meta["engine_step"]
-            state = _until(server, lambda st: step in {x["step"] for x in st["recent_steps"]}, "the step recorded")
+            state = wait_for_state(
+                server, lambda st: step in {x["step"] for x in st["recent_steps"]}, "the step recorded"
+            )
             after = {x["step"]: x for x in state["recent_steps"]}[step]
             print(
                 f"retract: cut after {cut['new_tokens']} tokens, {after['new_tokens']} more in {after['seconds']:.3f} s"
@@ -137,15 +126,15 @@ def test_pause_and_rows_joining_a_running_step_on_cuda(server):
                 assert meta["completion_tokens"] == 1000 == cut["new_tokens"] + after["new_tokens"]
 
             second = long([21, 22, 23])
-            _until(server, lambda s: s["running_rows"] == 1, "a running step")
+            wait_for_state(server, lambda s: s["running_rows"] == 1, "a running step")
             third = long([31, 32])
-            _until(server, lambda s: s["running_rows"] == 2, "the step both requests run in")
+            wait_for_state(server, lambda s: s["running_rows"] == 2, "the step both requests run in")
             time.sleep(0.2)
             assert server.post("/pause_generation", json={"mode": "abort"}).json()["num_aborted_requests"] == 2
             b, c = second.result(timeout=60).json()["meta_info"], third.result(timeout=60).json()["meta_info"]
             assert b["finish_reason"]["type"] == c["finish_reason"]["type"] == "abort"
             assert b["engine_step"] == c["engine_step"] and 0 < c["completion_tokens"] < 1000
-            joined = {s["step"]: s for s in _internal(server)["recent_steps"]}[b["engine_step"] - 1]
+            joined = {s["step"]: s for s in server_state(server)["recent_steps"]}[b["engine_step"] - 1]
             assert (joined["rows"], joined["cut_for"]) == (1, "admission")
         finally:
             server.post("/continue_generation")

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from engine_pause import PauseAfter
 
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, WeightSyncConfig
 from tidal.errors import ResidencyError, UserError, WeightSyncError
@@ -115,23 +116,12 @@ def test_logprobs_are_the_policy_and_match_teacher_forcing(model):
     assert (got - want / 0.7).abs().max().item() > 1e-2
 
 
-class _PauseAfter:
-    """A pause request that arrives on the engine's ``k``-th check (a pause from another thread, made deterministic)."""
-
-    def __init__(self, k: int):
-        self.k, self.calls = k, 0
-
-    def is_set(self) -> bool:
-        self.calls += 1
-        return self.calls >= self.k
-
-
 @pytest.mark.parametrize("fast", [True, False])
 def test_a_paused_call_returns_partial_rows_that_a_later_call_continues_on_new_weights(fast):
     eng = make_engine(rollout_fast_decode=fast)
     eng.set_weight_version(3)
     sp = SamplingParams(max_new_tokens=24, seed=2)
-    eng.paused = _PauseAfter(4)  # fast decode: at its second host sync (9 tokens); generate: after its second step
+    eng.paused = PauseAfter(4)  # fast decode: at its second host sync (9 tokens); generate: after its second step
     out = eng.generate(make_samples(eng, repeat=2), sp)
     aborted = [s for s in out if s.status == "aborted"]
     assert aborted and {s.status for s in out} <= {"aborted", "completed"}

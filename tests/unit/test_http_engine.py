@@ -22,6 +22,7 @@ import time
 
 import httpx
 import pytest
+from serve_process import http_engine
 
 from tidal.config import parse, resolve
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, WeightSyncConfig
@@ -79,27 +80,12 @@ def server():
     srv.stop()
 
 
-def _engine(address: str, **rollout) -> HttpEngineActor:
-    r = RolloutConfig(rollout_engine="sglang", rollout_external_engine_addrs=[address], **rollout)
-    eng = HttpEngineActor(
-        0,
-        model=ModelConfig(),
-        rollout=r,
-        memory=MemoryConfig(),
-        weight_sync=WeightSyncConfig(),
-        device="cpu",
-        address=address,
-    )
-    eng.init()
-    return eng
-
-
 def _samples(n: int) -> list[Sample]:
     return [Sample(index=i, group=i, prompt="p", prompt_ids=[1 + i, 2, 3]) for i in range(n)]
 
 
 def test_generate_fills_samples_from_sglang_shapes(server):
-    eng = _engine(server.address)
+    eng = http_engine(server.address)
     assert eng.get_weight_version() == -1  # SGLang's "default" before any update
     out = eng.generate(_samples(3), SamplingParams(max_new_tokens=5, stop_token_ids=[13]))
     # The server's toy continuation: token k = (sum(prompt) + 7k) mod 64; 13 stops it.
@@ -128,7 +114,7 @@ def test_partial_rollout_aborts_requests_and_continues_them_from_their_tokens(se
     the new weight version, and appends (each token's version recorded)."""
     import threading
 
-    eng = _engine(server.address, partial_rollout=True)
+    eng = http_engine(server.address, partial_rollout=True)
     post = lambda path, body: httpx.post(f"http://{server.address}{path}", json=body).raise_for_status()  # noqa: E731
     progress = lambda: httpx.get(f"http://{server.address}/generate_bodies").json()  # noqa: E731
     post("/update_weight_version", {"new_version": "5"})
@@ -170,7 +156,7 @@ def test_partial_rollout_aborts_requests_and_continues_them_from_their_tokens(se
 def test_bad_addresses_and_replies_are_one_line(server, tmp_path):
     dead = f"127.0.0.1:{_free_port()}"
     with pytest.raises(UserError) as exc:
-        _engine(dead)
+        http_engine(dead)
     msg = str(exc.value)
     assert dead in msg and "GET /health" in msg and "\n" not in msg
     # A server that does not speak the protocol: plain HTTP answering 404 everywhere but /health.
@@ -188,14 +174,14 @@ def test_bad_addresses_and_replies_are_one_line(server, tmp_path):
             except httpx.HTTPError:
                 time.sleep(0.05)
         with pytest.raises(UserError) as exc:
-            _engine(f"127.0.0.1:{port}")
+            http_engine(f"127.0.0.1:{port}")
         msg = str(exc.value)
         assert f"127.0.0.1:{port}" in msg and "GET /health answered 404" in msg and "\n" not in msg
     finally:
         plain.kill()
         plain.wait()
     # An update the server refuses: one line, and the engine refuses to generate until a full version landed.
-    eng = _engine(server.address)
+    eng = http_engine(server.address)
     with pytest.raises(WeightSyncError) as exc:
         eng.update_weights_from_disk(str(tmp_path), 1)
     assert f"engine {server.address}: POST /update_weights_from_disk answered success=false" in str(exc.value)
@@ -219,8 +205,8 @@ def test_disk_version_key_and_death_on_an_sglang_shaped_server(tmp_path):
     srv = Server("--tidal-extras", "--api-key", "k1").start()
     try:
         with pytest.raises(EngineReplyError, match="answered 401"):
-            _engine(srv.address)
-        eng = _engine(srv.address, rollout_engine_api_key="k1")
+            http_engine(srv.address)
+        eng = http_engine(srv.address, rollout_engine_api_key="k1")
         assert eng.get_weight_version() == -1
         result = eng.update_weights_from_disk(path, 7)
         got = eng.weight_checksums()

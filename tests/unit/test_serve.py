@@ -23,7 +23,7 @@ import httpx
 import pytest
 import torch
 import xxhash
-from serve_process import serve_process
+from serve_process import http_engine, serve_process, server_state, wait_for_state
 
 from tidal.rollout.types import Sample, SamplingParams
 
@@ -171,19 +171,6 @@ def test_bench_clients_and_request_timings(server):
 LONG = {"max_new_tokens": 250, "temperature": 1.0, "sampling_seed": 38}
 
 
-def _internal(server) -> dict:
-    return server.get("/server_info").json()["internal_states"][0]
-
-
-def _until(server, pred, what: str) -> dict:
-    for _ in range(1500):
-        state = _internal(server)
-        if pred(state):
-            return state
-        time.sleep(0.02)
-    raise AssertionError(f"the server never had {what}: {state}")
-
-
 def _long(pool, server, prompt):
     return pool.submit(
         server.post, "/generate", json={"input_ids": prompt, "sampling_params": LONG, "return_logprob": True}
@@ -227,16 +214,16 @@ def _retract(pool, server) -> None:
     stays open, one sent while paused waits, a weight-version update still runs; after continue both finish
     in one step, the cut row continued from its tokens (served log-probs = the policy's over the whole)."""
     first = _long(pool, server, [1, 5, 6])
-    _until(server, lambda s: s["running_rows"] == 1, "a running step")
+    wait_for_state(server, lambda s: s["running_rows"] == 1, "a running step")
     time.sleep(0.1)  # past the prefill: the row has tokens when it is cut
     paused = server.post("/pause_generation", json={"mode": "retract"})
     assert paused.status_code == 200 and paused.json()["num_aborted_requests"] == 0
-    state = _internal(server)
+    state = server_state(server)
     assert state["paused"] and state["running_rows"] == 0 and state["queued"] == 1
     cut = state["recent_steps"][-1]
     assert (cut["rows"], cut["cut_rows"], cut["cut_for"]) == (1, 1, "pause") and 0 < cut["new_tokens"] < 250
     second = _long(pool, server, [1, 7, 8, 9])
-    _until(server, lambda s: s["queued"] == 2, "the second request queued")
+    wait_for_state(server, lambda s: s["queued"] == 2, "the second request queued")
     assert server.post("/update_weight_version", json={"new_version": "7"}).status_code == 200
     assert not first.done() and not second.done()
     server.post("/continue_generation")
@@ -246,7 +233,9 @@ def _retract(pool, server) -> None:
     assert a["weight_version"] == b["weight_version"] == "7"
     # The continuing step added only what the row lacked: it kept the tokens it had when it was cut.
     # (A request is answered as its rows end: the step is recorded when its last row ended, maybe a moment later.)
-    state = _until(server, lambda st: a["engine_step"] in {x["step"] for x in st["recent_steps"]}, "the step recorded")
+    state = wait_for_state(
+        server, lambda st: a["engine_step"] in {x["step"] for x in st["recent_steps"]}, "the step recorded"
+    )
     after = {x["step"]: x for x in state["recent_steps"]}[a["engine_step"]]
     assert after["new_tokens"] == a["completion_tokens"] - cut["new_tokens"] + b["completion_tokens"]
     got, want = _policy_logprobs([1, 5, 6], out)
@@ -258,9 +247,9 @@ def _admission_then_abort(pool, server) -> None:
     admission``) and both run in the next step. An abort pause then answers both at once, from that step, with
     the tokens they had and an ``abort`` finish reason; a request sent while paused waits for continue."""
     third = _long(pool, server, [1, 5, 6])
-    _until(server, lambda s: s["running_rows"] == 1, "a running step")
+    wait_for_state(server, lambda s: s["running_rows"] == 1, "a running step")
     fourth = _long(pool, server, [1, 9])
-    _until(server, lambda s: s["running_rows"] == 2, "the step both requests run in")
+    wait_for_state(server, lambda s: s["running_rows"] == 2, "the step both requests run in")
     time.sleep(0.1)  # past the prefill: both rows have tokens when they are cut
     aborted = server.post("/pause_generation", json={"mode": "abort"}).json()["num_aborted_requests"]
     outs = [third.result(timeout=10).json(), fourth.result(timeout=10).json()]
@@ -273,7 +262,7 @@ def _admission_then_abort(pool, server) -> None:
         assert len(out["output_ids"]) == len(meta["output_token_logprobs"]) == meta["completion_tokens"]
     c, d = (o["meta_info"] for o in outs)
     assert c["engine_step"] == d["engine_step"] and d["engine_step_requests"] == 2
-    state = _internal(server)
+    state = server_state(server)
     assert state["gc_enabled"]  # the collector, off during a step, is on again once its replies are out
     steps = {s["step"]: s for s in state["recent_steps"]}
     joined = steps[c["engine_step"] - 1]
@@ -281,42 +270,21 @@ def _admission_then_abort(pool, server) -> None:
 
     body = {"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 2}}
     later = pool.submit(server.post, "/generate", json=body)
-    _until(server, lambda s: s["queued"] == 1, "a request held by the pause")
+    wait_for_state(server, lambda s: s["queued"] == 1, "a request held by the pause")
     server.post("/continue_generation")
     assert later.result(timeout=60).json()["meta_info"]["finish_reason"]["type"] != "abort"
 
     # tidal's HTTP engine through the same pause: its requests come back aborted, are sent again, held by the
     # paused server, and answered whole after continue.
-    engine = _http_engine(server)
+    engine = http_engine(str(server.base_url).removeprefix("http://"), rollout_engine_api_key=KEY)
     sample = Sample(index=0, group=0, prompt=None, prompt_ids=[1, 5, 6])
     done = pool.submit(engine.generate, [sample], SamplingParams(temperature=1.0, max_new_tokens=60, seed=38))
-    _until(server, lambda s: s["running_rows"] == 1, "a running step")
+    wait_for_state(server, lambda s: s["running_rows"] == 1, "a running step")
     engine.pause_generation()
-    _until(server, lambda s: s["queued"] == 1, "the engine's request sent again and held")
+    wait_for_state(server, lambda s: s["queued"] == 1, "the engine's request sent again and held")
     engine.continue_generation()
     (out,) = done.result(timeout=60)
     assert out.status in ("completed", "truncated") and len(out.response_ids) == len(out.response_logprobs) > 0
-
-
-def _http_engine(server):
-    from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, WeightSyncConfig
-    from tidal.rollout.http_engine import HttpEngineActor
-
-    address = str(server.base_url).removeprefix("http://")
-    rollout = RolloutConfig(
-        rollout_engine="sglang", rollout_external_engine_addrs=[address], rollout_engine_api_key=KEY
-    )
-    engine = HttpEngineActor(
-        0,
-        model=ModelConfig(),
-        rollout=rollout,
-        memory=MemoryConfig(),
-        weight_sync=WeightSyncConfig(),
-        device="cpu",
-        address=address,
-    )
-    engine.init()
-    return engine
 
 
 def test_a_request_is_answered_when_its_rows_end(server):
@@ -327,7 +295,7 @@ def test_a_request_is_answered_when_its_rows_end(server):
     with ThreadPoolExecutor(2) as pool:
         both = [_long(pool, server, [1, 5, 6]), _long(pool, server, [1, 9])]
         done, _ = wait(both, timeout=60, return_when=FIRST_COMPLETED)
-        state = _internal(server)
+        state = server_state(server)
         (early,) = done
         later = both[1] if early is both[0] else both[0]
         assert state["running_rows"] == 2 and not later.done()  # the step still runs for the other row
@@ -344,7 +312,7 @@ def test_abort_request_answers_the_running_step_and_holds_nothing(server):
     assert server.post("/generate", json=warm).status_code == 200  # the decoder built before a step is cut
     with ThreadPoolExecutor(1) as pool:
         running = _long(pool, server, [1, 5, 6])
-        _until(server, lambda s: s["running_rows"] == 1, "a running step")
+        wait_for_state(server, lambda s: s["running_rows"] == 1, "a running step")
         time.sleep(0.1)  # past the prefill: the row has tokens when it is cut
         reply = server.post("/abort_request", json={"abort_all": True})
         assert reply.status_code == 200 and reply.json()["num_aborted_requests"] == 1
@@ -352,7 +320,7 @@ def test_abort_request_answers_the_running_step_and_holds_nothing(server):
     meta = out["meta_info"]
     assert meta["finish_reason"]["type"] == "abort" and 0 < meta["completion_tokens"] < 250
     assert [p[1] for p in meta["output_token_logprobs"]] == out["output_ids"] and len(out["output_ids"]) > 0
-    assert not _internal(server)["paused"]
+    assert not server_state(server)["paused"]
     assert _whole(server.post("/generate", json={**warm, "return_logprob": True}).json())
     assert server.post("/abort_request", json={"rid": "x"}).status_code == 400  # only abort_all
 
