@@ -122,3 +122,37 @@ def test_no_warm_process_where_its_socket_cannot_be_made(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "ray", raising=False)  # as in a driver before Ray starts (the suite's Ray is up)
     assert not ray_cluster.start_warm(None, {}, ["colorsys"]) and ray_cluster._warm is None
     assert list(deep.iterdir()) == []
+
+
+NO_PRESTART = textwrap.dedent(
+    """
+    import psutil, ray
+    from tidal.cluster.ray_cluster import start_ray, stop_ray
+
+    started = start_ray(None, num_cpus=6, num_gpus=0, preload=[])
+    idle = [p for p in psutil.Process().children(recursive=True) if p.cmdline()[:1] == ["ray::IDLE"]]
+
+    @ray.remote(num_cpus=0)
+    def one():
+        return 1
+
+    print("idle", len(idle), "answer", ray.get(one.remote()), flush=True)
+    stop_ray(started)
+    """
+)
+
+
+def test_a_cluster_whose_workers_host_nothing_preloaded_starts_none_ahead():
+    """Without modules to preload (GPUs, a many-core host) Ray prestarts no worker per logical CPU, which
+    ``ray.init`` would wait for; a task still gets a worker on demand. With them it keeps its workers."""
+    from tidal.cluster.ray_cluster import IDLE_WORKER_KEEP_MS, local_system_config
+
+    assert local_system_config([], prestart=False) == {"prestart_worker_first_driver": False}
+    warm = local_system_config([], prestart=True)
+    assert warm == {"idle_worker_killing_time_threshold_ms": IDLE_WORKER_KEEP_MS}
+    assert local_system_config(["torch"], prestart=True)["preload_python_modules"] == ["torch"]
+    out = subprocess.run(
+        [sys.executable, "-c", NO_PRESTART], capture_output=True, text=True, timeout=120, env={**os.environ}
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "idle 0 answer 1" in out.stdout, out.stdout[-500:]

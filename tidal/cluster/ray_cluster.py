@@ -190,17 +190,30 @@ def _init_local(logical_cpus: float, num_gpus: int, preload: list[str], *, warm:
     from tidal.cluster.warm import worker_command
 
     with lean_head(), worker_command() if warm else contextlib.nullcontext():
-        _ray_init_local(logical_cpus, num_gpus, preload)
+        _ray_init_local(logical_cpus, num_gpus, local_system_config(preload, prestart=warm or bool(preload)))
 
 
-def _ray_init_local(logical_cpus: float, num_gpus: int, preload: list[str]) -> None:
-    import ray
+def local_system_config(preload: Sequence[str], *, prestart: bool) -> dict:
+    """Ray's system config for a cluster started here.
 
+    ``prestart``: Ray starts one Python worker per logical CPU as the driver connects, and the driver's
+    ``ray.init`` returns only once they have started. That pays off where the actors take those workers
+    (a small CPU host, ``prestart_modules``); elsewhere (GPUs, whose trainer needs a fresh process, or a
+    many-core host) it costs a Ray import per core before the first actor is created: 16 workers made
+    ``ray.init`` take 10.5 s on a 16-core GPU host. Without it Ray starts the workers the actors ask for.
+    """
+    if not prestart:
+        return {"prestart_worker_first_driver": False}
     # The workers Ray prestarts are the ones the actors are meant to take; Ray stops a worker idle
     # for over a second when it has more than one per CPU, before the driver has asked for them.
-    system_config: dict = {"idle_worker_killing_time_threshold_ms": IDLE_WORKER_KEEP_MS}
+    config: dict = {"idle_worker_killing_time_threshold_ms": IDLE_WORKER_KEEP_MS}
     if preload:
-        system_config["preload_python_modules"] = preload
+        config["preload_python_modules"] = list(preload)
+    return config
+
+
+def _ray_init_local(logical_cpus: float, num_gpus: int, system_config: dict) -> None:
+    import ray
 
     ray.init(
         address="local",
