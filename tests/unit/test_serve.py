@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import os
 import threading
@@ -323,6 +324,41 @@ def test_abort_request_answers_the_running_step_and_holds_nothing(server):
     assert not server_state(server)["paused"]
     assert _whole(server.post("/generate", json={**warm, "return_logprob": True}).json())
     assert server.post("/abort_request", json={"rid": "x"}).status_code == 400  # only abort_all
+
+
+def test_a_stop_string_spanning_a_partial_rollout_pause_ends_the_response_where_it_would_have(server):
+    """``--partial-rollout`` over HTTP: a row a pause cut after ``j`` tokens is continued by a request that starts
+    there, so the server cannot see a stop string whose first character came before the pause; tidal's HTTP
+    engine cuts the whole response at it, giving what one uninterrupted request answers (greedy, so the same
+    tokens), each token with its own weight version."""
+    engine = http_engine(str(server.base_url).removeprefix("http://"), rollout_engine_api_key=KEY, partial_rollout=True)
+    tok, greedy = engine._tok(), SamplingParams(temperature=0.0, max_new_tokens=12)
+    fresh = lambda: Sample(index=0, group=0, prompt=None, prompt_ids=[1, 12])  # noqa: E731
+    (ref,) = engine.generate([fresh()], greedy)  # 12 tokens without an end token from the fixture's weights
+    spans = [
+        j
+        for j in range(2, len(ref.response_ids) - 1)
+        if len(stop := tok.decode(ref.response_ids[j - 1 : j + 1])) == 2
+        and stop not in tok.decode(ref.response_ids[:j])
+    ]
+    assert spans, ref.response_ids
+    j = spans[0]
+    stop = tok.decode(ref.response_ids[j - 1 : j + 1])  # its first character before the pause, its second after
+    with_stop = dataclasses.replace(greedy, stop=[stop])
+    (whole,) = engine.generate([fresh()], with_stop)  # no pause: the server ends the response at the stop string
+    assert whole.response_ids == ref.response_ids[: j + 1] and whole.status == "completed"
+
+    server.post("/update_weight_version", json={"new_version": "11"})
+    # What a pause after j tokens leaves (the HTTP engine's abort tests check that it does): the row aborted with
+    # its tokens, log-probs and their version. The next call sends prompt + those j tokens on version 11.
+    cut = fresh()
+    cut.response_ids, cut.response_logprobs = ref.response_ids[:j], ref.response_logprobs[:j]
+    cut.response_text, cut.status, cut.weight_version = tok.decode(cut.response_ids), "aborted", 10
+    (out,) = engine.generate([cut], with_stop)
+    assert out.response_ids == whole.response_ids and out.status == "completed"
+    assert out.response_text == whole.response_text and out.response_text.endswith(stop)
+    assert out.response_logprobs == pytest.approx(whole.response_logprobs, abs=1e-4)
+    assert out.token_versions == [10] * j + [11] and out.weight_version == 10
 
 
 def test_update_weights_from_tensor_direct_and_flattened(server):

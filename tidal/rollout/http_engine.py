@@ -28,8 +28,10 @@ Calls map one to one onto SGLang's endpoints (``docs/engines.md`` has the table)
 concurrency group). The server aborts the requests in flight; each returns ``finish_reason`` abort
 with the tokens and log-probs it had, and those samples come back ``aborted``. A later call sends
 them again as ``input_ids`` = prompt + response so far with ``max_new_tokens`` = what is left, and
-appends what comes back (each token's ``weight_version`` recorded), as slime's rollout does. Abort,
-not ``/pause_generation``: SGLang's pause holds requests that arrive after it until
+appends what comes back (each token's ``weight_version`` recorded), as slime's rollout does. The
+server matches stop strings in the continuation alone, so the whole response is then cut at the
+first stop string in its text (``cut_at_stop``): one that spans the pause ends the response where it
+would have ended without the pause. Abort, not ``/pause_generation``: SGLang's pause holds requests that arrive after it until
 ``/continue_generation``, and a request already on its way when the pause lands would then hold the
 call (and the sync waiting for it) for good; an abort never holds one, and is sent again until the
 call returned.
@@ -69,6 +71,7 @@ from tidal.rollout.sglang_client import (
     EngineReplyError,
     SglangClient,
     append_output,
+    cut_at_stop,
     fill_sample,
     parse_version,
     sampling_body,
@@ -98,6 +101,7 @@ class HttpEngineActor(RolloutEngine):
         self._cv = threading.Condition()
         self._pausing = False  # asked to pause: no request is sent until continue_generation
         self._posting = False  # a /generate request is out
+        self._tokenizer = None  # the model's, loaded when a stop string may span a pause (cut_at_stop)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -253,10 +257,22 @@ class HttpEngineActor(RolloutEngine):
             if len(out) != len(send):
                 raise EngineReplyError(f"{where} answered {len(out)} results for {len(send)} prompts")
             for (s, _), o in zip(send, out):
+                spans = bool(s.response_ids) and any(sampling.stop)  # a stop string may start in a piece before
                 append_output(s, o, where, self._version, sampling.max_new_tokens)
+                if spans:
+                    cut_at_stop(s, sampling.stop, self._tok())
         if any(s.status == "aborted" for s in samples) and not self._pausing:
             raise EngineDiedError(f"{where} aborted requests three times")
         return samples
+
+    def _tok(self):
+        """The model's tokenizer (``--model`` / ``--tokenizer``), which the server decodes responses with."""
+        if self._tokenizer is None:
+            from tidal.model import load_tokenizer, resolve_model
+
+            spec = resolve_model(self.model_cfg.model, self.model_cfg.tokenizer, self.model_cfg.trust_remote_code)
+            self._tokenizer = load_tokenizer(spec)
+        return self._tokenizer
 
     # ------------------------------------------------------------------ memory
 

@@ -137,8 +137,8 @@ def append_output(sample: Sample, out: dict, where: str, fallback_version: int, 
 
     An aborted request (SGLang's ``/abort_request`` or ``/pause_generation`` in ``abort`` mode) carries
     the tokens and log-probs it had (a request aborted while queued has none, possibly without
-    ``output_token_logprobs``): the sample stays ``aborted``, to be continued by a later call. As in
-    slime, stop strings are matched by the server within each piece only."""
+    ``output_token_logprobs``): the sample stays ``aborted``, to be continued by a later call. The server
+    matches stop strings within the piece it generated only: ``cut_at_stop`` finds one spanning pieces."""
     meta = out.get("meta_info") if isinstance(out, dict) else None
     reason = (meta or {}).get("finish_reason") or {}
     kind = reason.get("type") if isinstance(reason, dict) else str(reason)
@@ -167,6 +167,30 @@ def append_output(sample: Sample, out: dict, where: str, fallback_version: int, 
         sample.status = "truncated" if len(sample.response_ids) >= max_new_tokens else "aborted"
     else:
         sample.status = _STATUS[kind]
+
+
+def cut_at_stop(sample: Sample, stop: list[str], tokenizer) -> None:
+    """``--partial-rollout``: cut a response made of two or more pieces after the first stop string in its whole
+    text, as one uninterrupted request would have been cut.
+
+    A server matches stop strings in the text of the request it is running, and a continuation's request
+    starts where the pause cut the response: a stop string whose first part came before the pause is not
+    found there, and the server generates on past it. Here the whole response is decoded (the model's
+    tokenizer, as the server decodes) and cut after the token that completed the first stop string
+    (``tidal.rollout.generate.finish_response``, the embedded engine's rule; the string stays in the
+    response, SGLang's ``no_stop_trim``); the sample is then ``completed``, its log-probs and per-token
+    versions cut with it. A response without a stop string is left as it is."""
+    from tidal.rollout.generate import finish_response
+
+    if not any(stop) or not sample.response_ids:
+        return
+    done = finish_response(sample.response_ids, sample.response_logprobs, end_ids=(), stop=stop, tokenizer=tokenizer)
+    if done.status != "completed":
+        return
+    versions = sample.token_versions[: len(done.ids)]
+    sample.response_ids, sample.response_logprobs, sample.response_text = done.ids, done.logprobs, done.text
+    sample.status = "completed"
+    sample.response_versions = versions if len(set(versions)) > 1 else []
 
 
 def serialize_named_tensors(named: list) -> str:
