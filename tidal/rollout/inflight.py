@@ -50,6 +50,7 @@ class InFlight:
         self.paused: list[Chunk] = []  # --partial-rollout: chunks a pause cut short, continued after the sync
         self.paused_groups = 0  # groups cut short since the last step line
         self.pausing: dict = {}  # engine -> the actor paused before this sync
+        self.unanswered: set[int] = set()  # engines paused with a call out that answered neither pause nor health
         self.trainer_ahead = False  # the trainer trained since the last sync (a restart's resync is a new version)
         self.seed = s.cfg.rollout.rollout_seed
         self.window = time.perf_counter()  # engine busy time is counted from here (the step's start)
@@ -71,14 +72,25 @@ class InFlight:
         cut short ``aborted`` and are kept in ``paused`` by ``wait``."""
         import ray
 
+        from tidal.rollout.orchestrate import _failed
+
         self.pausing = {c.engine: c.actor for c in self.calls.values()}
-        refs = [a.pause_generation.remote() for a in self.pausing.values()]
-        # Not raised here: an engine that died or hangs shows it through its call (``wait``).
-        ray.wait(refs, num_returns=len(refs), timeout=self.s.cfg.rollout.engine_health_timeout)
+        pauses = {i: a.pause_generation.remote() for i, a in self.pausing.items()}
+        # The health probe beside each pause (the probe group answers two at once): an engine that answers
+        # neither within --engine-health-timeout hangs, and ``wait`` handles its call at once instead of
+        # waiting that long again for the call and again for a probe (``unanswered``).
+        probes = {i: a.health.remote() for i, a in self.pausing.items()}
+        refs = [*pauses.values(), *probes.values()]
+        answered, _ = ray.wait(refs, num_returns=len(refs), timeout=self.s.cfg.rollout.engine_health_timeout)
+        answered = set(answered)
+        self.unanswered = {
+            i for i in pauses if pauses[i] not in answered and (probes[i] not in answered or _failed(probes[i]))
+        }
 
     def resume(self) -> None:
         """After the sync: the paused engines generate again, and every chunk cut short is sent back to its
         engine, to be continued from where it stopped on the new weights."""
+        self.unanswered = set()
         for i, a in self.pausing.items():
             if a is self.s.engines.actors[i]:  # a restarted engine's new actor was never paused
                 a.continue_generation.remote()  # in order before the generate below (same concurrency group)
@@ -107,7 +119,9 @@ class InFlight:
 
         While none finishes, the engines with a call out are probed every ``--engine-health-timeout``
         (``health``, answered beside the call: an HTTP engine's ``/health``): one that does not answer in
-        time is hung, and its call is abandoned and handled as the call of an engine that died."""
+        time is hung, and its call is abandoned and handled as the call of an engine that died. An engine
+        that answered neither its pause nor the probe beside it (``pause``) is hung already: once no call
+        is ready, its call is handled so at once."""
         import ray
 
         out = Finished()
@@ -116,13 +130,17 @@ class InFlight:
             refs = list(self.calls) + list(also or [])
             if not refs:
                 return out
-            ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+            suspects = {
+                c.engine for c in self.calls.values() if self.pausing.get(c.engine) is c.actor
+            } & self.unanswered
+            ready, _ = ray.wait(refs, num_returns=1, timeout=0 if suspects else timeout)
             if not self.calls:
                 return out
             if ready:
                 break
-            hung = self._hung(timeout)
+            hung = sorted(suspects) or self._hung(timeout)
             if hung:
+                self.unanswered -= set(hung)
                 what = "/health" if self.s.engines.kind == "sglang" else "health()"
                 why = f"no {what} answer within {timeout:g} s (--engine-health-timeout)"
                 self._revive([(self.calls.pop(r), why) for r, c in list(self.calls.items()) if c.engine in hung])
