@@ -158,6 +158,19 @@ def test_rule_init_on_device(argv, env, expect):
 @pytest.mark.parametrize(
     "argv, env, expect",
     [
+        ([], CPU, {"rollout_decode_attention": "sdpa"}),
+        (TINY_GPU + ["--rollout-decode-attention", "flex"], GPU1, {"rollout_decode_attention": "flex"}),
+        (["--rollout-decode-attention", "flex", "--no-rollout-fast-decode"], CPU, "needs --rollout-fast-decode"),
+        (["--rollout-decode-attention", "flash"], CPU, "flash"),
+    ],
+)
+def test_rule_decode_attention(argv, env, expect):
+    check(argv, env, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, env, expect",
+    [
         ([], CPU, {"param_dtype": "fp32"}),
         (TINY_GPU, GPU1, {"param_dtype": "bf16"}),
         (TINY_GPU + ["--param-dtype", "fp32"], GPU1, {"param_dtype": "fp32"}),

@@ -151,6 +151,7 @@ def run(args: argparse.Namespace, shape: str, path: str) -> dict:
         rollout_compile=False if args.no_compile else None,
         rollout_fused_decode=args.fused,
         rollout_kv_block=args.kv_block,
+        rollout_decode_attention=args.decode_attention,
     )
     # The engine's generation step: the fast decode path (tidal.rollout.fast) or transformers generate.
     rollout.rollout_fast_decode = path == "fast"
@@ -211,6 +212,7 @@ def run(args: argparse.Namespace, shape: str, path: str) -> dict:
         "compiled": _compiled(engine),
         "fused": bool(getattr(getattr(engine, "_fast_decoder", None), "_fused", None)),
         "kv_block": args.kv_block,
+        "decode_attention": args.decode_attention,
     }
     if args.profile:
         _, summary = profiled(engine_generate_fresh(engine, args, sampling), engine.device.type, f"rollout {path}")
@@ -244,6 +246,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fused", action="store_true", help="stacked q/k/v and gate/up matmuls (--rollout-fused-decode)")
     p.add_argument(
         "--kv-block", type=int, default=256, help="attention-length step of decode graphs (--rollout-kv-block)"
+    )
+    p.add_argument(
+        "--decode-attention",
+        choices=("sdpa", "flex"),
+        default="sdpa",
+        help="decode-step attention kernel (--rollout-decode-attention)",
     )
     p.add_argument("--with-cb", action="store_true", help="also time transformers continuous batching (generate_batch)")
     p.add_argument(

@@ -279,6 +279,13 @@ class RolloutConfig:
         "Decode steps with one stacked q/k/v matmul and one gate/up matmul per layer (Llama/Qwen2/Qwen3; "
         "the stacked weights are refreshed from the model at every generate and are kv_cache memory).",
     )
+    rollout_decode_attention: str = opt(
+        "sdpa",
+        "Decode-step attention kernel: sdpa (SDPA over the KV length rounded up to --rollout-kv-block, additive "
+        "mask) or flex (FlexAttention's decoding kernel with a per-row block mask: each row reads only the "
+        "64-token blocks it has written; one CUDA graph per batch bucket).",
+        choices=("sdpa", "flex"),
+    )
     rollout_prefix_cache_mb: int | None = opt(
         None,
         "Prompt KV the fast decode path keeps between calls, reused when a request extends an earlier one "

@@ -164,6 +164,19 @@ def _rollout_compile(ctx: Context) -> None:
 
 
 @rule(
+    "decode-attention",
+    "`--rollout-decode-attention flex` is a kernel of the fast decode path: it needs `--rollout-fast-decode`.",
+)
+def _decode_attention(ctx: Context) -> None:
+    r = ctx.cfg.rollout
+    if r.rollout_decode_attention == "flex" and not r.rollout_fast_decode:
+        raise ConfigError(
+            "--rollout-decode-attention flex needs --rollout-fast-decode (transformers generate has its own "
+            "attention); turn fast decode on or drop --rollout-decode-attention"
+        )
+
+
+@rule(
     "init-on-device",
     "`--init-on-device` defaults to on with CUDA and off on CPU (where the host is the device).",
 )

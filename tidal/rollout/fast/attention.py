@@ -13,7 +13,10 @@ calls the model without a transformers cache. The function then owns the KV cach
   so a captured graph reads the current column at replay) and attends over the first
   ``ctx.kv_len`` columns of the batch's rows. Grouped-query heads are folded into the query
   length (``[rows, kv_heads, group, dim]``), so each key/value head is read once, never repeated
-  ``group`` times in memory; the mask ``[rows, 1, 1, kv_len]`` broadcasts over the group.
+  ``group`` times in memory; the mask ``[rows, 1, 1, kv_len]`` broadcasts over the group. With
+  ``ctx.flex`` set (``--rollout-decode-attention flex``) the same folded query goes to
+  FlexAttention over the whole cache row instead, with the step's block mask ``ctx.block_mask``
+  (``tidal.rollout.fast.flex_decode``); the 4-D mask the model passes along is then ignored.
 
 Outside ``active`` (no context) the function behaves exactly like transformers' SDPA attention,
 so any other forward pass of the same model is unaffected. It is never compiled
@@ -28,10 +31,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from tidal.rollout.fast.flex_decode import FlexDecode
 from tidal.rollout.fast.static_cache import StaticKVCache
 
 ATTN_NAME = "tidal_fast_decode"
@@ -48,6 +53,8 @@ class AttnContext:
     cpos: torch.Tensor | None = None  # [1] int64, the cache column decode writes
     kv_len: int = 0  # columns decode attends to (a static bucket >= cpos + 1)
     prefill_from: int = 0  # prefill: first cache column of this pass (earlier ones hold a reused prefix)
+    flex: FlexDecode | None = None  # decode through FlexAttention (kv_len is then the whole cache)
+    block_mask: BlockMask | None = None  # the step's block mask, built once per step for every layer
 
 
 class _Active:
@@ -89,6 +96,9 @@ def fast_attention(
     k_all.index_copy_(2, ctx.cpos, key)
     v_all.index_copy_(2, ctx.cpos, value)
     q = query.reshape(rows, kv_heads, heads // kv_heads, dim)
+    if ctx.flex is not None:
+        out = ctx.flex.attend(q, k_all[:, :, : ctx.kv_len], v_all[:, :, : ctx.kv_len], ctx.block_mask, scaling)
+        return out.reshape(rows, 1, heads, dim), None
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k_all[:, :, : ctx.kv_len], v_all[:, :, : ctx.kv_len], attn_mask=attention_mask, scale=scaling
     )

@@ -160,6 +160,7 @@ def _line(case: str, args, dec: FastDecoder, res, seconds: float, peak: int, hf_
         "buckets": stats.get("buckets"),
         "fused": stats.get("fused"),
         "kv_block": dec.kv_block,
+        "decode_attention": dec.decode_attention,
     }
     line.update(extra)
     return line
@@ -191,6 +192,7 @@ class _Run:
             pad_id=self.pad,
             kv_block=args.kv_block,
             fused=args.fused,
+            decode_attention=args.decode_attention,
         )
         opts.update(kw)
         return FastDecoder(self.model, **opts)
@@ -421,6 +423,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-fraction", type=float, default=0.45, help="device memory the engine may hold at its peak")
     p.add_argument("--kv-block", type=int, default=256, help="attention length granularity of decode steps")
     p.add_argument("--fused", action="store_true", help="stacked q/k/v and gate/up matmuls (tidal.rollout.fast.fused)")
+    p.add_argument("--decode-attention", choices=("sdpa", "flex"), default="sdpa", help="decode-step attention kernel")
     p.add_argument("--fp32-rows", type=int, default=64, help="rows checked against an fp32 teacher-forced pass")
     p.add_argument(
         "--cases",

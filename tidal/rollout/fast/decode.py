@@ -21,7 +21,10 @@ model code runs every layer) and generates a batch of prompts:
    the rows that ended handed on there (``on_rows_done``), before the call returns.
 
 The attention of a step covers only the cache columns written so far, rounded up to ``kv_block``
-(a static length per graph), not the whole cache.
+(a static length per graph), not the whole cache. With ``decode_attention="flex"`` it goes through
+FlexAttention instead (``tidal.rollout.fast.flex_decode``): a block mask built on the device each
+step lists the blocks each row has written, the kernel reads only those, and one graph per batch
+bucket serves every length (its KV length is the whole cache).
 
 Log-probs are those of the raw policy (``log_softmax`` of the model's logits at temperature 1) for
 the sampled tokens, as the trainer recomputes them.
@@ -49,6 +52,7 @@ import torch
 
 from tidal.errors import UserError
 from tidal.rollout.fast import attention
+from tidal.rollout.fast.flex_decode import FlexDecode
 from tidal.rollout.fast.fused import FusedDecodeForward, unsupported_reason
 from tidal.rollout.fast.graphs import GraphSet
 from tidal.rollout.fast.prefix import PrefixStore, reuse_prefixes, take_prompt
@@ -77,7 +81,9 @@ class FastDecoder:
     pauses the graphs' memory pool. ``fused`` runs decode steps through
     ``tidal.rollout.fast.fused.FusedDecodeForward`` (stacked q/k/v and gate/up weights, refreshed from
     the model at every ``generate``) where the model family allows it (``fused_fallback_reason`` says
-    why not, when it does not).
+    why not, when it does not). ``decode_attention`` picks the decode step's attention kernel:
+    ``"sdpa"`` (SDPA over the bucketed length with an additive mask) or ``"flex"`` (FlexAttention
+    with a per-row block mask; ``flex_kernel_options`` go to ``flex_attention`` as they are).
     """
 
     def __init__(
@@ -101,6 +107,8 @@ class FastDecoder:
         graphs_in_region: bool = False,
         prefix_cache_bytes: int = 0,
         fused: bool = False,
+        decode_attention: str = "sdpa",
+        flex_kernel_options: dict | None = None,
     ) -> None:
         reason = attention.check_supported(model)
         if reason is not None:
@@ -112,6 +120,8 @@ class FastDecoder:
         for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("kv_block", kv_block)):
             if value < 1:
                 raise UserError(f"fast decode {name}={value}: must be at least 1")
+        if decode_attention not in ("sdpa", "flex"):
+            raise UserError(f"decode attention {decode_attention!r}: choose sdpa or flex (--rollout-decode-attention)")
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -161,6 +171,12 @@ class FastDecoder:
         self.last_stats: dict = {}
         # Prompt KV kept between calls for requests that extend an earlier one (multi-turn); None: off.
         self.prefixes = PrefixStore(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self.decode_attention = decode_attention
+        self._flex = (
+            FlexDecode(compiled=self.device.type == "cuda", kernel_options=flex_kernel_options)
+            if decode_attention == "flex"
+            else None
+        )
 
     # ------------------------------------------------------------------ memory
 
@@ -342,6 +358,7 @@ class FastDecoder:
             compile_fallback_reason=self.compile_fallback_reason,
             fused=self._fused is not None,
             fused_fallback_reason=self.fused_fallback_reason,
+            decode_attention=self.decode_attention,
             graph_captures=self.graphs.captures - captures0,
             capture_s=self.graphs.capture_s - capture_s0,
             graphs_cached=len(self.graphs.graphs),
@@ -419,8 +436,10 @@ class FastDecoder:
         self.s_rowmap[:n] = torch.arange(n, device=dev)
         self.s_pos.zero_()
         self.s_tok.fill_(self.pad_id)
-        # Columns a step may read (its KV length rounds up to kv_block) must hold finite values.
-        self.cache.zero_(rows=bs, cols=min(self.max_seq_len, -(-(width + max_new) // self.kv_block) * self.kv_block))
+        # Columns a step may read (its KV length rounds up to kv_block; flex reads whole blocks) must hold
+        # finite values.
+        block = self._flex.block if self._flex is not None else self.kv_block
+        self.cache.zero_(rows=bs, cols=min(self.max_seq_len, -(-(width + max_new) // block) * block))
 
         t0 = time.perf_counter()
         chunk = max(1, self.prefill_tokens // width)
@@ -456,7 +475,7 @@ class FastDecoder:
                     stats["compactions"] += 1
                     bs = smaller
             column = width + t - 1
-            kv_len = min(self.max_seq_len, -(-(column + 1) // self.kv_block) * self.kv_block)
+            kv_len = self._kv_len(column)
             key = (bs, kv_len, mode)
             if (bs, kv_len, mode.name) not in stats["buckets"]:
                 stats["buckets"].append((bs, kv_len, mode.name))
@@ -467,6 +486,13 @@ class FastDecoder:
         stats["decode_s"] += time.perf_counter() - t1
         stats["steps"] += steps
         return out_tok, out_lp
+
+    def _kv_len(self, column: int) -> int:
+        """The static KV length of a step writing ``column``: the next ``kv_block`` multiple, or the whole
+        cache with flex (its block mask stops each row at its last written block)."""
+        if self._flex is not None:
+            return self.max_seq_len
+        return min(self.max_seq_len, -(-(column + 1) // self.kv_block) * self.kv_block)
 
     def _report_ended(self, bs: int, n: int, columns: int, reported: set[int], report) -> None:
         """Hand ``report`` the wave rows that ended since the last call, with their first ``columns`` columns
@@ -518,14 +544,16 @@ class FastDecoder:
 
     def _step(self, bs: int, kv_len: int, mode: SamplingMode) -> None:
         """One decode step of slots ``[0, bs)`` attending to ``kv_len`` columns; static buffers only."""
-        col = self.s_cols[:kv_len]
-        valid = (col[None, :] >= self.s_start[:bs, None]) & (col[None, :] <= self.s_cpos)
-        # Additive mask in the model dtype, built once per step: SDPA would otherwise convert a
-        # boolean mask in every layer. Every slot has a valid column (start <= cpos), so no row is
-        # all -inf.
-        mask = torch.zeros((bs, 1, 1, kv_len), dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~valid.view(bs, 1, 1, kv_len), float("-inf"))
-        ctx = attention.AttnContext(cache=self.cache, decode=True, rows=bs, cpos=self.s_cpos, kv_len=kv_len)
+        mask, block_mask = self._step_mask(bs, kv_len)
+        ctx = attention.AttnContext(
+            cache=self.cache,
+            decode=True,
+            rows=bs,
+            cpos=self.s_cpos,
+            kv_len=kv_len,
+            flex=self._flex,
+            block_mask=block_mask,
+        )
         with attention.active(self.model, ctx):
             logits = self._logits(self.s_tok[:bs, None], mask, self.s_pos[:bs, None])
         tok, lp = sample(logits, mode, self.s_temp, self.s_top_p, self._gen, fused=self._fused_sampler)
@@ -538,6 +566,23 @@ class FastDecoder:
         self.s_pos[:bs].add_(1)
         self.s_cpos.add_(1)
         self.s_step.add_(1)
+
+    def _step_mask(self, bs: int, kv_len: int):
+        """The step's mask, built once for every layer: ``(additive [bs, 1, 1, kv_len] mask, None)`` for SDPA;
+        for flex ``(placeholder, BlockMask)``: the model passes a 4-D mask along untouched, so a
+        ``[bs, 1, 1, 1]`` one stands in for it."""
+        if self._flex is not None:
+            group = self.config.num_attention_heads // self.shape.kv_heads
+            block_mask = self._flex.mask(self.s_start, self.s_cpos, bs, group, kv_len)
+            return torch.zeros((bs, 1, 1, 1), dtype=self.dtype, device=self.device), block_mask
+        col = self.s_cols[:kv_len]
+        valid = (col[None, :] >= self.s_start[:bs, None]) & (col[None, :] <= self.s_cpos)
+        # Additive mask in the model dtype, built once per step: SDPA would otherwise convert a
+        # boolean mask in every layer. Every slot has a valid column (start <= cpos), so no row is
+        # all -inf.
+        mask = torch.zeros((bs, 1, 1, kv_len), dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~valid.view(bs, 1, 1, kv_len), float("-inf"))
+        return mask, None
 
     def _forward_logits(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Last-position logits ``[rows, vocab]`` of one decode step (attention through the active context)."""
