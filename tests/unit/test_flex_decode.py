@@ -86,19 +86,19 @@ def test_decode_blocks_list_exactly_the_blocks_of_each_rows_columns():
 def test_flex_decoder_generates_what_the_sdpa_decoder_does():
     model = build_model(GQA7, seed=0).eval()
     gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 64, (int(k),), generator=gen).tolist() for k in torch.randint(2, 12, (11,))]
-    limits = [1, 3, 20, 7, 20, 2, 12, 20, 5, 9, 16]
-    kw = dict(max_batch=16, max_seq_len=40, check_every=2, kv_block=16)
+    prompts = [torch.randint(3, 64, (int(k),), generator=gen).tolist() for k in torch.randint(2, 12, (6,))]
+    limits = [1, 16, 3, 16, 2, 16]  # rows ending early: one compaction, from a bucket of 8 to 4
+    kw = dict(max_batch=8, max_seq_len=32, check_every=4, kv_block=16)
     sdpa = FastDecoder(model, **kw)
-    flex = FastDecoder(model, decode_attention="flex", rehearse_graphs=True, **kw)
-    for temperature in (0.0, 1.0):
-        ref = sdpa.generate(prompts, max_new_tokens=limits, temperature=temperature, seed=7)
-        res = flex.generate(prompts, max_new_tokens=limits, temperature=temperature, seed=7)
-        assert res.tokens == ref.tokens
-        assert max(abs(a - b) for r, s in zip(res.logprobs, ref.logprobs) for a, b in zip(r, s)) < 1e-5
+    flex = FastDecoder(model, decode_attention="flex", **kw)
+    # Sampled on one seed: equal logits draw equal tokens, so the tokens compare the whole rows.
+    ref = sdpa.generate(prompts, max_new_tokens=limits, temperature=1.0, seed=7)
+    res = flex.generate(prompts, max_new_tokens=limits, temperature=1.0, seed=7)
+    assert res.tokens == ref.tokens
+    assert max(abs(a - b) for r, s in zip(res.logprobs, ref.logprobs) for a, b in zip(r, s)) < 1e-5
     assert res.stats["decode_attention"] == "flex" and res.stats["compactions"] >= 1
     # One KV length (the whole cache) for every step: the batch bucket alone keys a graph.
-    assert {k for _, k, _ in res.stats["buckets"]} == {40}
+    assert {k for _, k, _ in res.stats["buckets"]} == {32}
     assert len({k for _, k, _ in ref.stats["buckets"]}) >= 2
     with pytest.raises(UserError, match="sdpa or flex"):
         FastDecoder(model, decode_attention="flash", **kw)
