@@ -12,7 +12,9 @@ so every sample is exactly one version behind the trainer:
     wait for rollout k's generation                        (started one step earlier)
     start generating rollout k+1                           engines on version v
     train on rollout k                                     trainer v -> v+1, engines busy
-    wait for rollout k+1's generation; sync (version v+1)  [eval] [save]
+    wait for rollout k+1's generation; sync (version v+1)
+    start generating rollout k+2 (unless an eval is due)   engines on version v+1
+    [eval] [save]; the next step finds rollout k+1 ready and k+2 in flight
 
 full: every engine always has one call of whole prompt groups in flight, as long as the bounded
 buffer (``--async-buffer-size`` groups, buffered plus in flight) has room. The trainer takes the
@@ -43,7 +45,7 @@ import time
 from tidal.errors import ray_get as get
 from tidal.rollout.buffer import Group, GroupBuffer, PromptCursor
 from tidal.rollout.inflight import Finished, InFlight
-from tidal.steps import Timer, finish_step, sync_weights
+from tidal.steps import Timer, eval_due, finish_step, sync_weights
 
 
 def run(s, on_step=None) -> dict:
@@ -154,20 +156,25 @@ class OneStep(_Loop):
         s, t, t0 = self.s, Timer(), time.perf_counter()
         self.flight.mark()
         with t("generate", s.display):
-            if not self.ready and not self.flight.calls:  # the first step (or the first after a resume)
-                self.start_round()
-            self.ready += self.collect(self.flight.drain())
-            while len(self.ready) < self.r.rollout_batch_size:  # dynamic sampling kept too few: another round
-                self.start_round()
+            # The first step (or the first after a resume) generates its own rollout; later ones find it
+            # generated, unless dynamic sampling kept too few (the round started at the last sync, or another).
+            while len(self.ready) < self.r.rollout_batch_size:
+                if not self.flight.calls:
+                    self.start_round()
                 self.ready += self.collect(self.flight.drain())
         groups, self.ready = self.ready[: self.r.rollout_batch_size], self.ready[self.r.rollout_batch_size :]
-        if rollout_id + 1 < self.r.num_rollout:
+        if rollout_id + 1 < self.r.num_rollout and not self.flight.calls:
             self.start_round()  # rollout k+1, on the weights before this step
         metrics = self.train(rollout_id, groups, t)
         with t("wait", s.display):  # sync only after the generation in flight has finished
             self.ready += self.collect(self.flight.drain())
         with t("sync", s.display):
             metrics["_sync"] = self.sync()
+        if rollout_id + 2 < self.r.num_rollout and not eval_due(s.cfg, rollout_id):
+            # Rollout k+2 is generated on the weights just pushed, as it would be from the next step's start:
+            # starting it now keeps the engines busy through this step's save, metrics line and hook, and the
+            # next step's start. Not before an evaluation (it generates on the same engines, and would wait).
+            self.start_round()
         return self.finish(rollout_id, groups, metrics, t, time.perf_counter() - t0, on_step)
 
 

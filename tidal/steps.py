@@ -28,10 +28,15 @@ class Timer(dict):
         self[f"{phase}_s"] = self.get(f"{phase}_s", 0.0) + time.perf_counter() - t
 
 
+def eval_due(cfg, rollout_id: int) -> bool:
+    """Whether the step of ``rollout_id`` ends with an evaluation (``--eval-interval``)."""
+    return bool(cfg.rollout.eval_interval) and (rollout_id + 1) % cfg.rollout.eval_interval == 0
+
+
 def finish_step(s, rollout_id: int, metrics: dict, t: Timer, on_step=None) -> dict:
     """[eval] [save], then the step's metrics line, plots and the ``on_step`` hook; returns the row."""
     cfg, display = s.cfg, s.display
-    if cfg.rollout.eval_interval and (rollout_id + 1) % cfg.rollout.eval_interval == 0:
+    if eval_due(cfg, rollout_id):
         with t("eval", display):
             from tidal.rollout import orchestrate  # torch: imported beside Ray's start by the session
 
