@@ -73,13 +73,16 @@ def test_decode_blocks_list_exactly_the_blocks_of_each_rows_columns():
         cpos = int(torch.randint(0, max_len, (1,), generator=gen))
         start = torch.randint(0, cpos + 1, (9,), generator=gen)
         start[0], start[1] = 0, cpos  # a full row and a row whose only column is the new one
-        num, idx = decode_blocks(start, torch.tensor([cpos]), block, n_blocks)
+        done = torch.rand(9, generator=gen) < 0.3
+        done[0] = False
+        num, idx = decode_blocks(start, torch.tensor([cpos]), block, n_blocks, done)
         assert num.shape == (9, 1, 1) and idx.shape == (9, 1, 1, n_blocks)
         assert num.dtype == idx.dtype == torch.int32
         for b in range(9):
             listed = idx[b, 0, 0, : int(num[b])].tolist()
-            need = sorted({c // block for c in range(int(start[b]), cpos + 1)})
-            assert listed == need, (block, cpos, int(start[b]))
+            # A row that ended reads only the block of the new column (its output is never used).
+            need = sorted({c // block for c in range(cpos if done[b] else int(start[b]), cpos + 1)})
+            assert listed == need, (block, cpos, int(start[b]), bool(done[b]))
             assert int(idx[b].max()) < n_blocks
 
 

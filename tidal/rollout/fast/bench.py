@@ -21,7 +21,8 @@ runs the same cases). One JSON line per configuration:
   tokens (CUDA only; needs torch_memory_saver).
 - ``fast-varlen`` / ``fast-varlen-nocompact``: per-row length limits drawn uniformly in
   ``[--varlen-min, --varlen-max]``, EOS a stop id, with and without compaction; tokens counted up to
-  each row's end. Their ``hf_generate_tokens_per_s`` runs ``generate`` to the longest limit (it
+  each row's end. ``fast-varlen-compiled``: the same with the compiled step, as the engine decodes on
+  CUDA by default (CUDA only). Their ``hf_generate_tokens_per_s`` runs ``generate`` to the longest limit (it
   has no per-row limit) and counts the same useful tokens.
 - ``fast-recapture``: after ``release()`` (what a memory backend that moves buffers forces), the
   next call's capture time (``capture_s``) against a warm call: the price of recapturing graphs.
@@ -232,11 +233,13 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
     run.emit(_environment(run))
 
     # transformers generate, the limit every case is measured against (after a short warm-up).
-    hf_generate(model, prompts[:4], max_new_tokens=4, temperature=1.0, pad_id=run.pad, seed=0)
-    hf_new, hf_s = hf_generate(
-        model, prompts, max_new_tokens=args.new_tokens, temperature=1.0, pad_id=run.pad, seed=args.seed
-    )
-    hf_tps = hf_new.numel() / hf_s
+    hf_tps = 0.0
+    if not args.skip_hf:
+        hf_generate(model, prompts[:4], max_new_tokens=4, temperature=1.0, pad_id=run.pad, seed=0)
+        hf_new, hf_s = hf_generate(
+            model, prompts, max_new_tokens=args.new_tokens, temperature=1.0, pad_id=run.pad, seed=args.seed
+        )
+        hf_tps = hf_new.numel() / hf_s
 
     fixed = dict(max_new_tokens=args.new_tokens, temperature=1.0, seed=args.seed)
     wanted = set(args.cases.split(","))
@@ -344,7 +347,10 @@ def _varlen_cases(run: _Run, wanted: set[str]) -> None:
     limits = torch.randint(args.varlen_min, args.varlen_max + 1, (len(prompts),), generator=gen).tolist()
     var = dict(max_new_tokens=limits, temperature=1.0, stop_ids=[eos], seed=args.seed)
     hf_var_tps = 0.0
-    if not args.skip_hf_varlen and wanted & {"fast-varlen", "fast-varlen-nocompact"}:
+    cases = [("fast-varlen", dict(compaction=True)), ("fast-varlen-nocompact", dict(compaction=False))]
+    if device.type == "cuda":  # the configuration the engine runs on CUDA: graphs and the compiled step
+        cases.append(("fast-varlen-compiled", dict(compaction=True, compile=True)))
+    if not args.skip_hf_varlen and wanted & {case for case, _ in cases}:
         hf_var, hf_var_s = hf_generate(
             model, prompts, max_new_tokens=max(limits), temperature=1.0, pad_id=run.pad, seed=args.seed
         )
@@ -353,11 +359,11 @@ def _varlen_cases(run: _Run, wanted: set[str]) -> None:
             row = row[:lim]
             useful += row.index(eos) + 1 if eos in row else len(row)
         hf_var_tps = useful / hf_var_s
-    for case, compaction in (("fast-varlen", True), ("fast-varlen-nocompact", False)):
+    for case, opts in cases:
         try:
             if case not in wanted:
                 continue
-            dec = run.decoder(compaction=compaction)
+            dec = run.decoder(**opts)
             _timed(dec, prompts, **var)  # cold: captures the buckets this batch visits
             res, seconds, peak = _timed(dec, prompts, **var)
             extra = {
@@ -365,8 +371,15 @@ def _varlen_cases(run: _Run, wanted: set[str]) -> None:
                 "limits_max": max(limits),
                 "limits_sum": sum(limits),
                 "stopped_rows": sum(res.stopped),
+                "compiled": res.stats["compiled"],
+                "compile_fallback_reason": res.stats["compile_fallback_reason"],
             }
             run.emit(_line(case, args, dec, res, seconds, peak, hf_var_tps, **extra))
+            if args.profile == case:
+                from tidal.profiling import profiled
+
+                _, summary = profiled(functools.partial(_timed, dec, prompts, **var), device.type, f"fast-bench {case}")
+                run.emit(summary.as_dict())
             del dec
             run.empty_cache()
         except Exception as exc:
@@ -420,6 +433,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--varlen-min", type=int, default=16)
     p.add_argument("--varlen-max", type=int, default=64)
     p.add_argument("--skip-hf-varlen", action="store_true", help="skip generate on the variable-length batch")
+    p.add_argument(
+        "--skip-hf", action="store_true", help="skip generate on the fixed-length batch (runs comparing settings)"
+    )
     p.add_argument("--mem-fraction", type=float, default=0.45, help="device memory the engine may hold at its peak")
     p.add_argument("--kv-block", type=int, default=256, help="attention length granularity of decode steps")
     p.add_argument("--fused", action="store_true", help="stacked q/k/v and gate/up matmuls (tidal.rollout.fast.fused)")
@@ -427,7 +443,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp32-rows", type=int, default=64, help="rows checked against an fp32 teacher-forced pass")
     p.add_argument(
         "--cases",
-        default="fast,fast-eager,fast-compiled,fast-tms,fast-varlen,fast-varlen-nocompact",
+        default="fast,fast-eager,fast-compiled,fast-tms,fast-varlen,fast-varlen-nocompact,fast-varlen-compiled",
         help="comma-separated cases to run (fast-recapture comes with fast)",
     )
     p.add_argument("--seed", type=int, default=1234)

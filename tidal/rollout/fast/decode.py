@@ -573,7 +573,8 @@ class FastDecoder:
         ``[bs, 1, 1, 1]`` one stands in for it."""
         if self._flex is not None:
             group = self.config.num_attention_heads // self.shape.kv_heads
-            block_mask = self._flex.mask(self.s_start, self.s_cpos, bs, group, kv_len)
+            # Slots that ended (or are empty) read one block: their outputs are never used.
+            block_mask = self._flex.mask(self.s_start, self.s_cpos, bs, group, kv_len, self.s_done[:bs])
             return torch.zeros((bs, 1, 1, 1), dtype=self.dtype, device=self.device), block_mask
         col = self.s_cols[:kv_len]
         valid = (col[None, :] >= self.s_start[:bs, None]) & (col[None, :] <= self.s_cpos)

@@ -37,19 +37,23 @@ _HAS_COMPUTE_Q = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_block
 
 
 def decode_blocks(
-    start: torch.Tensor, cpos: torch.Tensor, block: int, n_blocks: int
+    start: torch.Tensor, cpos: torch.Tensor, block: int, n_blocks: int, done: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the KV blocks that hold its columns ``[start_b, cpos]``: ``(kv_num_blocks, kv_indices)``.
 
     ``start``: ``[rows]`` first real column of each row (left padding before it); ``cpos``: ``[1]``
     the column written this step. Row ``b`` visits blocks ``f_b .. l`` with ``f_b = start_b // block``
     and ``l = cpos // block``: ``kv_num_blocks[b] = l - f_b + 1`` and ``kv_indices[b, j] = f_b + j``
-    (clamped to the last block; entries past ``kv_num_blocks`` are never read). Shapes
-    ``[rows, 1, 1]`` and ``[rows, 1, 1, n_blocks]``, int32, as ``BlockMask.from_kv_blocks`` takes
-    them (one head and one query block broadcast over all).
+    (clamped to the last block; entries past ``kv_num_blocks`` are never read). ``done``: ``[rows]``
+    rows whose output nobody reads any more (they ended, or are empty slots of the batch bucket until
+    the next compaction): they visit the last block alone (``f_b = l``), so they cost one block, not
+    their whole length. Shapes ``[rows, 1, 1]`` and ``[rows, 1, 1, n_blocks]``, int32, as
+    ``BlockMask.from_kv_blocks`` takes them (one head and one query block broadcast over all).
     """
     first = torch.div(start, block, rounding_mode="floor")
     last = torch.div(cpos, block, rounding_mode="floor")
+    if done is not None:
+        first = torch.where(done, last, first)
     num = (last - first + 1).to(torch.int32)
     j = torch.arange(n_blocks, device=start.device, dtype=start.dtype)
     idx = (first[:, None] + j[None, :]).clamp_(max=n_blocks - 1).to(torch.int32)
@@ -81,13 +85,22 @@ class FlexDecode:
         self._bound: tuple[torch.Tensor, torch.Tensor] | None = None
         self._mod: Callable | None = None
 
-    def mask(self, start: torch.Tensor, cpos: torch.Tensor, rows: int, q_len: int, kv_len: int) -> BlockMask:
+    def mask(
+        self,
+        start: torch.Tensor,
+        cpos: torch.Tensor,
+        rows: int,
+        q_len: int,
+        kv_len: int,
+        done: torch.Tensor | None = None,
+    ) -> BlockMask:
         """The block mask of one step for the first ``rows`` slots: ``start`` is the decoder's whole
-        ``[slots]`` buffer and ``cpos`` its ``[1]`` column; both are read on the device, never on the host."""
+        ``[slots]`` buffer and ``cpos`` its ``[1]`` column, ``done`` (optional, ``[rows]``) the slots whose
+        output is not used (``decode_blocks``); all are read on the device, never on the host."""
         if self._bound is None or self._bound[0] is not start or self._bound[1] is not cpos:
             # One mask_mod per pair of state buffers: compiled code keeps seeing the same function.
             self._bound, self._mod = (start, cpos), _mask_mod(start, cpos)
-        num, idx = decode_blocks(start[:rows], cpos, self.block, -(-kv_len // self.block))
+        num, idx = decode_blocks(start[:rows], cpos, self.block, -(-kv_len // self.block), done)
         extra = {"compute_q_blocks": False} if _HAS_COMPUTE_Q else {}
         return BlockMask.from_kv_blocks(
             num, idx, BLOCK_SIZE=(_Q_BLOCK, self.block), mask_mod=self._mod, seq_lengths=(q_len, kv_len), **extra
