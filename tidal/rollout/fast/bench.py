@@ -162,6 +162,7 @@ def _line(case: str, args, dec: FastDecoder, res, seconds: float, peak: int, hf_
         "fused": stats.get("fused"),
         "kv_block": dec.kv_block,
         "decode_attention": dec.decode_attention,
+        "flex_kernel_options": dec._flex.kernel_options if dec._flex is not None else None,
     }
     line.update(extra)
     return line
@@ -249,6 +250,9 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
             ("fast-eager", dict(cuda_graphs=False)),
             ("fast-compiled", dict(cuda_graphs=True, compile=True)),
         ]
+    # --flex-kernel-options: each fixed case once per set of FlexAttention kernel options (one model, one job).
+    option_sets = _flex_option_sets(args.flex_kernel_options) if args.decode_attention == "flex" else [None]
+    fixed_cases = [(case, {**opts, "flex_kernel_options": ko}) for ko in option_sets for case, opts in fixed_cases]
     for case, opts in fixed_cases:
         try:
             if case not in wanted:
@@ -268,6 +272,17 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
             _free(device)
     _varlen_cases(run, wanted)
     return run.lines
+
+
+def _flex_option_sets(text: str | None) -> list[dict | None]:
+    """``--flex-kernel-options``: a JSON object, or a list of them (``{}`` for FlexAttention's defaults)."""
+    if not text:
+        return [None]
+    value = json.loads(text)
+    sets = value if isinstance(value, list) else [value]
+    if not all(isinstance(s, dict) for s in sets):
+        raise SystemExit(f"--flex-kernel-options {text!r}: give a JSON object or a list of objects")
+    return [s or None for s in sets]
 
 
 def _fixed_case(run: _Run, case: str, opts: dict, fixed: dict, hf_tps: float) -> None:
@@ -440,6 +455,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-block", type=int, default=256, help="attention length granularity of decode steps")
     p.add_argument("--fused", action="store_true", help="stacked q/k/v and gate/up matmuls (tidal.rollout.fast.fused)")
     p.add_argument("--decode-attention", choices=("sdpa", "flex"), default="sdpa", help="decode-step attention kernel")
+    p.add_argument(
+        "--flex-kernel-options",
+        default=None,
+        help="with flex: JSON kernel options for flex_attention, or a list of them to run each fixed case once per "
+        'set, e.g. \'[{}, {"num_warps": 4, "num_stages": 2}, {"SPLIT_KV": 4}]\'',
+    )
     p.add_argument("--fp32-rows", type=int, default=64, help="rows checked against an fp32 teacher-forced pass")
     p.add_argument(
         "--cases",
