@@ -175,15 +175,21 @@ def build_plan(cfg, shape: ModelShape, env: Environment) -> MemoryPlan:
 
     tokens = t.max_tokens_per_gpu
     # Bytes saved for backward per token and layer, measured on Qwen2 with sdpa under bf16 autocast
-    # (saved-tensor hooks): about 15*hidden + 4*intermediate elements of the compute dtype.
-    layer = (15 * shape.hidden + 4 * shape.intermediate) * compute_b
+    # (saved-tensor hooks): about 15*hidden + 4*intermediate elements of the compute dtype. Compiled
+    # layers (CUDA) save fewer: the 0.5B shape's trainer peaked at 56.2 GiB for 32k-token micro-batches
+    # on the H200, about 20k elements per token and layer besides the logits; 10*hidden +
+    # 2.5*intermediate (21.1k there) keeps a margin.
+    if t.compile_layers and device == "cuda":
+        layer = (20 * shape.hidden + 5 * shape.intermediate) * compute_b // 2
+    else:
+        layer = (15 * shape.hidden + 4 * shape.intermediate) * compute_b
     if t.gradient_checkpointing:
         per_token = shape.layers * shape.hidden * 4 + layer  # fp32 layer inputs + one layer recomputed
     else:
         per_token = shape.layers * layer
-    # Logits: the fp32 log-softmax saved for backward, its gradient, the fp32 input's gradient and
-    # the compute-dtype logits' gradient, all alive together at the start of backward.
-    activations = tokens * per_token + tokens * shape.vocab * 14
+    # Logits: the compute-dtype logits saved for backward and their gradient (the chunked log-prob
+    # kernels never hold a whole fp32 softmax), plus two chunks of scratch (tidal.algos.logprobs).
+    activations = tokens * per_token + tokens * shape.vocab * 2 * compute_b + (1 << 30)
     models = 2 if cfg.algorithm.use_critic else 1  # the policy, and PPO's critic of the same size
     trainer = {
         "weights": math.ceil(models * P * 4 / ranks),
