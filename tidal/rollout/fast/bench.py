@@ -274,15 +274,15 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
     return run.lines
 
 
-def _flex_option_sets(text: str | None) -> list[dict | None]:
-    """``--flex-kernel-options``: a JSON object, or a list of them (``{}`` for FlexAttention's defaults)."""
-    if not text:
-        return [None]
-    value = json.loads(text)
-    sets = value if isinstance(value, list) else [value]
+def _flex_option_sets(texts: list[str] | None) -> list[dict | None]:
+    """``--flex-kernel-options`` (repeatable): each a JSON object or a list of them (``{}``: FlexAttention's defaults)."""
+    sets: list = []
+    for text in texts or []:
+        value = json.loads(text)
+        sets += value if isinstance(value, list) else [value]
     if not all(isinstance(s, dict) for s in sets):
-        raise SystemExit(f"--flex-kernel-options {text!r}: give a JSON object or a list of objects")
-    return [s or None for s in sets]
+        raise SystemExit(f"--flex-kernel-options {texts!r}: give JSON objects (or lists of them)")
+    return [s or None for s in sets] or [None]
 
 
 def _fixed_case(run: _Run, case: str, opts: dict, fixed: dict, hf_tps: float) -> None:
@@ -457,9 +457,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-attention", choices=("sdpa", "flex"), default="sdpa", help="decode-step attention kernel")
     p.add_argument(
         "--flex-kernel-options",
-        default=None,
-        help="with flex: JSON kernel options for flex_attention, or a list of them to run each fixed case once per "
-        'set, e.g. \'[{}, {"num_warps": 4, "num_stages": 2}, {"SPLIT_KV": 4}]\'',
+        action="append",
+        help="with flex, repeatable: JSON kernel options for flex_attention (or a list of them); each fixed case "
+        "runs once per set, e.g. --flex-kernel-options {} --flex-kernel-options '{\"num_warps\":4}'",
     )
     p.add_argument("--fp32-rows", type=int, default=64, help="rows checked against an fp32 teacher-forced pass")
     p.add_argument(
