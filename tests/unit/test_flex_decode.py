@@ -105,3 +105,17 @@ def test_flex_decoder_generates_what_the_sdpa_decoder_does():
     assert len({k for _, k, _ in ref.stats["buckets"]}) >= 2
     with pytest.raises(UserError, match="sdpa or flex"):
         FastDecoder(model, decode_attention="flash", **kw)
+
+
+def test_the_engine_builds_its_decoder_with_the_configured_kernel():
+    from tidal.config.schema import RolloutConfig
+    from tidal.memory.base import engine_policy
+    from tidal.memory.portable import PortableBackend
+    from tidal.rollout.fast.plug import build_decoder
+
+    model = build_model(GQA7, seed=0).eval()
+    backend = PortableBackend(engine_policy(), device="cpu", label="engine")
+    for kernel in ("sdpa", "flex"):
+        cfg = RolloutConfig(rollout_decode_attention=kernel)
+        dec = build_decoder(model, cfg, device_type="cpu", pad_id=0, backend=backend, name="engine")
+        assert dec.decode_attention == kernel and (dec._flex is not None) == (kernel == "flex")
