@@ -139,5 +139,6 @@ def test_rollout_bench_logprobs_agree_with_either_kernel(capsys):
             print(f"\n[bench {kernel}] " + json.dumps(line))
     assert lines["flex"]["decode_attention"] == "flex"
     sdpa, flex = lines["sdpa"]["logprob_mean_abs_diff"], lines["flex"]["logprob_mean_abs_diff"]
-    assert flex <= 1.5 * sdpa + 1e-3
-    assert lines["flex"]["logprob_max_abs_diff"] <= 1.5 * lines["sdpa"]["logprob_max_abs_diff"] + 1e-2
+    # bf16 either way: the two kernels round differently, neither may drift further from the forced pass.
+    assert flex <= 2 * sdpa + 2e-3
+    assert lines["flex"]["logprob_max_abs_diff"] <= 2 * lines["sdpa"]["logprob_max_abs_diff"] + 2e-2
