@@ -33,6 +33,10 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 BLOCK = 64  # KV columns per sparse block: what a row reads past its last written column is < BLOCK
 _Q_BLOCK = 128  # the query side is one block (the query length is the GQA group, < 128)
 _RECOMPILES = 64  # one compile per batch bucket (up to 16 for 512 rows), with room to spare
+# What the decode mask guarantees, told to the kernel: each row's blocks are consecutive
+# (``decode_blocks``), so the next one is the current one plus one, without reading the list.
+# (ROWS_GUARANTEED_SAFE is left off: a kernel tile smaller than a block may start in a row's padding.)
+KERNEL_DEFAULTS = {"BLOCKS_ARE_CONTIGUOUS": True}
 _HAS_COMPUTE_Q = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
@@ -73,14 +77,15 @@ class FlexDecode:
     """FlexAttention for the decode step: builds the step's ``BlockMask`` and runs the kernel.
 
     ``compiled``: run ``flex_attention`` through ``torch.compile`` (on for CUDA; the eager reference
-    implementation materialises the scores). ``kernel_options``: passed to ``flex_attention`` as is
-    (e.g. ``{"num_warps": 4, "num_stages": 2}``), to compare kernel settings without code changes.
+    implementation materialises the scores). ``kernel_options``: passed to ``flex_attention`` over
+    ``KERNEL_DEFAULTS`` (e.g. ``{"num_warps": 4, "num_stages": 2}``), to compare kernel settings without
+    code changes.
     """
 
     def __init__(self, *, compiled: bool, block: int = BLOCK, kernel_options: dict | None = None) -> None:
         self.block = block
         self.compiled = compiled
-        self.kernel_options = dict(kernel_options) if kernel_options else None
+        self.kernel_options = {**KERNEL_DEFAULTS, **(kernel_options or {})}
         self._fn = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
         self._bound: tuple[torch.Tensor, torch.Tensor] | None = None
         self._mod: Callable | None = None
