@@ -24,13 +24,14 @@ from tidal.rollout.generate import teacher_forced_logprobs
 
 pytestmark = pytest.mark.gpu
 
-# Qwen2.5-0.5B's head layout (14 query heads, 2 KV heads, group 7) at a tiny width.
+# Qwen2.5-0.5B's head layout (14 query heads, 2 KV heads, group 7) at a tiny width (head_dim 16: the
+# kernel's tl.dot needs at least 16).
 GQA7 = ModelSpec(
     name="tiny-gqa7",
     arch="qwen2",
     config_kwargs=dict(
         vocab_size=64,
-        hidden_size=112,
+        hidden_size=224,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=14,

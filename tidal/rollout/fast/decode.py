@@ -171,6 +171,12 @@ class FastDecoder:
         self.last_stats: dict = {}
         # Prompt KV kept between calls for requests that extend an earlier one (multi-turn); None: off.
         self.prefixes = PrefixStore(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self.flex_fallback_reason: str | None = None
+        if decode_attention == "flex" and self.device.type == "cuda" and self.shape.head_dim < 16:
+            # The compiled kernel's matmuls need a head dimension of at least 16.
+            self.flex_fallback_reason = f"head_dim {self.shape.head_dim} < 16"
+            log.warning("fast decode: flex attention off, SDPA instead (%s)", self.flex_fallback_reason)
+            decode_attention = "sdpa"
         self.decode_attention = decode_attention
         self._flex = (
             FlexDecode(compiled=self.device.type == "cuda", kernel_options=flex_kernel_options)
@@ -359,6 +365,7 @@ class FastDecoder:
             fused=self._fused is not None,
             fused_fallback_reason=self.fused_fallback_reason,
             decode_attention=self.decode_attention,
+            flex_fallback_reason=self.flex_fallback_reason,
             graph_captures=self.graphs.captures - captures0,
             capture_s=self.graphs.capture_s - capture_s0,
             graphs_cached=len(self.graphs.graphs),
