@@ -2,7 +2,8 @@
 
 The cluster test runs in its own process (a Ray cluster of its own, as ``tidal train`` starts one): an actor runs
 in a fork of the warm process with the workers' environment and the preloaded module; an actor with a runtime env
-of its own is started by Ray as usual; a worker dies with its handle; the warm process stops with ``stop_ray``.
+of its own is started by Ray as usual; a worker dies with its handle; the warm process stops with ``stop_ray``,
+without the interpreter's teardown.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ CLUSTER = textwrap.dedent(
     from tidal.cluster.ray_cluster import start_ray, start_warm, stop_ray
 
     env = {"TIDAL_TEST_MARK": "warm"}
-    assert start_warm(None, env, ["colorsys"])
+    assert start_warm(None, env, ["colorsys", "atexit_mark"])
     warm = ray_cluster._warm.proc
-    started = start_ray(None, num_cpus=2, num_gpus=0, worker_env=env, preload=["colorsys"])
+    started = start_ray(None, num_cpus=2, num_gpus=0, worker_env=env, preload=["colorsys", "atexit_mark"])
     import ray
 
     @ray.remote(num_cpus=0)
@@ -65,12 +66,16 @@ CLUSTER = textwrap.dedent(
         raise AssertionError("a forked worker outlived its handle")
     stop_ray(started)
     assert warm.wait(timeout=10) == 0 and ray_cluster._warm is None
+    # It exits without the interpreter's teardown (where an atexit handler of a preloaded module would run).
+    assert not os.path.exists("finalized")
     print("warm ok")
     """
 )
 
 
 def test_workers_of_a_local_cluster_are_forks_of_the_warm_process(tmp_path):
+    mark = "import atexit\natexit.register(lambda: open('finalized', 'w').close())\n"
+    (tmp_path / "atexit_mark.py").write_text(mark)  # preloaded from the working folder
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run(
         [sys.executable, "-c", CLUSTER], capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path
