@@ -25,7 +25,7 @@ def test_curves_png_from_rows(tmp_path):
     path = tmp_path / "curves.png"
     assert plot_curves(rows, str(path)) == str(path)
     assert _png_size(path) == (720, 630)  # 8 x 7 inches at 90 dpi
-    assert path.stat().st_size > 10_000  # two panels with axes, legends and bars, not a blank canvas
+    assert path.stat().st_size > 10_000  # two panels with axes, legends and phase bands, not a blank canvas
     assert not list(tmp_path.glob("*.tmp.png")), "written through a temporary file, then renamed"
     assert plot_curves([], str(tmp_path / "none.png")) is None and not (tmp_path / "none.png").exists()
 
