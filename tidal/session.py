@@ -197,11 +197,9 @@ class Session:
         self.stop.restore()
         if self.display is not None:
             self.display.close()
+        # The last charts are drawn (~1 s of CPU) while the actors and Ray stop, which is mostly waiting.
+        closing = _in_background(self._close_run) if self.run is not None else None
         try:
-            if self.run is not None:
-                self.draw_charts()
-                self.run.close()
-        finally:
             if ray.is_initialized():
                 if self.engines is not None:
                     try:
@@ -215,7 +213,19 @@ class Session:
                     from ray.util.placement_group import remove_placement_group
 
                     remove_placement_group(self._placement.pg)
-            stop_ray(self._ray_started)
+        finally:
+            try:
+                stop_ray(self._ray_started)
+            finally:
+                if closing is not None:
+                    closing.result()
+
+    def _close_run(self) -> None:
+        """The run directory's last charts, then its files closed."""
+        try:
+            self.draw_charts()
+        finally:
+            self.run.close()
 
     # ---- engines that die ---------------------------------------------------------------------
     def dead_engines(self) -> list[int]:
