@@ -1,7 +1,5 @@
 """``python -m tidal`` is the ``tidal`` command."""
 
-import sys
+from tidal.cli import run
 
-from tidal.cli import main
-
-sys.exit(main())
+run()

@@ -166,5 +166,27 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> None:
+    """The ``tidal`` command's process: ``main``, then, after ``tidal train``, out without the interpreter's teardown.
+
+    A run leaves torch, transformers and Ray loaded, and freeing their modules cost ~0.7 s of CPU after
+    everything was written and closed. The atexit handlers still run (a library's clean-up), and the
+    streams and logging are flushed; other commands exit as usual."""
+    argv = sys.argv[1:]
+    code = main(argv)
+    if argv[:1] != ["train"]:
+        sys.exit(code)
+    import atexit
+    import contextlib
+    import os
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -146,6 +146,8 @@ def test_save_load_on_an_existing_ray_cluster_resumes_the_curve_and_export_loads
                 p.kill()
     rows = [json.loads(x) for x in open(tmp_path / "b" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [2], "the resumed run continues at the next rollout"
+    # The command exits without the interpreter's teardown once the charts (drawn while Ray stops) are written.
+    assert all(os.path.getsize(tmp_path / run / png) > 0 for run in "ab" for png in ("curves.png", "memory.png"))
     # versions: v1 initial sync, v2 and v3 after steps 0-1 (saved); resumed: v4 initial, v5 after step 2
     assert rows[0]["sync/version"] == 5
     r = tidal("export", "--load", str(ckpt), "--out", str(out))
