@@ -503,7 +503,7 @@ def _read_inputs(cfg: TidalConfig, spec):
     from tidal.model import load_tokenizer
     from tidal.rollout.agent import make_agent
 
-    tokenizer = load_tokenizer(spec)
+    tokenizer = load_tokenizer(spec, driver=True)  # the char tokenizer without transformers (a second of CPU)
     dataset = PromptDataset.build(cfg.data, cfg.rollout, tokenizer, seed=cfg.trainer.seed)
     agent = make_agent(cfg, tokenizer)
     import tidal.rollout.orchestrate  # noqa: F401 - torch and the advantage functions, needed at the first step

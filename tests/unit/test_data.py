@@ -250,3 +250,39 @@ def test_task_dataset_and_build(tok):
     assert built.next_batch(5) == ds.next_batch(5)
     with pytest.raises(UserError, match="--task 'nope'"):
         PromptDataset.from_task("nope", tok)
+
+
+def test_the_drivers_char_tokenizer_encodes_as_the_transformers_one(tok):
+    """``DriverCharTokenizer`` (the driver's, without transformers) against ``char_tokenizer()``: every built-in
+    task's prompts, special tokens and unknown characters inside a text, with and without special tokens; the
+    same ids, lengths and special tokens, the same error for chat prompts, and anything else answered by the
+    transformers tokenizer itself."""
+    from tidal.data.tasks import TASKS
+    from tidal.model.tokenizer import DriverCharTokenizer
+
+    light = DriverCharTokenizer()
+
+    def ids_or_error(name, tokenizer):
+        try:
+            return [item[2] for item in PromptDataset.from_task(name, tokenizer, shuffle=False).items]
+        except UserError as e:  # a chat task: the char tokenizer has no chat template
+            return str(e)
+
+    results = {name: ids_or_error(name, tok) for name in TASKS}
+    assert {name: ids_or_error(name, light) for name in TASKS} == results
+    assert any(isinstance(r, str) for r in results.values()) and any(isinstance(r, list) for r in results.values())
+    texts = ["4+1=", "<eos>ab<pad>c", "A B!é?", "", " ", "12<bos><unk>", "".join(CHARS)]
+    for special in (True, False):
+        assert (
+            light(texts, add_special_tokens=special)["input_ids"] == tok(texts, add_special_tokens=special)["input_ids"]
+        )
+        assert all(
+            light(t, add_special_tokens=special)["input_ids"] == tok(t, add_special_tokens=special)["input_ids"]
+            for t in texts
+        )
+    names = ("pad_token", "bos_token", "eos_token", "unk_token", "chat_template", "padding_side")
+    assert [getattr(light, n) for n in names] == [getattr(tok, n) for n in names] and len(light) == len(tok)
+    assert [getattr(light, f"{n}_id") for n in names[:4]] == [getattr(tok, f"{n}_id") for n in names[:4]]
+    ids = tok(texts[1])["input_ids"]
+    assert light.decode(ids, skip_special_tokens=True) == tok.decode(ids, skip_special_tokens=True)
+    assert light.all_special_ids == tok.all_special_ids

@@ -143,6 +143,11 @@ def test_driver_starts_ray_before_importing_torch_or_transformers():
         "from tidal.trainer.base import trainer_class\n"
         "trainer_class('fsdp')\n"
         "print(sorted(m for m in ('sympy', 'torch.distributed.tensor', 'torch._dynamo') if m in sys.modules))\n"
+        # The inputs it reads beside Ray's start (tokenizer, prompts, agent): the preset's char tokenizer without
+        # transformers (a second of CPU).
+        "from tidal.model import resolve_model\n"
+        "tidal.session._read_inputs(cfg, resolve_model(cfg.model.model, cfg.model.tokenizer))\n"
+        "print(sorted(m for m in ('transformers',) if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, check=True)
-    assert out.stdout.split() == ["[]", "[]"], out.stdout + out.stderr
+    assert out.stdout.split() == ["[]", "[]", "[]"], out.stdout + out.stderr

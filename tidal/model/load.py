@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tidal.errors import UserError
-from tidal.model.tokenizer import CHARS, SPECIALS, char_tokenizer
+from tidal.model.tokenizer import CHARS, SPECIALS, DriverCharTokenizer, char_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -167,9 +167,11 @@ def preset_init_device(spec: ModelSpec, device: torch.device, on_device: bool) -
     return device
 
 
-def load_tokenizer(spec: ModelSpec):
+def load_tokenizer(spec: ModelSpec, *, driver: bool = False):
+    """The model's tokenizer (transformers'); ``driver``: the char tokenizer of a preset without importing
+    transformers (``DriverCharTokenizer``: a run's driver reads the prompts with it beside Ray's start)."""
     if spec.tokenizer_path is None:
-        return char_tokenizer()
+        return DriverCharTokenizer() if driver else char_tokenizer()
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(spec.tokenizer_path, trust_remote_code=spec.trust_remote_code)
