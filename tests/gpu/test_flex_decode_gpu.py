@@ -130,7 +130,8 @@ def test_flex_decoder_matches_the_sdpa_decoder_compiled_with_graphs():
 def test_rollout_bench_logprobs_agree_with_either_kernel(capsys):
     lines = {}
     for kernel in ("sdpa", "flex"):
-        argv = ["--shape", "tiny-qwen2", "--prompts", "16", "--samples", "4", "--prompt-len", "24"]
+        # The 0.5B shape: tiny-qwen2's head dim (8) is under what the compiled flex kernels take.
+        argv = ["--shape", "qwen2.5-0.5b-shape", "--prompts", "16", "--samples", "4", "--prompt-len", "24"]
         argv += ["--new-tokens", "96", "--paths", "fast", "--repeats", "1", "--skip-hf", "--decode-attention", kernel]
         rollout_bench.main(argv)
         out = [json.loads(s) for s in capsys.readouterr().out.splitlines() if s.startswith("{")]

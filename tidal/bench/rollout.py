@@ -212,7 +212,8 @@ def run(args: argparse.Namespace, shape: str, path: str) -> dict:
         "compiled": _compiled(engine),
         "fused": bool(getattr(getattr(engine, "_fast_decoder", None), "_fused", None)),
         "kv_block": args.kv_block,
-        "decode_attention": args.decode_attention,
+        # The kernel the decoder runs: flex falls back to SDPA where it cannot run the model.
+        "decode_attention": getattr(getattr(engine, "_fast_decoder", None), "decode_attention", args.decode_attention),
     }
     if args.profile:
         _, summary = profiled(engine_generate_fresh(engine, args, sampling), engine.device.type, f"rollout {path}")
