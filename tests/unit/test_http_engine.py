@@ -153,6 +153,27 @@ def test_partial_rollout_aborts_requests_and_continues_them_from_their_tokens(se
     post("/update_weight_version", {"new_version": "default"})
 
 
+def test_cut_at_stop_finds_the_first_stop_string_of_the_whole_response():
+    """The rule ``--partial-rollout`` applies after appending a piece: the shortest prefix whose text holds a stop
+    string, wherever the pause fell; log-probs and per-token versions are cut with it."""
+    from tidal.model.tokenizer import char_tokenizer
+    from tidal.rollout.sglang_client import cut_at_stop
+
+    tok = char_tokenizer()
+    s = Sample(index=0, group=0, prompt="p", prompt_ids=[1], status="aborted", weight_version=5)
+    s.response_ids = tok.encode("12+3=45=6")
+    s.response_logprobs = [-0.1 * i for i in range(len(s.response_ids))]
+    s.response_versions = [5] * 4 + [6] * 5  # "12+3" before the pause, "=45=6" after
+    cut_at_stop(s, ["", "3=4", "=6"], tok)
+    assert (s.response_text, s.status, s.response_ids) == ("12+3=4", "completed", tok.encode("12+3=4"))
+    assert (
+        s.response_logprobs == pytest.approx([-0.1 * i for i in range(6)]) and s.response_versions == [5] * 4 + [6] * 2
+    )
+    plain = Sample(index=1, group=1, prompt="p", prompt_ids=[1], status="truncated", response_ids=tok.encode("1+1"))
+    cut_at_stop(plain, ["=6"], tok)
+    assert plain.status == "truncated" and plain.response_ids == tok.encode("1+1")
+
+
 def test_bad_addresses_and_replies_are_one_line(server, tmp_path):
     dead = f"127.0.0.1:{_free_port()}"
     with pytest.raises(UserError) as exc:
