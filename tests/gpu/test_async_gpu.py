@@ -63,26 +63,38 @@ def test_full_partial_rollout_resident_on_one_gpu(ray_cluster, tmp_path):
 
 
 def test_a_paused_cuda_call_returns_partial_rows_that_continue_on_new_weights():
+    """A pause at the fast decoder's second host sync (between CUDA graph replays): every row still running comes
+    back aborted with exactly the tokens of the replays before it, and a later call continues those rows on the
+    new weights. The call is one chunk of one wave whatever else holds the GPU (``chunk_bytes``: the engine sizes
+    its chunks by the free device memory, and beside other processes it split these 16 rows into chunks, so the
+    pause found rows of later chunks not started, with no tokens)."""
     import threading
 
     from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig
     from tidal.rollout.embedded import EmbeddedEngine
     from tidal.rollout.types import Sample, SamplingParams
 
-    eng = EmbeddedEngine(ModelConfig(model="tiny-qwen2"), RolloutConfig(), MemoryConfig(), device="cuda")
+    eng = EmbeddedEngine(
+        ModelConfig(model="tiny-qwen2"), RolloutConfig(), MemoryConfig(), device="cuda", chunk_bytes=1 << 30
+    )
     eng.set_weight_version(3)
     prompts = [eng.tokenizer.encode(t) for t in ("12+34=", "7*8=", "5", "abc")] * 4
     samples = [Sample(index=i, group=i, prompt="", prompt_ids=p) for i, p in enumerate(prompts)]
     sp = SamplingParams(max_new_tokens=40, seed=2)
-    eng.paused = PauseAfter(4)  # the fast path's second host sync: 9 tokens, between graph replays
+    eng.paused = PauseAfter(4)  # the engine's chunk check, the wave's start, then host syncs 1 and 2: the pause
     out = eng.generate(samples, sp)
+    stats = eng._fast_decoder.last_stats
+    seen = ([(s.status, len(s.response_ids)) for s in out], eng.paused.calls, stats)
+    k = eng._fast_decoder.check_every + 1  # tokens sampled by the second host sync (the prefill's and 8 replays')
+    assert stats["cuda_graphs"] and stats["interrupted"] and stats["waves"] == 1, seen
     aborted = [s for s in out if s.status == "aborted"]
-    assert aborted and all(0 < len(s.response_ids) < 40 for s in aborted)
+    assert aborted and all(len(s.response_ids) == k for s in aborted), seen
+    assert all(s.status == "completed" and len(s.response_ids) <= k for s in out if s.status != "aborted"), seen
     before = {s.index: list(s.response_ids) for s in out}
     eng.paused = threading.Event()
     eng.set_weight_version(4)
     out = eng.generate(out, sp)
-    assert {s.status for s in out} <= {"completed", "truncated"}
+    assert {s.status for s in out} <= {"completed", "truncated"}, [(s.status, len(s.response_ids)) for s in out]
     for s in aborted:
         ids = before[s.index]
         assert s.response_ids[: len(ids)] == ids and len(s.response_logprobs) == len(s.response_ids)
