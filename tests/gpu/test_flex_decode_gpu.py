@@ -127,6 +127,17 @@ def test_flex_decoder_matches_the_sdpa_decoder_compiled_with_graphs():
     assert diff < 1e-4
 
 
+def test_head_dims_under_16_fall_back_to_sdpa():
+    # inductor's flex lowering needs an embedding dimension of at least 16 (tl.dot); head_dim 8 here.
+    narrow = ModelSpec(name="tiny-gqa7-narrow", arch="qwen2", config_kwargs={**GQA7.config_kwargs, "hidden_size": 112})
+    model = build_model(narrow, dtype=torch.float32, seed=0, device="cuda").eval().requires_grad_(False)
+    dec = FastDecoder(model, decode_attention="flex", max_batch=8, max_seq_len=64)
+    res = dec.generate([[5, 6, 7], [8, 9]], max_new_tokens=6, temperature=0)
+    print(f"\n[head_dim 8] {res.stats['decode_attention']}: {res.stats['flex_fallback_reason']}")
+    assert res.stats["decode_attention"] == "sdpa" and "head_dim 8" in res.stats["flex_fallback_reason"]
+    assert res.stats["cuda_graphs"], res.stats["fallback_reason"]
+
+
 def test_rollout_bench_logprobs_agree_with_either_kernel(capsys):
     lines = {}
     for kernel in ("sdpa", "flex"):
