@@ -159,7 +159,10 @@ def test_rule_init_on_device(argv, env, expect):
     "argv, env, expect",
     [
         ([], CPU, {"rollout_decode_attention": "sdpa"}),
-        (TINY_GPU + ["--rollout-decode-attention", "flex"], GPU1, {"rollout_decode_attention": "flex"}),
+        (TINY_GPU, GPU1, {"rollout_decode_attention": "flex"}),
+        (TINY_GPU + ["--no-rollout-fast-decode"], GPU1, {"rollout_decode_attention": "sdpa"}),
+        (TINY_GPU + ["--rollout-decode-attention", "sdpa"], GPU1, {"rollout_decode_attention": "sdpa"}),
+        (["--rollout-decode-attention", "flex"], CPU, {"rollout_decode_attention": "flex"}),
         (["--rollout-decode-attention", "flex", "--no-rollout-fast-decode"], CPU, "needs --rollout-fast-decode"),
         (["--rollout-decode-attention", "flash"], CPU, "flash"),
     ],

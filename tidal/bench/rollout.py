@@ -250,9 +250,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--decode-attention",
-        choices=("sdpa", "flex"),
-        default="sdpa",
-        help="decode-step attention kernel (--rollout-decode-attention)",
+        choices=("auto", "sdpa", "flex"),
+        default="auto",
+        help="decode-step attention kernel (--rollout-decode-attention; auto: the engine's default, flex with CUDA)",
     )
     p.add_argument("--with-cb", action="store_true", help="also time transformers continuous batching (generate_batch)")
     p.add_argument(

@@ -280,11 +280,11 @@ class RolloutConfig:
         "the stacked weights are refreshed from the model at every generate and are kv_cache memory).",
     )
     rollout_decode_attention: str = opt(
-        "sdpa",
+        "auto",
         "Decode-step attention kernel: sdpa (SDPA over the KV length rounded up to --rollout-kv-block, additive "
         "mask) or flex (FlexAttention's decoding kernel with a per-row block mask: each row reads only the "
-        "64-token blocks it has written; one CUDA graph per batch bucket).",
-        choices=("sdpa", "flex"),
+        "64-token blocks it has written; one CUDA graph per batch bucket); auto: flex with CUDA, sdpa on CPU.",
+        choices=("auto", "sdpa", "flex"),
     )
     rollout_prefix_cache_mb: int | None = opt(
         None,
@@ -326,6 +326,12 @@ class RolloutConfig:
 def init_on_device_default(device: str) -> bool:
     """``--init-on-device`` when unset: on with CUDA (the host is then the slow place to draw weights)."""
     return device == "cuda"
+
+
+def decode_attention_default(device: str) -> str:
+    """``--rollout-decode-attention auto``: flex with CUDA (compiled kernel), sdpa elsewhere (flex runs its
+    eager reference there)."""
+    return "flex" if device == "cuda" else "sdpa"
 
 
 def rollout_compile_default(device: str) -> bool:

@@ -35,7 +35,12 @@ from tidal.config.args import coerce, fields, flag_of
 from tidal.config.environment import Environment
 from tidal.config.plan import MemoryPlan, ModelShape, build_plan, model_shape
 from tidal.config.provenance import Provenance
-from tidal.config.schema import TidalConfig, init_on_device_default, rollout_compile_default
+from tidal.config.schema import (
+    TidalConfig,
+    decode_attention_default,
+    init_on_device_default,
+    rollout_compile_default,
+)
 from tidal.dtypes import default_dtype_name, short_name
 from tidal.errors import ConfigError, UserError
 
@@ -165,11 +170,15 @@ def _rollout_compile(ctx: Context) -> None:
 
 @rule(
     "decode-attention",
-    "`--rollout-decode-attention flex` is a kernel of the fast decode path: it needs `--rollout-fast-decode`.",
+    "`--rollout-decode-attention auto` is flex with CUDA and sdpa on CPU; flex is a kernel of the fast decode "
+    "path: it needs `--rollout-fast-decode`.",
 )
 def _decode_attention(ctx: Context) -> None:
     r = ctx.cfg.rollout
-    if r.rollout_decode_attention == "flex" and not r.rollout_fast_decode:
+    if r.rollout_decode_attention == "auto":
+        kernel = decode_attention_default(ctx.cfg.cluster.device) if r.rollout_fast_decode else "sdpa"
+        ctx.derive("rollout_decode_attention", kernel, "decode-attention", f"auto on {ctx.cfg.cluster.device}")
+    elif r.rollout_decode_attention == "flex" and not r.rollout_fast_decode:
         raise ConfigError(
             "--rollout-decode-attention flex needs --rollout-fast-decode (transformers generate has its own "
             "attention); turn fast decode on or drop --rollout-decode-attention"
@@ -478,7 +487,7 @@ def unresolved_fields(cfg: TidalConfig) -> list[str]:
         "device", "param_dtype", "memory_backend", "rollout_num_gpus", "offload_train", "offload_rollout",
         "update_weight_transport", "global_batch_size", "eps_clip_high", "output_dir",
         "rollout_compile", "use_critic", "offload_host_memory", "rollout_prefix_cache_mb",
-        "disable_grad_buffers_cpu_backup", "init_on_device",
+        "disable_grad_buffers_cpu_backup", "init_on_device", "rollout_decode_attention",
     }  # fmt: skip
     out = []
     for info in fields():

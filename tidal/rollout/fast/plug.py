@@ -23,7 +23,7 @@ Settings, read from the engine's ``RolloutConfig`` when it has them (defaults ot
     rollout_compile       bool   CUDA   torch.compile the decode step (attention stays eager); on with CUDA
     rollout_prefix_cache_mb int  0      prompt KV kept between calls for multi-turn requests (tidal.rollout.fast.prefix)
     rollout_fused_decode  bool   False  stacked q/k/v and gate/up matmuls in decode steps (tidal.rollout.fast.fused)
-    rollout_decode_attention str sdpa   decode attention kernel: sdpa, or flex (tidal.rollout.fast.flex_decode)
+    rollout_decode_attention str auto   decode attention kernel: sdpa, or flex (tidal.rollout.fast.flex_decode); auto: flex with CUDA
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from tidal.config.schema import rollout_compile_default
+from tidal.config.schema import decode_attention_default, rollout_compile_default
 from tidal.errors import UserError
 from tidal.memory.base import StateClass
 from tidal.rollout.fast.decode import FastDecoder
@@ -64,13 +64,18 @@ def build_decoder(model, cfg, *, device_type: str, pad_id: int, backend, name: s
             region=lambda: backend.region(StateClass.KV_CACHE),
             prefix_cache_bytes=int(getattr(cfg, "rollout_prefix_cache_mb", None) or 0) << 20,
             fused=bool(getattr(cfg, "rollout_fused_decode", False)),
-            decode_attention=getattr(cfg, "rollout_decode_attention", "sdpa"),
+            # auto (a config built in code, not resolved): the resolved default, flex with CUDA.
+            decode_attention=_kernel(getattr(cfg, "rollout_decode_attention", "auto"), device_type),
         )
     except UserError as exc:
         log.warning("%s: transformers generate instead of fast decode (%s)", name, exc)
         return OFF
     backend.register(StateClass.KV_CACHE, dec.kv_tensors)
     return dec
+
+
+def _kernel(choice: str, device_type: str) -> str:
+    return decode_attention_default(device_type) if choice == "auto" else choice
 
 
 def fast_generate_chunk(
