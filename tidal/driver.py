@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 
 from tidal.config.schema import TidalConfig
+from tidal.rollout.types import SampleBatch
 from tidal.steps import Timer, finish_step, sync_weights
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ def _loop(s, on_step) -> dict:
                 with t("resume", display):
                     s.timeline_mark("trainer resumed", trainer.call("resume").after)
             with t("train", display):
-                train_metrics = trainer.call("train", samples, rollout_id)
+                train_metrics = trainer.call("train", SampleBatch(samples), rollout_id)
             if offload_train:
                 with t("pause", display):
                     s.timeline_mark("trainer paused", trainer.call("pause").after)

@@ -45,6 +45,7 @@ import time
 from tidal.errors import ray_get as get
 from tidal.rollout.buffer import Group, GroupBuffer, PromptCursor
 from tidal.rollout.inflight import Finished, InFlight
+from tidal.rollout.types import SampleBatch
 from tidal.steps import Timer, eval_due, finish_step, sync_weights
 
 
@@ -98,7 +99,7 @@ class _Loop:
         self.s.log_samples(rollout_id, samples)
         self.trained_from = self.s.last_sync_version  # a restart's resync during the step must not move staleness
         self.flight.trainer_ahead = True
-        refs = self.s.trainer.call_async("train", samples, rollout_id)
+        refs = self.s.trainer.call_async("train", SampleBatch(samples), rollout_id)
         with t("train", self.s.display):
             if while_training is not None:
                 while_training(refs)

