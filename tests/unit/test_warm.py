@@ -1,8 +1,8 @@
 """The warm process: Ray's workers of a local CPU cluster are forks of one process that imported the actors' modules.
 
 The cluster test runs in its own process (a Ray cluster of its own, as ``tidal train`` starts one): an actor runs
-in a fork of the warm process with the workers' environment and the preloaded module; an actor with a runtime env
-of its own is started by Ray as usual; a worker dies with its handle; the warm process stops with ``stop_ray``,
+in a fork of the warm process with the workers' environment and the preloaded module (frozen out of its collector);
+an actor with a runtime env of its own is started by Ray as usual; a worker dies with its handle; the warm process stops with ``stop_ray``,
 without the interpreter's teardown.
 """
 
@@ -33,13 +33,17 @@ CLUSTER = textwrap.dedent(
     class Probe:
         def where(self):
             print("hello from a warm worker", flush=True)
-            return os.getpid(), psutil.Process().ppid(), os.environ.get("TIDAL_TEST_MARK"), "colorsys" in sys.modules
+            import gc
+
+            frozen = gc.get_freeze_count() > 0
+            return os.getpid(), psutil.Process().ppid(), os.environ.get("TIDAL_TEST_MARK"), "colorsys" in sys.modules, frozen
 
     first = Probe.remote()
-    pid, parent, mark, preloaded = ray.get(first.where.remote())
+    pid, parent, mark, preloaded, frozen = ray.get(first.where.remote())
     assert (parent, mark, preloaded) == (warm.pid, "warm", True), (parent, warm.pid, mark, preloaded)
+    assert frozen, "the warm process's imports should be frozen out of the worker's collector"
     own = Probe.options(runtime_env={"env_vars": {"TIDAL_TEST_MARK": "own"}}).remote()
-    own_pid, own_parent, own_mark, _ = ray.get(own.where.remote())
+    own_pid, own_parent, own_mark, _, _ = ray.get(own.where.remote())
     assert own_parent != warm.pid and own_mark == "own", (own_parent, own_mark)
     # The raylet's handles on the forked workers: killed outright, their workers die too.
     def command(p):

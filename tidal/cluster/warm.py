@@ -24,6 +24,7 @@ The warm process stops with the driver (a pipe from it closes) or at ``stop``.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import json
 import logging
@@ -205,11 +206,18 @@ def serve(listen_fd: int, alive_fd: int, modules: Sequence[str]) -> _Request | N
     Returns the request in a forked child (the caller turns into that worker, outside this loop),
     None in the warm process when it is done."""
     listener = socket.socket(fileno=listen_fd)
+    # No collections while importing (each full pass walks every object imported so far), and what is
+    # imported is then frozen out of the collector: a forked worker's gc.collect() (every actor runs one
+    # as it starts) scans only what it made itself, ~0.3 s less each, and touches none of the pages it
+    # shares with this process.
+    gc.disable()
     for name in modules:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a module that fails here fails again, visibly, in the actor
             log.debug("warm process: importing %s failed", name, exc_info=True)
+    gc.freeze()
+    gc.enable()
     if "ray" in sys.modules:
         # Ray's C++ config reads the process's environment once, when it is first used: a worker
         # forked after that would keep this process's values (its job, its node). Serve nobody;
