@@ -28,15 +28,23 @@ from tidal.steps import Timer, finish_step, sync_weights
 log = logging.getLogger(__name__)
 
 
-def train(cfg: TidalConfig, on_step=None) -> dict:
+def train(cfg: TidalConfig, on_step=None, *, freeze_start: bool = False) -> dict:
     """Run the loop described in the module docstring; returns the last step's metrics.
 
     ``on_step(session, rollout_id, row)``, if given, is called after the initial sync (rollout_id
     -1) and after each step; tests use it to compare trainer and engine weights after every sync.
+    ``freeze_start``: this process is the run's own (``tidal train``), started with the garbage
+    collector off; once the session is up, everything alive is frozen out of the collector and it is
+    turned on again (see ``tidal.cli.cmd_train``).
     """
     from tidal.session import Session
 
     with Session(cfg) as s:
+        if freeze_start:
+            import gc
+
+            gc.freeze()
+            gc.enable()
         try:
             if cfg.rollout.debug_rollout_only:
                 return rollout_only(s, on_step)

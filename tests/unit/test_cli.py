@@ -42,7 +42,12 @@ def test_bad_input_is_one_line_and_exit_code_2(args, needle, tmp_path):
 
 def test_reward_function_that_raises_is_a_user_error(tmp_path):
     plugin = tmp_path / "bad_reward.py"
-    plugin.write_text("def score(prompt, response, label):\n    raise ValueError('boom')\n")
+    # It runs in the driver: the start-up's objects are frozen out of its collector, which is on again.
+    plugin.write_text(
+        "import gc\n"
+        "def score(prompt, response, label):\n"
+        "    raise ValueError(f'boom frozen={gc.get_freeze_count() > 0} collecting={gc.isenabled()}')\n"
+    )
     r = tidal(
         "train",
         *ONE_SMALL_ROLLOUT,
@@ -52,7 +57,7 @@ def test_reward_function_that_raises_is_a_user_error(tmp_path):
         f"{plugin}:score",
     )
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "boom" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "boom frozen=True collecting=True" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.slow
