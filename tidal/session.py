@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import sys
 import threading
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
     from tidal.memory.base import MemoryFigures
 
 log = logging.getLogger(__name__)
+
+STARTUP_SWITCH_INTERVAL_S = (
+    0.0005  # the GIL's switch interval while Ray starts beside the inputs' imports (default 5 ms)
+)
 
 
 def steps_per_rollout(cfg: TidalConfig) -> int:
@@ -81,10 +86,17 @@ class Session:
             # prompts and the agent loop, read beside Ray's start (transformers takes seconds to import on a small
             # host); a bad dataset still stops everything before the run folder or an actor exists.
             start_warm(cfg.cluster.ray_address, env, preload)
-            inputs = _in_background(_read_inputs, cfg, spec)
-            self._start_cluster(placement, env, preload)
-            self.mark_startup("startup_ray_s")
-            self.tokenizer, self.dataset, self.agent = inputs.result()
+            # While the inputs' thread imports (holding the GIL for most of seconds), ray.init on this thread
+            # waits for the GIL after each of its many short waits: up to the switch interval each time.
+            switch = sys.getswitchinterval()
+            sys.setswitchinterval(min(switch, STARTUP_SWITCH_INTERVAL_S))
+            try:
+                inputs = _in_background(_read_inputs, cfg, spec)
+                self._start_cluster(placement, env, preload)
+                self.mark_startup("startup_ray_s")
+                self.tokenizer, self.dataset, self.agent = inputs.result()
+            finally:
+                sys.setswitchinterval(switch)
             from tidal.memory.telemetry import MemoryTimeline
 
             self.run = RunDir(cfg)

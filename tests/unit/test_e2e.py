@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -53,8 +54,11 @@ def _run(tmp_path, *flags):
         seen.setdefault("first", want)
         seen["last"] = want
         seen.setdefault("versions", []).append(row["sync/version"])
+        seen["switch"] = sys.getswitchinterval()  # the start's shorter GIL switch interval is over
 
+    switch = sys.getswitchinterval()
     train(cfg, on_step=on_step)
+    assert seen["switch"] == switch == sys.getswitchinterval()
     # The initial sync is version 1; each step syncs once more.
     assert seen["versions"] == [1, 2, 3]
     unchanged = [n for n, c in seen["first"].items() if seen["last"][n] == c]
