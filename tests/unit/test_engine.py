@@ -145,6 +145,38 @@ def test_a_paused_call_returns_partial_rows_that_a_later_call_continues_on_new_w
     assert (got - torch.tensor([x for f in forced for x in f])).abs().max().item() < 1e-4
 
 
+def test_a_stop_string_spanning_a_pause_ends_the_continued_response_where_it_would_have(engine):
+    """A pause at the fast decoder's first host sync (the prefill's token) between the two characters of a stop
+    string: the continued response ends at the stop string exactly as the same greedy call without a pause does."""
+    tok, greedy = engine.tokenizer, SamplingParams(temperature=0.0, max_new_tokens=16)
+    fresh = lambda: make_samples(engine, repeat=1)  # noqa: E731
+    ref = engine.generate(fresh(), greedy)
+    k = 1  # tokens sampled by the first host sync (PauseAfter(3) below: the chunk's check, the wave's, that one)
+    stops = [tok.decode(s.response_ids[k - 1 : k + 1]) for s in ref]
+    rows = [
+        i
+        for i, (s, stop) in enumerate(zip(ref, stops))
+        if len(s.response_ids) > k and len(stop) == 2 and stop not in tok.decode(s.response_ids[:k])
+    ]
+    assert rows, [s.response_text for s in ref]
+    i = rows[0]
+    with_stop = dataclasses.replace(greedy, stop=[stops[i]])
+    whole = engine.generate(fresh(), with_stop)[i]  # no pause: cut at the stop string by the engine itself
+    assert whole.response_ids == ref[i].response_ids[: k + 1] and whole.status == "completed"
+    cut = fresh()
+    before = engine.paused
+    try:
+        engine.paused = PauseAfter(3)
+        engine.generate(cut, with_stop)
+        assert cut[i].status == "aborted" and cut[i].response_ids == ref[i].response_ids[:k]
+        engine.paused = threading.Event()
+        (out,) = engine.generate([cut[i]], with_stop)
+    finally:
+        engine.paused = before
+    assert (out.response_ids, out.response_text, out.status) == (whole.response_ids, whole.response_text, "completed")
+    assert out.response_logprobs == pytest.approx(whole.response_logprobs, abs=1e-5)
+
+
 def test_sampling_is_deterministic_given_a_seed(engine):
     sp = SamplingParams(max_new_tokens=10, seed=5)
     a = engine.generate(make_samples(engine), sp)
