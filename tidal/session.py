@@ -24,7 +24,7 @@ from tidal.config.schema import TidalConfig
 from tidal.dtypes import default_dtype_name
 from tidal.errors import RunFailed, UserError, WeightSyncError, is_engine_death
 from tidal.observe.console import Display
-from tidal.observe.plots import RedrawClock, plot_curves
+from tidal.observe.plots import RedrawClock, import_plotting, plot_curves
 from tidal.observe.run_dir import RunDir
 from tidal.signals import Stopped, StopSignal
 
@@ -68,6 +68,7 @@ class Session:
         # Where the time before the first step goes: seconds since the process started at each stage,
         # and the actors' own build times (step 0's row carries them, ``startup_*``).
         self.startup: dict[str, float] = {}
+        self._plotting: concurrent.futures.Future | None = None  # matplotlib's import, started after the first step
 
     # ---- setup / teardown -------------------------------------------------------------------
     def __enter__(self) -> Session:
@@ -484,6 +485,10 @@ class Session:
         raise Stopped(f"SIGTERM: checkpoint of rollout {self._last_saved} in {save}; continue with --load {save}")
 
     def after_step(self, rollout_id: int) -> None:
+        if self._plotting is None:
+            # matplotlib (~0.7 s of CPU) is imported beside the steps rather than after the last one: the
+            # run's end waits for its charts.
+            self._plotting = _in_background(import_plotting)
         if self.redraw.due():
             self.draw_charts()
 

@@ -55,6 +55,8 @@ def _run(tmp_path, *flags):
         seen["last"] = want
         seen.setdefault("versions", []).append(row["sync/version"])
         seen["switch"] = sys.getswitchinterval()  # the start's shorter GIL switch interval is over
+        # From the first step on, matplotlib is being imported beside the steps (the end draws the charts).
+        assert (s._plotting is not None) == (rollout_id >= 0)
 
     switch = sys.getswitchinterval()
     train(cfg, on_step=on_step)

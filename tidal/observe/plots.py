@@ -35,6 +35,14 @@ class RedrawClock:
         return True
 
 
+def import_plotting() -> None:
+    """matplotlib with its Agg backend and pyplot, imported (a run imports them beside its steps)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+
+
 def plot_curves(rows: list[dict], path: str) -> str | None:
     """Reward (with eval accuracy when present) and stacked phase times per step."""
     if not rows:
