@@ -5,6 +5,10 @@ driver (model, tokenizer, dataset, reward function), opens the run directory, st
 reserves the placement group and starts the trainer ranks and engines; leaving it (normally, on
 an error, or on Ctrl-C) kills the actors, removes the placement group and stops Ray if it started
 it. Nothing here decides the order of phases: that is the driver's job.
+
+It runs past 500 lines because the start (what overlaps what), the end (what is drawn while Ray
+stops) and the survival of an engine's death all act on the same session state; the helpers that
+need none of it are module functions below.
 """
 
 from __future__ import annotations
