@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 # Preloaded modules that import Ray: Ray's workers import them themselves (tidal.cluster.warm says why).
 RAY_IMPORTING = ("tidal.rollout.actor",)
+# Modules only one kind of actor needs: a forked worker imports its own, beside the others, rather than the warm
+# process importing all of them first (its imports are the start's critical path: ray.init waits for the forks).
+ONE_ACTOR_ONLY = ("tidal.rollout.embedded", "torch.distributed.fsdp", "tidal.trainer.actor")
 IDLE_WORKER_KEEP_MS = 60_000
 _warm = None  # the warm process of the cluster started here (tidal.cluster.warm), if any
 
@@ -97,7 +100,7 @@ def start_warm(address: str | None, worker_env: dict[str, str], preload: Sequenc
     _set_base_env()
     try:
         with shielded(), _environ(worker_env):
-            _warm = WarmProcess.start([m for m in preload if m not in RAY_IMPORTING])
+            _warm = WarmProcess.start([m for m in preload if m not in RAY_IMPORTING + ONE_ACTOR_ONLY])
     except OSError as e:  # e.g. a temp folder whose path is too long for a Unix socket: Ray starts the workers
         log.info("no warm process (%s); Ray starts each worker itself", e)
         return False

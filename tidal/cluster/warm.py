@@ -6,7 +6,9 @@ modules: ~5-6 s of CPU per process on a small host, paid once per actor, on the 
 then share. A local CPU cluster that ``tidal train`` starts pays it once instead: the driver starts
 one warm process (``WarmProcess.start``) as it starts Ray; it imports those modules once, then
 forks a child per Ray worker, which runs Ray's own ``default_worker.py`` unchanged with the imports
-done (copy-on-write: the children share the imported code's memory too).
+done (copy-on-write: the children share the imported code's memory too). What only one kind of
+actor needs (``ray_cluster.ONE_ACTOR_ONLY``) each child imports itself, beside the others: the
+warm process's imports are the start's critical path, since ``ray.init`` waits for the forks.
 
 How Ray reaches it: the raylet's worker command names ``tidal/cluster/warm_worker.py`` instead of
 Ray's ``default_worker.py`` (``worker_command``, while ``ray.init`` starts the raylet). That small
