@@ -519,11 +519,13 @@ def _last_line(exc: BaseException) -> str:
 
 def _read_inputs(cfg: TidalConfig, spec):
     """The tokenizer, the prompt dataset and the agent loop (multi-turn rollouts; None: one response per
-    prompt), each checked here: a bad one raises its UserError."""
+    prompt), each checked here: a bad one raises its UserError. Read below the warm process's priority, if any."""
+    from tidal.cluster.ray_cluster import yield_to_warm
     from tidal.data.dataset import PromptDataset
     from tidal.model import load_tokenizer
     from tidal.rollout.agent import make_agent
 
+    yield_to_warm()
     tokenizer = load_tokenizer(spec, driver=True)  # the char tokenizer without transformers (a second of CPU)
     dataset = PromptDataset.build(cfg.data, cfg.rollout, tokenizer, seed=cfg.trainer.seed)
     agent = make_agent(cfg, tokenizer)

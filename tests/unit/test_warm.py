@@ -2,6 +2,7 @@
 
 The cluster test runs in its own process (a Ray cluster of its own, as ``tidal train`` starts one): an actor runs
 in a fork of the warm process with the workers' environment and the preloaded module (frozen out of its collector);
+Ray's processes and the driver's inputs thread run below the warm process's priority, the driver's own thread not;
 an actor with a runtime env of its own is started by Ray as usual; a worker dies with its handle; the warm process stops with ``stop_ray``,
 without the interpreter's teardown.
 """
@@ -38,6 +39,29 @@ CLUSTER = textwrap.dedent(
             frozen = gc.get_freeze_count() > 0
             return os.getpid(), psutil.Process().ppid(), os.environ.get("TIDAL_TEST_MARK"), "colorsys" in sys.modules, frozen
 
+    # The rest of the start runs below the warm process (its imports are the critical path).
+    below_warm = min(19, psutil.Process(warm.pid).nice() + ray_cluster.START_NICE)  # 19: the lowest there is
+    assert ray_cluster.below_warm() == below_warm
+    assert os.getpriority(os.PRIO_PROCESS, 0) == psutil.Process(warm.pid).nice()  # the driver's own stays
+    import threading
+
+    inputs_nice = []
+    def inputs():
+        ray_cluster.yield_to_warm()
+        inputs_nice.append(os.getpriority(os.PRIO_PROCESS, 0))
+
+    t = threading.Thread(target=inputs)
+    t.start()
+    t.join()
+    assert inputs_nice == [below_warm] and os.getpriority(os.PRIO_PROCESS, 0) < below_warm or below_warm == 19
+    def nice_of_ray_process(p):  # None: the warm process, one of its forks, or gone
+        try:
+            return None if warm.pid in (p.pid, p.ppid()) else p.nice()
+        except psutil.Error:
+            return None
+
+    ray_nice = [n for n in map(nice_of_ray_process, psutil.Process().children(recursive=True)) if n is not None]
+    assert ray_nice and min(ray_nice) == below_warm, ray_nice
     first = Probe.remote()
     pid, parent, mark, preloaded, frozen = ray.get(first.where.remote())
     assert (parent, mark, preloaded) == (warm.pid, "warm", True), (parent, warm.pid, mark, preloaded)

@@ -30,6 +30,8 @@ RAY_IMPORTING = ("tidal.rollout.actor",)
 # process importing all of them first (its imports are the start's critical path: ray.init waits for the forks).
 ONE_ACTOR_ONLY = ("tidal.rollout.embedded", "torch.distributed.fsdp", "tidal.trainer.actor")
 IDLE_WORKER_KEEP_MS = 60_000
+# How much lower than the warm process the rest of the start runs (``yield_to_warm``): nice 5 weighs a third of nice 0.
+START_NICE = 5
 _warm = None  # the warm process of the cluster started here (tidal.cluster.warm), if any
 
 # Environment every tidal process should see; set before Ray starts so actors inherit it.
@@ -75,7 +77,9 @@ def start_ray(
     # Shielded: Ray's processes ignore SIGINT, so Ctrl-C stops the run through the driver alone.
     with shielded(), _environ(worker_env or {}):
         if _warm is not None:
-            with _environ(_warm.env()):
+            import ray._private.services  # noqa: F401 - where ray_processes_below_warm finds Ray's Popen
+
+            with _environ(_warm.env()), ray_processes_below_warm():
                 _init_local(logical_cpus, num_gpus, [], warm=True)
         else:
             _init_local(logical_cpus, num_gpus, list(preload))
@@ -105,6 +109,54 @@ def start_warm(address: str | None, worker_env: dict[str, str], preload: Sequenc
         log.info("no warm process (%s); Ray starts each worker itself", e)
         return False
     return True
+
+
+def below_warm() -> int | None:
+    """The nice value that the rest of the start takes while the warm process imports (None: no warm process).
+
+    Its imports are the start's critical path. On 2 cores the driver's inputs (torch's import), Ray's head and
+    its agents otherwise take half of its core; ``START_NICE`` lower they share the second core and leave it the
+    first. On Linux a nice value is a thread's own, inherited by what it starts, and it cannot be lowered again:
+    only the driver's inputs thread (``yield_to_warm``, it ends) and Ray's processes (``ray_processes_below_warm``,
+    their work between steps is small) take it, never the driver's main thread, on the steps' path."""
+    if _warm is None:
+        return None
+    try:
+        return min(19, os.getpriority(os.PRIO_PROCESS, _warm.proc.pid) + START_NICE)
+    except OSError:
+        return None
+
+
+def yield_to_warm() -> None:
+    """The calling thread (one that ends after the start) runs below the warm process (``below_warm``)."""
+    nice = below_warm()
+    with contextlib.suppress(OSError):
+        if nice is not None and os.getpriority(os.PRIO_PROCESS, 0) < nice:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+
+
+@contextlib.contextmanager
+def ray_processes_below_warm() -> Iterator[None]:
+    """The processes ``ray.init`` starts (its head, the raylet, and through it the agents) run below the warm
+    process (``below_warm``). Should a Ray release rename the class it starts them with, they run as before."""
+    nice = below_warm()
+    services = sys.modules.get("ray._private.services")
+    popen = getattr(services, "ConsolePopen", None)
+    if nice is None or not isinstance(popen, type):
+        yield
+        return
+
+    class Lowered(popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, self.pid, max(nice, os.getpriority(os.PRIO_PROCESS, self.pid)))
+
+    services.ConsolePopen = Lowered
+    try:
+        yield
+    finally:
+        services.ConsolePopen = popen
 
 
 def _set_base_env() -> None:
