@@ -4,8 +4,28 @@ from __future__ import annotations
 
 import torch
 
+from tidal.model.load import ModelSpec
 from tidal.rollout.fast import attention
 from tidal.rollout.fast.flex_decode import FlexDecode
+
+
+def gqa7(head_dim: int, max_positions: int = 256) -> ModelSpec:
+    """Qwen2.5-0.5B's head layout (14 query heads on 2 KV heads: a group of 7, not a power of two) at a tiny
+    width: ``head_dim`` 8 on CPU; on CUDA at least 16, the smallest FlexAttention's compiled kernels take."""
+    return ModelSpec(
+        name=f"tiny-gqa7-hd{head_dim}",
+        arch="qwen2",
+        config_kwargs=dict(
+            vocab_size=64,
+            hidden_size=14 * head_dim,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=True,
+        ),
+    )
 
 
 class _Layer(torch.nn.Module):

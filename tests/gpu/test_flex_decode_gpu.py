@@ -12,11 +12,10 @@ import time
 
 import pytest
 import torch
-from flex_call import decode_attention_call
+from flex_call import decode_attention_call, gqa7
 
 from tidal.bench import rollout as rollout_bench
 from tidal.model import build_model
-from tidal.model.load import ModelSpec
 from tidal.rollout.fast import FastDecoder
 from tidal.rollout.fast.flex_decode import FlexDecode
 from tidal.rollout.fast.static_cache import KVShape, StaticKVCache
@@ -24,22 +23,7 @@ from tidal.rollout.generate import teacher_forced_logprobs
 
 pytestmark = pytest.mark.gpu
 
-# Qwen2.5-0.5B's head layout (14 query heads, 2 KV heads, group 7) at a tiny width (head_dim 16: the
-# kernel's tl.dot needs at least 16).
-GQA7 = ModelSpec(
-    name="tiny-gqa7",
-    arch="qwen2",
-    config_kwargs=dict(
-        vocab_size=64,
-        hidden_size=224,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    ),
-)
+GQA7 = gqa7(head_dim=16, max_positions=512)
 
 
 def _reference(cache, query, start, cpos: int, scale: float) -> torch.Tensor:
@@ -129,7 +113,7 @@ def test_flex_decoder_matches_the_sdpa_decoder_compiled_with_graphs():
 
 def test_head_dims_under_16_fall_back_to_sdpa():
     # inductor's flex lowering needs an embedding dimension of at least 16 (tl.dot); head_dim 8 here.
-    narrow = ModelSpec(name="tiny-gqa7-narrow", arch="qwen2", config_kwargs={**GQA7.config_kwargs, "hidden_size": 112})
+    narrow = gqa7(head_dim=8, max_positions=512)
     model = build_model(narrow, dtype=torch.float32, seed=0, device="cuda").eval().requires_grad_(False)
     dec = FastDecoder(model, decode_attention="flex", max_batch=8, max_seq_len=64)
     res = dec.generate([[5, 6, 7], [8, 9]], max_new_tokens=6, temperature=0)
@@ -141,7 +125,7 @@ def test_head_dims_under_16_fall_back_to_sdpa():
 def test_rollout_bench_logprobs_agree_with_either_kernel(capsys):
     lines = {}
     for kernel in ("sdpa", "flex"):
-        # The 0.5B shape the benchmark is run at (head dim 64; the tiny presets' is 16, GQA7 above has 16).
+        # The 0.5B shape the benchmark is run at (head dim 64; the tiny presets' is 16, as is GQA7's above).
         argv = ["--shape", "qwen2.5-0.5b-shape", "--prompts", "16", "--samples", "4", "--prompt-len", "24"]
         argv += ["--new-tokens", "96", "--paths", "fast", "--repeats", "1", "--skip-hf", "--decode-attention", kernel]
         rollout_bench.main(argv)

@@ -14,30 +14,15 @@ import warnings
 import pytest
 import torch
 import torch.nn.attention.flex_attention as flex_module
-from flex_call import decode_attention_call
+from flex_call import decode_attention_call, gqa7
 
 from tidal.errors import UserError
 from tidal.model import build_model
-from tidal.model.load import ModelSpec
 from tidal.rollout.fast import FastDecoder
 from tidal.rollout.fast.flex_decode import FlexDecode, decode_blocks
 from tidal.rollout.fast.static_cache import KVShape, StaticKVCache
 
-# Qwen2.5-0.5B's head layout (14 query heads on 2 KV heads: a group of 7, not a power of two), tiny.
-GQA7 = ModelSpec(
-    name="tiny-gqa7",
-    arch="qwen2",
-    config_kwargs=dict(
-        vocab_size=64,
-        hidden_size=112,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    ),
-)
+GQA7 = gqa7(head_dim=8)
 
 
 @pytest.fixture(autouse=True)
