@@ -129,16 +129,30 @@ def finish_response(
             cut, status = i + 1, "completed"
             break
     ids, logprobs = list(ids[:cut]), list(logprobs[:cut])
-    stop = [s for s in stop if s]
+    k = stop_prefix_len(ids, stop, tokenizer)
+    if k is not None:
+        ids, logprobs, status = ids[:k], logprobs[:k], "completed"
     text = tokenizer.decode(ids, skip_special_tokens=True)
-    if stop and any(s in text for s in stop):
-        # The shortest prefix whose text holds a stop string: the token that completed it is the last.
-        for k in range(1, len(ids) + 1):
-            prefix = tokenizer.decode(ids[:k], skip_special_tokens=True)
-            if any(s in prefix for s in stop):
-                ids, logprobs, text, status = ids[:k], logprobs[:k], prefix, "completed"
-                break
     return Finished(ids=ids, logprobs=[float(x) for x in logprobs], text=text, status=status)
+
+
+def stop_prefix_len(ids: Sequence[int], stop: Sequence[str], tokenizer) -> int | None:
+    """The length of the shortest prefix of ``ids`` whose text holds a stop string (the token that completed
+    it is its last), or None when the whole text holds none. Found by bisection: a prefix whose text holds
+    a stop string still holds it when it grows, so each step decodes one prefix instead of every one."""
+    stop = [s for s in stop if s]
+
+    def holds(k: int) -> bool:
+        text = tokenizer.decode(ids[:k], skip_special_tokens=True)
+        return any(s in text for s in stop)
+
+    if not stop or not ids or not holds(len(ids)):
+        return None
+    lo, hi = 1, len(ids)  # holds(hi); the least k with holds(k)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if holds(mid) else (mid + 1, hi)
+    return hi
 
 
 def check_sampling(sampling: SamplingParams) -> None:

@@ -177,26 +177,18 @@ def cut_at_stop(sample: Sample, stop: list[str], tokenizer) -> None:
     starts where the pause cut the response: a stop string whose first part came before the pause is not
     found there, and the server generates on past it. Here the whole response is decoded (the model's
     tokenizer, as the server decodes) and cut after the token that completed the first stop string: the
-    shortest prefix whose text holds one (the embedded engine's rule, ``finish_response``; found by
-    bisection, as a prefix that holds a stop string stays so when it grows). The string stays in the
-    response (SGLang's ``no_stop_trim``); the sample is then ``completed``, its log-probs and per-token
-    versions cut with it. A response without a stop string is left as it is."""
-    stop = [x for x in stop if x]
+    shortest prefix whose text holds one (``stop_prefix_len``, the embedded engine's rule too). The string
+    stays in the response (SGLang's ``no_stop_trim``); the sample is then ``completed``, its log-probs and
+    per-token versions cut with it. A response without a stop string is left as it is."""
+    from tidal.rollout.generate import stop_prefix_len  # torch and transformers: the tokenizer needs them anyway
+
     ids = list(sample.response_ids)
-
-    def holds(k: int) -> bool:
-        text = tokenizer.decode(ids[:k], skip_special_tokens=True)
-        return any(x in text for x in stop)
-
-    if not stop or not ids or not holds(len(ids)):
+    k = stop_prefix_len(ids, stop, tokenizer)
+    if k is None:
         return
-    lo, hi = 1, len(ids)  # holds(hi); find the least k with holds(k)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if holds(mid) else (mid + 1, hi)
-    versions = sample.token_versions[:hi]
-    sample.response_ids, sample.response_logprobs = ids[:hi], list(sample.response_logprobs[:hi])
-    sample.response_text = tokenizer.decode(ids[:hi], skip_special_tokens=True)
+    versions = sample.token_versions[:k]
+    sample.response_ids, sample.response_logprobs = ids[:k], list(sample.response_logprobs[:k])
+    sample.response_text = tokenizer.decode(ids[:k], skip_special_tokens=True)
     sample.status = "completed"
     sample.response_versions = versions if len(set(versions)) > 1 else []
 
