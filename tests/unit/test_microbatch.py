@@ -63,3 +63,58 @@ def test_right_padded_rows_need_no_attention_mask():
     real = mb.mask
     torch.testing.assert_close(lp_plain[real], lp_masked[real], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(plain[1, :2], alone[0], rtol=1e-6, atol=1e-6)
+
+
+def _reference_rows(s: Sample, t: int) -> tuple[list, list, list, list, float]:
+    """One row over ``t`` target positions written out position by position: response mask, engine
+    log-prob positions, engine log-probs, advantages, reward (0 for an empty response)."""
+    p, n = len(s.prompt_ids), len(s.response_ids)
+    mask, has_lp, lp, adv = [False] * t, [False] * t, [0.0] * t, [0.0] * t
+    for k in range(n):
+        j = p - 1 + k  # target position of response token k
+        mask[j] = bool(s.loss_mask[k]) if s.loss_mask else True
+        adv[j] = s.token_advantages[k] if len(s.token_advantages) == n else s.advantage
+        if len(s.response_logprobs) == n:
+            lp[j], has_lp[j] = s.response_logprobs[k], mask[j]
+    return mask, has_lp, lp, adv, s.reward if n else 0.0
+
+
+def test_every_field_matches_a_position_by_position_build():
+    import random
+
+    rng = random.Random(3)
+    samples = []
+    for i in range(12):
+        p, n = rng.randint(1, 6), rng.choice([0, 1, 3, 7])
+        samples.append(
+            Sample(
+                index=i,
+                group=i // 4,
+                prompt="",
+                prompt_ids=[rng.randint(1, 50) for _ in range(p)],
+                response_ids=[rng.randint(1, 50) for _ in range(n)],
+                advantage=rng.uniform(-2, 2),
+                reward=rng.uniform(0, 1),
+                response_logprobs=[-rng.random() for _ in range(n)] if i % 3 else [],
+                token_advantages=[rng.uniform(-1, 1) for _ in range(n)] if i % 4 == 1 else [],
+                loss_mask=[rng.randint(0, 1) for _ in range(n)] if i % 2 else [],
+            )
+        )
+    idx = [11, 0, 5, 3, 8, 1, 2]
+    mb = MicroBatch(samples, idx, pad_id=99, device=torch.device("cpu"))
+    rows = [samples[i] for i in idx]
+    width = max(s.total_len for s in rows)
+    ids = [s.prompt_ids + s.response_ids + [99] * (width - s.total_len) for s in rows]
+    assert mb.input_ids.tolist() == ids
+    assert mb.next_ids.tolist() == [r[1:] + [99] for r in ids]
+    assert mb.attention_mask.tolist() == [[int(j < s.total_len) for j in range(width)] for s in rows]
+    ref = [_reference_rows(s, width - 1) for s in rows]
+    assert mb.mask.tolist() == [r[0] for r in ref]
+    assert mb.has_engine_logprobs.tolist() == [r[1] for r in ref]
+    f32 = torch.float32
+    assert torch.equal(mb.engine_logprobs, torch.tensor([r[2] for r in ref], dtype=f32))
+    assert torch.equal(mb.advantages, torch.tensor([r[3] for r in ref], dtype=f32))
+    assert torch.equal(mb.rewards, torch.tensor([r[4] for r in ref], dtype=f32))
+    assert mb.tokens == sum(s.total_len for s in rows)
+    assert mb.num_response_tokens == sum(sum(r[0]) for r in ref)
+    assert mb.num_engine_logprobs == sum(sum(r[1]) for r in ref)
