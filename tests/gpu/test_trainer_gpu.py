@@ -160,3 +160,38 @@ def test_compiled_layers_give_the_same_loss():
     assert compiled["compile_layers"] and not eager["compile_layers"]
     for key, tol in (("first_loss", 2e-3), ("loss", 2e-3), ("entropy", 1e-2), ("grad_norm", 3e-2)):
         assert abs(compiled[key] - eager[key]) <= tol * max(1.0, abs(eager[key])), (key, eager[key], compiled[key])
+
+
+def test_a_micro_batchs_loss_and_metrics_never_wait_for_the_device():
+    """What the trainer runs per micro-batch besides the model (the old policy and its correction, the
+    loss, its metrics, the rollout sums, the backward) makes no synchronising CUDA call: under the
+    sync debug mode's "error" any would raise. A tensor built from host data on the device (torch.tensor,
+    as_tensor) is one; the rollout's one transfer of its sums at the end is the only wait."""
+    import torch
+
+    from tidal.trainer.microbatch import MicroBatch
+    from tidal.trainer.objective import RolloutObjective
+    from tidal.trainer.step import RolloutSums
+
+    dev = torch.device("cuda")
+    samples = _samples(0, n=8)
+    for s in samples:
+        s.response_logprobs = [-1.0] * len(s.response_ids)
+    mb = MicroBatch(samples, list(range(8)), pad_id=0, device=dev)
+    algo = AlgorithmConfig(use_tis=True, use_kl_loss=True, kl_loss_coef=0.01, entropy_coef=0.01)
+    logits = torch.randn(*mb.mask.shape, device=dev, requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sums, objective = RolloutSums(dev), RolloutObjective(algo, dev)
+        logprobs = torch.nn.functional.logsigmoid(logits)
+        old = logprobs.detach().float()
+        sums.engine_diff(mb, old)
+        objective.prepare(mb, old)
+        mb.ref_logprobs = old - 0.01
+        loss, m = objective.loss(mb, logprobs, -logprobs, normalizer=float(mb.num_response_tokens))
+        loss.backward()
+        sums.add_loss(mb, m, float(mb.num_response_tokens))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss) and logits.grad is not None

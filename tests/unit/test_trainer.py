@@ -303,3 +303,29 @@ def test_smollm2_folder_is_a_plain_hf_model():
     out = model.generate(**ids, max_new_tokens=8, do_sample=False)
     answer = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "5" in answer, answer
+
+
+def test_adamw_fused_and_foreach_take_the_same_steps():
+    """--adamw-impl: both kernels give the same update (to fp32 rounding); auto is foreach on CPU, fused on CUDA."""
+    from tidal.trainer.actor import build_adamw
+
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(33, 7, generator=g), torch.randn(5, generator=g)]
+    grads = [[torch.randn(p.shape, generator=g) for p in start] for _ in range(3)]
+    cfg = dict(lr=1e-2, weight_decay=0.1, adam_beta2=0.95)
+    results = {}
+    for impl in ("fused", "foreach"):
+        params = [p.clone().requires_grad_() for p in start]
+        opt = build_adamw(params, TrainerConfig(adamw_impl=impl, **cfg), "cpu")
+        assert bool(opt.defaults.get(impl))
+        for step in grads:
+            for p, gr in zip(params, step):
+                p.grad = gr.clone()
+            opt.step()
+        results[impl] = params
+    for a, b, s in zip(results["fused"], results["foreach"], start):
+        assert (a - s).abs().min() > 0  # every entry moved
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    p = [torch.zeros(2, requires_grad=True)]
+    assert build_adamw(p, TrainerConfig(), "cpu").defaults["foreach"]
+    assert build_adamw(p, TrainerConfig(), "cuda").defaults["fused"]

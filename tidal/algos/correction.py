@@ -146,7 +146,7 @@ def mismatch_metrics(inputs: CorrectionInputs, correction: Correction | None = N
         rho = lr.exp()
         # k3 with samples from the engine: kl_penalty(logp=engine, ref=old) = exp(old - engine) - (old - engine) - 1.
         k3 = kl_penalty(inputs.engine_logprobs.detach().float(), inputs.old_logprobs.detach().float(), "k3")
-        inf = torch.tensor(float("inf"), device=m.device)
+        inf = torch.full((), float("inf"), device=m.device)  # a fill: a tensor from host data would wait for the device
         out = {
             "mismatch_k3_sum": torch.where(m, k3, 0.0).sum(),
             "ratio_sum": torch.where(m, rho, 0.0).sum(),

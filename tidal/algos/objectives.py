@@ -192,7 +192,10 @@ def rl_loss(inputs: RLInputs, cfg: Any, normalizer: Tensor | float | None = None
             "num_tokens": m.sum().float(),
             "num_seqs": m.any(dim=-1).sum().float(),
             "loss_sum": loss_sum.detach(),
-            "normalizer": torch.as_tensor(norm, dtype=torch.float32, device=loss_sum.device).detach(),
+            # From a float by a fill on the device: a tensor built from host data is a blocking copy.
+            "normalizer": norm.detach().float()
+            if torch.is_tensor(norm)
+            else loss_sum.new_full((), float(norm), dtype=torch.float32),
         }
         if kl is not None:
             metrics["kl"] = masked_mean(kl, m)

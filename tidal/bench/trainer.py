@@ -22,6 +22,10 @@ One rank in this process (a 1-rank FSDP2 group; the code path of every rank). Pr
     copy_gbps                the limit: a large host memcpy (CPU) or pinned D2H copy (CUDA)
     save_s / save_gbps       an atomic checkpoint of weights + optimizer (written while paused)
     write_gbps               the limit: the same bytes written as one safetensors file, same run
+    host_syncs               CUDA: how often one more train call made the host wait for the device
+    host_sync_sites          (torch's sync debug mode), and the Python lines that did; the rollout's one
+                             transfer of its metrics at the end is expected, anything per micro-batch
+                             stalls the queue of kernels
 
 With ``--profile`` the measured train call runs under torch.profiler: a table of kernels by device
 time (operators by CPU time on the CPU) on stderr and a second JSON line, ``{"profile": "train",
@@ -115,6 +119,25 @@ def _limit_tokens_per_s(actor, samples) -> float:
     return sum(lengths) / (time.perf_counter() - t)
 
 
+def _host_syncs(fn) -> tuple[int, dict[str, int]]:
+    """Run ``fn`` under CUDA's sync debug mode: how many synchronising calls it made, by Python line."""
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    sites: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            site = f"{os.path.relpath(w.filename)}:{w.lineno}"
+            sites[site] = sites.get(site, 0) + 1
+    return sum(sites.values()), dict(sorted(sites.items(), key=lambda kv: -kv[1]))
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
@@ -134,6 +157,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--compile-layers", action="store_true", help="torch.compile every decoder layer (--compile-layers)"
     )
+    ap.add_argument("--adamw-impl", default="auto", choices=("auto", "fused", "foreach"), help="--adamw-impl")
     return ap.parse_args(argv)
 
 
@@ -152,6 +176,7 @@ def _trainer(args: argparse.Namespace):
             max_tokens_per_gpu=args.max_tokens_per_gpu,
             recompute_logprobs=args.recompute_logprobs,
             compile_layers=args.compile_layers,
+            adamw_impl=args.adamw_impl,
         ),
         algorithm=AlgorithmConfig(),
         memory=MemoryConfig(offload_train=True),
@@ -191,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = summary.as_dict()
     else:
         m = actor.train(batch, 1)
+    syncs, sync_sites = _host_syncs(lambda: actor.train(batch, 2)) if args.device == "cuda" else (None, {})
     limit = _limit_tokens_per_s(actor, samples)
 
     p = actor.pause().metrics
@@ -203,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "params": info["num_params"],
         "tokens": m["tokens"],
         "compile_layers": args.compile_layers,
+        "adamw": "fused" if actor.optimizer.defaults.get("fused") else "foreach",
         "first_train_s": round(first_s, 3),
         "train_s": round(m["train_s"], 3),
         # The same samples and seed give the same losses whatever the kernels (to rounding).
@@ -226,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         "save_s": round(save_s, 3),
         "save_gbps": round(s["checkpoint/bytes"] / save_s / 1e9, 3),
         "write_gbps": round(s["checkpoint/bytes"] / write_s / 1e9, 3),
+        "host_syncs": syncs,
+        "host_sync_sites": sync_sites,
     }
     print(json.dumps(row))
     if profile is not None:

@@ -125,6 +125,12 @@ class TrainerConfig:
         "norms, rotary and activations in forward and backward (CUDA with triton; the first step compiles, "
         "later runs read --compile-cache-dir).",
     )
+    adamw_impl: str = opt(
+        "auto",
+        "AdamW's kernels: fused (one kernel per step for every tensor) or foreach (one kernel per operation over "
+        "all tensors); auto: fused on CUDA, foreach on CPU.",
+        choices=("auto", "fused", "foreach"),
+    )
     dist_timeout_min: int = opt(30, "Timeout of the trainer's process-group collectives, in minutes.", min=1)
     param_dtype: str = opt(
         "auto", "Compute dtype of parameters: fp32 on CPU, bf16 on GPU when auto.", choices=("auto", "fp32", "bf16")

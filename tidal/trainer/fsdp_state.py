@@ -139,8 +139,11 @@ class FSDPState:
                     continue
                 state = opt.state[p]
                 if not state:
-                    # The same state AdamW creates on its first step: a host scalar step and zero moments.
-                    state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
+                    # The same state AdamW creates on its first step: a scalar step (on the device for fused
+                    # kernels, which read it there; on the host otherwise) and zero moments.
+                    fused = opt.defaults.get("fused") or opt.defaults.get("capturable")
+                    dtype = torch.float32 if fused else torch.get_default_dtype()
+                    state["step"] = torch.zeros((), dtype=dtype, device=p.device if fused else "cpu")
                     for k in MOMENTS:
                         state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"].fill_(steps[name])

@@ -43,7 +43,7 @@ class RolloutObjective:
         self.algo, self.device = algo, device
         self.custom = custom_correction
         self.sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
-        self.extremes = torch.tensor([float("-inf"), float("-inf")], dtype=torch.float64, device=device)  # -min, max
+        self.extremes = torch.full((2,), float("-inf"), dtype=torch.float64, device=device)  # -min, max
         self.critic_sums = torch.zeros(len(_CRITIC) + 1, dtype=torch.float64, device=device)
         self.critic_norms: list[Tensor] = []
 
@@ -97,7 +97,7 @@ class RolloutObjective:
         with region:
             loss.backward()
         n = float(mb.num_response_tokens)
-        self.critic_sums += torch.stack([*(m[k].double() * n for k in _CRITIC), torch.tensor(n, device=self.device)])
+        self.critic_sums += torch.stack([*(m[k].double() * n for k in _CRITIC), self.critic_sums.new_full((), n)])
 
     def critic_step(self, critic) -> None:
         self.critic_norms.append(critic.step())
