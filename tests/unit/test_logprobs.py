@@ -155,3 +155,19 @@ def test_out_of_place_kernels_for_compile_match_the_eager_ones(inv_t):
         losses._chunk_backward_fused(x, tgt, shift, ent, gl, ge, inv_t, out_f)
         # both round the same fp32 gradient to bf16: at most one bf16 step apart
         torch.testing.assert_close(out_e.float(), out_f.float(), rtol=8e-3, atol=1e-6)
+
+
+def test_a_long_compiled_chunk_runs_in_eager_pieces_when_the_compiler_is_off():
+    """The compiled kernels take long chunks; if they fail, the eager kernels run such a chunk in pieces
+    of their own budget (3 rows here, chunks of 8, 21 rows): same values and gradients as log_softmax."""
+    torch.manual_seed(5)
+    logits = (torch.randn(21, 40) * 3).requires_grad_()
+    targets = torch.randint(0, 40, (21,))
+    ref_lp, ref_ent = _reference(logits, targets, 0.7)
+    lp, ent = losses._LogprobsEntropy.apply(logits, targets, 1 / 0.7, 3, 8, True, True, False)
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-6, atol=2e-6)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-6, atol=2e-6)
+    w, u = torch.randn(21), torch.randn(21)
+    (g_ref,) = torch.autograd.grad((ref_lp * w).sum() + (ref_ent * u).sum(), logits)
+    (g,) = torch.autograd.grad((lp * w).sum() + (ent * u).sum(), logits)
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)

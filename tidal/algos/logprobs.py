@@ -13,6 +13,11 @@ Chunk size: rows are chosen so that one chunk's transient (two ``[rows, V]`` buf
 fp64 for fp64 logits) stays within a budget: 512 MiB on CUDA (441 rows at a 152k vocabulary, so a
 micro-batch of 8192 tokens runs in 19 chunks whose kernels are far longer than their launches),
 128 MiB on the host. ``chunk_rows`` overrides it. The scratch buffers are allocated once per call.
+The compiled kernels hold no scratch (each chunk reads the logits and writes only per-row values, or
+the gradient), so they take ``COMPILED_CHUNK_ELEMS`` logits a chunk (about 7k rows at a 152k
+vocabulary): fewer launches and calls, and a grid of thousands of rows instead of 441 for the
+device's 132 SMs. Should they fail mid-call, the eager kernels take over a long chunk in pieces of
+their own budget.
 
 On CUDA with triton, the per-chunk forward and backward run through ``torch.compile`` (dynamic
 rows; the backward becomes one kernel that reads bf16 logits and writes the bf16 gradient); any
@@ -36,6 +41,10 @@ log = logging.getLogger(__name__)
 
 _CHUNK_BYTES = {"cuda": 512 << 20}
 _CHUNK_BYTES_DEFAULT = 128 << 20
+# Elements of logits per chunk for the compiled kernels, which keep no [rows, V] scratch: about 7k rows at
+# a 152k vocabulary (a 32k-token micro-batch in 5 chunks instead of 74), below 2**31 elements. 0: the
+# eager budget's rows.
+COMPILED_CHUNK_ELEMS = 1 << 30
 
 
 def _compute_dtype(logits: Tensor) -> torch.dtype:
@@ -206,7 +215,7 @@ class _Chunks:
     costs more in page faults than the arithmetic)."""
 
     def __init__(self, logits: Tensor, rows: int, buffers: int, compile: bool = True):
-        self.compile = compile
+        self.compile, self.rows = compile, rows  # rows: the eager kernels' chunk (a compiled chunk may be longer)
         self.shape = (min(rows, logits.shape[0]), logits.shape[1])
         self.dtype, self.device, self.buffers = _compute_dtype(logits), logits.device, buffers
         self._work: list[Tensor] | None = None
@@ -222,7 +231,13 @@ class _Chunks:
                 return _compiled_fn("forward")(x, tgt, inv_t, want_entropy)
             except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to eager
                 _disable_compile(exc)
-        return _chunk_forward(x, tgt, inv_t, want_entropy, self._scratch())
+        r = self.rows
+        parts = [
+            _chunk_forward(x[s : s + r], tgt[s : s + r], inv_t, want_entropy, self._scratch())
+            for s in range(0, x.shape[0], r)
+        ]
+        lp, shift = _cat([p[0] for p in parts]), _cat([p[1] for p in parts])
+        return lp, shift, (_cat([p[2] for p in parts]) if want_entropy else None)
 
     def backward(self, x, tgt, shift, ent, g_lp, g_ent, inv_t: float, out: Tensor) -> None:
         if _compile_available(x.device, self.compile):
@@ -231,7 +246,12 @@ class _Chunks:
                 return
             except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to eager
                 _disable_compile(exc)
-        _chunk_backward(x, tgt, shift, ent, g_lp, g_ent, inv_t, out, self._scratch())
+        r = self.rows
+        for s in range(0, x.shape[0], r):
+            sl = slice(s, s + r)
+            e = ent[sl] if g_ent is not None else ent
+            gl, ge = (None if g is None else g[sl] for g in (g_lp, g_ent))
+            _chunk_backward(x[sl], tgt[sl], shift[sl], e, gl, ge, inv_t, out[sl], self._scratch())
 
 
 def _cat(parts: list[Tensor]) -> Tensor:
@@ -252,6 +272,7 @@ class _LogprobsEntropy(torch.autograd.Function):
         targets: Tensor,
         inv_t: float,
         rows: int,
+        step: int,
         want_entropy: bool,
         entropy_grad: bool,
         compile: bool,
@@ -262,12 +283,12 @@ class _LogprobsEntropy(torch.autograd.Function):
         else:
             run = _Chunks(logits, rows, 2 if want_entropy else 1, compile)
             parts = [
-                run.forward(logits[s : s + rows], targets[s : s + rows], inv_t, want_entropy) for s in range(0, n, rows)
+                run.forward(logits[s : s + step], targets[s : s + step], inv_t, want_entropy) for s in range(0, n, step)
             ]
             logp, shift = _cat([p[0] for p in parts]), _cat([p[1] for p in parts])
             ent = _cat([p[2] for p in parts]) if want_entropy else logits.new_empty(0, dtype=dt)
         ctx.save_for_backward(logits, targets, shift, ent)
-        ctx.inv_t, ctx.rows, ctx.compile = inv_t, rows, compile
+        ctx.inv_t, ctx.rows, ctx.step, ctx.compile = inv_t, rows, step, compile
         ctx.set_materialize_grads(False)
         if not (want_entropy and entropy_grad):
             ctx.mark_non_differentiable(ent)
@@ -277,12 +298,12 @@ class _LogprobsEntropy(torch.autograd.Function):
     def backward(ctx, g_lp: Tensor | None, g_ent: Tensor | None):
         logits, targets, shift, ent = ctx.saved_tensors
         if (g_lp is None and g_ent is None) or not ctx.needs_input_grad[0]:
-            return None, None, None, None, None, None, None
-        rows = ctx.rows
+            return None, None, None, None, None, None, None, None
+        step = ctx.step
         grad = torch.empty_like(logits)
-        run = _Chunks(logits, rows, 1 if g_ent is None else 2, ctx.compile)
-        for s in range(0, logits.shape[0], rows):
-            sl = slice(s, s + rows)
+        run = _Chunks(logits, ctx.rows, 1 if g_ent is None else 2, ctx.compile)
+        for s in range(0, logits.shape[0], step):
+            sl = slice(s, s + step)
             run.backward(
                 logits[sl],
                 targets[sl],
@@ -293,7 +314,7 @@ class _LogprobsEntropy(torch.autograd.Function):
                 ctx.inv_t,
                 grad[sl],
             )
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def _fused(logits, targets, temperature: float, chunk_rows, want_entropy, entropy_grad, compile: bool = True):
@@ -309,8 +330,11 @@ def _fused(logits, targets, temperature: float, chunk_rows, want_entropy, entrop
         flat_targets = targets.reshape(-1).long()
     itemsize = torch.finfo(_compute_dtype(logits)).bits // 8
     rows = _rows_per_chunk(vocab, chunk_rows, logits.device.type, itemsize)
+    step = rows
+    if chunk_rows is None and COMPILED_CHUNK_ELEMS and _compile_available(logits.device, compile):
+        step = max(rows, COMPILED_CHUNK_ELEMS // max(1, vocab))
     inv_t = 1.0 / float(temperature)
-    lp, ent = _LogprobsEntropy.apply(flat, flat_targets, inv_t, rows, want_entropy, entropy_grad, compile)
+    lp, ent = _LogprobsEntropy.apply(flat, flat_targets, inv_t, rows, step, want_entropy, entropy_grad, compile)
     return lp.view(lead), (ent.view(lead) if want_entropy else None)
 
 
