@@ -158,6 +158,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--compile-layers", action="store_true", help="torch.compile every decoder layer (--compile-layers)"
     )
     ap.add_argument("--adamw-impl", default="auto", choices=("auto", "fused", "foreach"), help="--adamw-impl")
+    ap.add_argument(
+        "--logprob-chunk-elems",
+        type=int,
+        default=None,
+        help="logits per chunk of the compiled log-prob kernels (default tidal.algos.logprobs.COMPILED_CHUNK_ELEMS; "
+        "0: the eager kernels' 512 MiB budget, 441 rows at a 152k vocabulary)",
+    )
     return ap.parse_args(argv)
 
 
@@ -201,7 +208,11 @@ def _save_figures(actor) -> tuple[dict, float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tidal.algos import logprobs
+
     args = _parse(argv)
+    if args.logprob_chunk_elems is not None:
+        logprobs.COMPILED_CHUNK_ELEMS = args.logprob_chunk_elems
     actor = _trainer(args)
     info = actor.init()
     vocab = actor.model.config.vocab_size
@@ -230,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens": m["tokens"],
         "compile_layers": args.compile_layers,
         "adamw": "fused" if actor.optimizer.defaults.get("fused") else "foreach",
+        "logprob_chunk_elems": logprobs.COMPILED_CHUNK_ELEMS,
         "first_train_s": round(first_s, 3),
         "train_s": round(m["train_s"], 3),
         # The same samples and seed give the same losses whatever the kernels (to rounding).
