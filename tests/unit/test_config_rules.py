@@ -145,6 +145,19 @@ def test_rule_rollout_compile(argv, env, expect):
 @pytest.mark.parametrize(
     "argv, env, expect",
     [
+        ([], CPU, {"trained_logits_only": False}),
+        (TINY_GPU, GPU1, {"trained_logits_only": True}),
+        (TINY_GPU + ["--no-trained-logits-only"], GPU1, {"trained_logits_only": False}),
+        (["--trained-logits-only"], CPU, {"trained_logits_only": True}),
+    ],
+)
+def test_rule_trained_logits(argv, env, expect):
+    check(argv, env, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, env, expect",
+    [
         ([], CPU, {"init_on_device": False}),
         (TINY_GPU, GPU1, {"init_on_device": True}),
         (TINY_GPU + ["--no-init-on-device"], GPU1, {"init_on_device": False}),

@@ -89,6 +89,42 @@ def test_environment_tokens_get_zero_gradient():
     assert float(obj.sums[2]) == 5.0 and float(metrics["num_tokens"]) == 5.0
 
 
+def test_logits_at_trained_positions_only_give_the_same_loss_and_gradients():
+    """--trained-logits-only: the head runs on the policy's response positions alone; the log-probs and the
+    entropy there, the loss and every parameter's gradient equal the full pass's, and the other positions
+    (prompt, the environment's tokens, pads) hold 0."""
+    from tidal.model.load import build_model, resolve_model
+
+    model = build_model(resolve_model("tiny"), seed=0)
+    mb = MicroBatch(_trajectories(), [0, 1], pad_id=0, device=CPU)
+    algo = AlgorithmConfig(use_tis=True, use_kl_loss=True, kl_loss_coef=0.5, entropy_coef=0.1)
+    seen, out = [], {}
+
+    def head_rows(_m, inp, _out):
+        seen.append(inp[0].shape[:-1])
+
+    handle = model.lm_head.register_forward_hook(head_rows)
+    for trained_only in (False, True):
+        model.zero_grad(set_to_none=True)
+        logp, ent = token_stats(model, mb, entropy=True, entropy_grad=True, compile=False, trained_only=trained_only)
+        obj = RolloutObjective(algo, CPU)
+        obj.prepare(mb, logp.detach() + 0.05)
+        mb.ref_logprobs = logp.detach() - 0.1
+        loss, _ = obj.loss(mb, logp, ent, normalizer=float(mb.num_response_tokens))
+        loss.backward()
+        out[trained_only] = (logp, ent, loss, {n: p.grad.clone() for n, p in model.named_parameters()})
+    handle.remove()
+    assert seen == [mb.input_ids.shape, (mb.num_response_tokens,)]  # [B, T] rows, then the 5 trained ones
+    (lp_all, ent_all, loss_all, g_all), (lp, ent, loss, g) = out[False], out[True]
+    m = mb.mask
+    torch.testing.assert_close(lp[m], lp_all[m], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ent[m], ent_all[m], rtol=1e-6, atol=1e-6)
+    assert torch.all(lp[~m] == 0) and torch.all(ent[~m] == 0)
+    torch.testing.assert_close(loss, loss_all, rtol=1e-6, atol=1e-7)
+    for name, grad in g_all.items():
+        torch.testing.assert_close(g[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_loss_ignores_environment_token_values():
     """Changing what the trainer computes at the tool's positions changes neither the loss nor its metrics."""
     mb = MicroBatch(_trajectories(), [0, 1], pad_id=0, device=CPU)

@@ -118,3 +118,7 @@ def test_every_field_matches_a_position_by_position_build():
     assert mb.tokens == sum(s.total_len for s in rows)
     assert mb.num_response_tokens == sum(sum(r[0]) for r in ref)
     assert mb.num_engine_logprobs == sum(sum(r[1]) for r in ref)
+    # the trained positions in the flattened [B, W] grid of the model's outputs
+    assert mb.trained_positions.tolist() == [
+        b * width + j for b, r in enumerate(ref) for j, on in enumerate(r[0]) if on
+    ]

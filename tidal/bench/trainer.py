@@ -22,6 +22,9 @@ One rank in this process (a 1-rank FSDP2 group; the code path of every rank). Pr
     copy_gbps                the limit: a large host memcpy (CPU) or pinned D2H copy (CUDA)
     save_s / save_gbps       an atomic checkpoint of weights + optimizer (written while paused)
     write_gbps               the limit: the same bytes written as one safetensors file, same run
+    adamw                    the kernel choices in effect: AdamW's (--adamw-impl), the logits per
+    logprob_chunk_elems      compiled log-prob chunk (--logprob-chunk-elems), the LM head at the trained
+    trained_logits_only      positions only (off with --all-logits)
     host_syncs               CUDA: how often one more train call made the host wait for the device
     host_sync_sites          (torch's sync debug mode), and the Python lines that did; the rollout's one
                              transfer of its metrics at the end is expected, anything per micro-batch
@@ -159,6 +162,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--adamw-impl", default="auto", choices=("auto", "fused", "foreach"), help="--adamw-impl")
     ap.add_argument(
+        "--all-logits",
+        action="store_true",
+        help="the LM head at every position (--no-trained-logits-only; the default is on with CUDA)",
+    )
+    ap.add_argument(
         "--logprob-chunk-elems",
         type=int,
         default=None,
@@ -184,6 +192,7 @@ def _trainer(args: argparse.Namespace):
             recompute_logprobs=args.recompute_logprobs,
             compile_layers=args.compile_layers,
             adamw_impl=args.adamw_impl,
+            trained_logits_only=False if args.all_logits else None,
         ),
         algorithm=AlgorithmConfig(),
         memory=MemoryConfig(offload_train=True),
@@ -242,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "compile_layers": args.compile_layers,
         "adamw": "fused" if actor.optimizer.defaults.get("fused") else "foreach",
         "logprob_chunk_elems": logprobs.COMPILED_CHUNK_ELEMS,
+        "trained_logits_only": actor._stats_kw["trained_only"],
         "first_train_s": round(first_s, 3),
         "train_s": round(m["train_s"], 3),
         # The same samples and seed give the same losses whatever the kernels (to rounding).

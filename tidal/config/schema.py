@@ -125,6 +125,11 @@ class TrainerConfig:
         "norms, rotary and activations in forward and backward (CUDA with triton; the first step compiles, "
         "later runs read --compile-cache-dir).",
     )
+    trained_logits_only: bool | None = opt(
+        None,
+        "Run the LM head and the log-prob kernels only at the positions the loss trains on (the policy's "
+        "response tokens), not at prompt, environment or pad positions; default: on with CUDA, off on CPU.",
+    )
     adamw_impl: str = opt(
         "auto",
         "AdamW's kernels: fused (one kernel per step for every tensor) or foreach (one kernel per operation over "
@@ -338,6 +343,11 @@ def decode_attention_default(device: str) -> str:
     """``--rollout-decode-attention auto``: flex with CUDA (compiled kernel), sdpa elsewhere (flex runs its
     eager reference there)."""
     return "flex" if device == "cuda" else "sdpa"
+
+
+def trained_logits_only_default(device: str) -> bool:
+    """``--trained-logits-only`` when unset: on with CUDA; off on CPU, which keeps its default run's numbers."""
+    return device == "cuda"
 
 
 def rollout_compile_default(device: str) -> bool:

@@ -40,6 +40,7 @@ from tidal.config.schema import (
     decode_attention_default,
     init_on_device_default,
     rollout_compile_default,
+    trained_logits_only_default,
 )
 from tidal.dtypes import default_dtype_name, short_name
 from tidal.errors import ConfigError, UserError
@@ -166,6 +167,16 @@ def _rollout_compile(ctx: Context) -> None:
     if ctx.cfg.rollout.rollout_compile is None:
         on = rollout_compile_default(ctx.cfg.cluster.device)
         ctx.derive("rollout_compile", on, "rollout-compile", f"default on {ctx.cfg.cluster.device}")
+
+
+@rule(
+    "trained-logits",
+    "`--trained-logits-only` defaults to on with CUDA and off on CPU (where the default run keeps its numbers).",
+)
+def _trained_logits(ctx: Context) -> None:
+    if ctx.cfg.trainer.trained_logits_only is None:
+        on = trained_logits_only_default(ctx.cfg.cluster.device)
+        ctx.derive("trained_logits_only", on, "trained-logits", f"default on {ctx.cfg.cluster.device}")
 
 
 @rule(
@@ -487,7 +498,7 @@ def unresolved_fields(cfg: TidalConfig) -> list[str]:
         "device", "param_dtype", "memory_backend", "rollout_num_gpus", "offload_train", "offload_rollout",
         "update_weight_transport", "global_batch_size", "eps_clip_high", "output_dir",
         "rollout_compile", "use_critic", "offload_host_memory", "rollout_prefix_cache_mb",
-        "disable_grad_buffers_cpu_backup", "init_on_device", "rollout_decode_attention",
+        "disable_grad_buffers_cpu_backup", "init_on_device", "rollout_decode_attention", "trained_logits_only",
     }  # fmt: skip
     out = []
     for info in fields():

@@ -43,6 +43,7 @@ from collections.abc import Iterator
 
 import torch
 
+from tidal.config.schema import trained_logits_only_default
 from tidal.dtypes import as_dtype, default_dtype_name
 from tidal.memory.base import StateClass
 from tidal.memory.home import Adopter
@@ -207,6 +208,15 @@ class TrainerActor(Trainer):
         return [self.model, self.ref_model, self.critic.model if self.critic else None]
 
     # ---- training -----------------------------------------------------------------------------
+    @property
+    def _stats_kw(self) -> dict:
+        """``token_stats``'s kernel choices from the config (``--trained-logits-only`` unset: on with CUDA)."""
+        trained = self.cfg.trained_logits_only
+        return {
+            "compile": self.cfg.compile_logprobs,
+            "trained_only": trained_logits_only_default(self.device_type) if trained is None else trained,
+        }
+
     def _sync(self) -> None:
         if self.device_type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -267,11 +277,11 @@ class TrainerActor(Trainer):
             for mbs in steps:
                 for mb in mbs:
                     if recompute:
-                        old = token_stats(self.model, mb, compile=self.cfg.compile_logprobs)[0].float()
+                        old = token_stats(self.model, mb, **self._stats_kw)[0].float()
                         sums.engine_diff(mb, old)
                         objective.prepare(mb, old)
                     if self.ref_model is not None:
-                        mb.ref_logprobs = token_stats(self.ref_model, mb, compile=self.cfg.compile_logprobs)[0].float()
+                        mb.ref_logprobs = token_stats(self.ref_model, mb, **self._stats_kw)[0].float()
                     if self.critic is not None:
                         objective.prepare_values(mb, self.critic)
         self._sync()
@@ -295,9 +305,7 @@ class TrainerActor(Trainer):
         for mb in mbs:
             # The current policy's entropy comes from the same pass as the log-probs: a gradient
             # only for an entropy bonus, otherwise a detached metric.
-            logprobs, ent = token_stats(
-                self.model, mb, entropy=True, entropy_grad=entropy_grad, compile=self.cfg.compile_logprobs
-            )
+            logprobs, ent = token_stats(self.model, mb, entropy=True, entropy_grad=entropy_grad, **self._stats_kw)
             if old_from_train_pass:
                 old = logprobs.detach().float()
                 sums.engine_diff(mb, old)

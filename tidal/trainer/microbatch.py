@@ -29,7 +29,13 @@ class MicroBatch:
         rows = [samples[i] for i in idx]
         self.empty = not rows
         longs, flags, floats = _host_arrays(rows, pad_id)
-        t = longs.shape[2] - 1
+        b, width = longs.shape[1:]
+        t = width - 1
+        # The trained positions (the response mask) in the flattened [B, W] grid of the model's outputs:
+        # the LM head runs only there with --trained-logits-only (tidal.trainer.step.token_stats).
+        grid = np.zeros((b, width), dtype=bool)
+        grid[:, :t] = flags[0]
+        positions = torch.from_numpy(np.flatnonzero(grid))
         self.tokens = 0 if self.empty else int(longs[2].sum())  # real (unpadded) tokens, prompt + response
         self.num_response_tokens = int(flags[0].sum())
         self.num_engine_logprobs = int(flags[1].sum())
@@ -37,8 +43,9 @@ class MicroBatch:
         self.host_mask = flags[0]
 
         pin = device.type == "cuda"
-        longs, flags, floats = (x.pin_memory() if pin else x for x in (longs, flags, floats))
-        longs, flags, floats = (x.to(device, non_blocking=pin) for x in (longs, flags, floats))
+        longs, flags, floats, positions = (x.pin_memory() if pin else x for x in (longs, flags, floats, positions))
+        longs, flags, floats, positions = (x.to(device, non_blocking=pin) for x in (longs, flags, floats, positions))
+        self.trained_positions = positions
         self.input_ids, self.next_ids, self.attention_mask = longs[0], longs[1], longs[2]
         self.targets = self.input_ids[:, 1:]
         self.mask, self.has_engine_logprobs = flags[0], flags[1]

@@ -27,11 +27,23 @@ LOSS_KEYS = ("pg_loss", "kl", "entropy", "clipfrac", "ratio_mean")
 
 
 def token_stats(
-    model, mb: MicroBatch, *, entropy: bool = False, entropy_grad: bool = False, compile: bool = True
+    model,
+    mb: MicroBatch,
+    *,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+    compile: bool = True,
+    trained_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T-1] of ``mb``'s targets under ``model`` and, with ``entropy``, the entropy [B, T-1]
     from the same pass over the logits (``tidal.algos.logprobs.token_logprobs_and_entropy``;
     ``compile``: its compiled kernels where available).
+
+    ``trained_only`` (``--trained-logits-only``): the LM head and the log-prob kernels run only at the
+    positions the loss trains on (``mb.trained_positions``: the response mask), not at prompt,
+    environment or pad positions, which every reader of these values masks out; they are 0 there.
+    A forward pre-hook hands the head the hidden states of those rows ([N, H] instead of [B, T, H]),
+    so whatever the model's own forward does after its head (a logit soft-cap, a scale) still runs.
 
     No attention mask: rows are right-padded, so causal attention already keeps every real token
     from seeing a pad and the positions of real tokens are 0, 1, ... either way; without a mask
@@ -42,11 +54,46 @@ def token_stats(
     """
     from tidal.algos.logprobs import token_logprobs, token_logprobs_and_entropy
 
+    if trained_only:
+        return _trained_token_stats(model, mb, entropy, entropy_grad, compile)
     logits = model(input_ids=mb.input_ids, use_cache=False).logits
     if entropy:
         logp, ent = token_logprobs_and_entropy(logits, mb.next_ids, with_entropy_grad=entropy_grad, compile=compile)
         return logp[:, :-1], ent[:, :-1]
     return token_logprobs(logits, mb.next_ids, compile=compile)[:, :-1], None
+
+
+def _trained_token_stats(model, mb: MicroBatch, entropy: bool, entropy_grad: bool, compile: bool):
+    """``token_stats`` with the head at ``mb.trained_positions`` only; the values spread back to [B, T-1]."""
+    from tidal.algos.logprobs import token_logprobs, token_logprobs_and_entropy
+
+    pos = mb.trained_positions
+
+    def rows_only(_head, args):
+        h = args[0]
+        return (h.reshape(-1, h.shape[-1]).index_select(0, pos), *args[1:])
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(rows_only)
+    try:
+        logits = model(input_ids=mb.input_ids, use_cache=False).logits
+    finally:
+        handle.remove()
+    if logits.shape[:-1] != pos.shape:
+        raise RuntimeError(
+            f"--trained-logits-only: the model's logits are {tuple(logits.shape)} for {pos.numel()} trained "
+            "positions (its forward reshapes the head's output); run with --no-trained-logits-only"
+        )
+    targets = mb.next_ids.reshape(-1).index_select(0, pos)
+    if entropy:
+        logp, ent = token_logprobs_and_entropy(logits, targets, with_entropy_grad=entropy_grad, compile=compile)
+    else:
+        logp, ent = token_logprobs(logits, targets, compile=compile), None
+    b, t = mb.input_ids.shape
+
+    def spread(x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(b * t).index_copy(0, pos, x).view(b, t)[:, :-1]
+
+    return spread(logp), (spread(ent) if ent is not None else None)
 
 
 def check_samples(samples: list[Sample], *, vocab: int, model_name: str, max_tokens: int, warn: bool) -> bool:
