@@ -28,7 +28,7 @@ from tidal.config.schema import TidalConfig
 from tidal.dtypes import default_dtype_name
 from tidal.errors import RunFailed, UserError, WeightSyncError, is_engine_death
 from tidal.observe.console import Display
-from tidal.observe.plots import RedrawClock, import_plotting, plot_curves
+from tidal.observe.plots import ChartThread, RedrawClock, import_plotting, plot_curves
 from tidal.observe.run_dir import RunDir
 from tidal.signals import Stopped, StopSignal
 
@@ -58,6 +58,7 @@ class Session:
         self.engines: EngineGroup | None = None
         self.timeline = None
         self.redraw = RedrawClock()
+        self.charts = ChartThread()
         self.display = None
         self.run = None
         self.tokenizer = self.dataset = self.agent = None  # read in __enter__, beside Ray's start
@@ -493,15 +494,21 @@ class Session:
             # matplotlib (~0.7 s of CPU) is imported beside the steps rather than after the last one: the
             # run's end waits for its charts.
             self._plotting = _in_background(import_plotting)
-        if self.redraw.due():
-            self.draw_charts()
+        if self.redraw.due():  # drawn beside the next step, from a copy of what is recorded now
+            timeline = self.timeline.snapshot() if self.timeline is not None else None
+            self.charts.start(self._draw, list(self.run.history), timeline)
 
     def draw_charts(self) -> None:
-        """``curves.png`` and ``memory.png`` in the run directory, from what the run has recorded so far."""
-        if self.run.history:
-            plot_curves(self.run.history, os.path.join(self.run.path, "curves.png"))
-        if self.timeline is not None:
-            self.timeline.write_png(os.path.join(self.run.path, "memory.png"))
+        """``curves.png`` and ``memory.png`` in the run directory, from what the run has recorded so far
+        (after the redraw in flight, if any)."""
+        self.charts.wait()
+        self._draw(self.run.history, self.timeline)
+
+    def _draw(self, rows: list[dict], timeline) -> None:
+        if rows:
+            plot_curves(rows, os.path.join(self.run.path, "curves.png"))
+        if timeline is not None:
+            timeline.write_png(os.path.join(self.run.path, "memory.png"))
 
 
 def newest_checkpoint(folder: str) -> str | None:

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import struct
+import threading
+import time
 
-from tidal.observe.plots import RedrawClock, plot_curves
+import pytest
+
+from tidal.memory.telemetry import MemoryTimeline
+from tidal.observe.plots import ChartThread, RedrawClock, plot_curves
 
 
 def _png_size(path) -> tuple[int, int]:
@@ -38,3 +43,41 @@ def test_redraw_clock_waits_its_interval_between_redraws():
         now[0] = t
         seen.append(clock.due())
     assert seen == [False, False, True, False, False, True]
+
+
+def test_chart_thread_draws_beside_the_caller_skips_while_busy_and_raises_a_failed_draw(tmp_path):
+    gate, drawn = threading.Event(), []
+
+    def draw(rows, path):
+        assert gate.wait(10)
+        drawn.append(plot_curves(rows, path))
+
+    rows = [{"step": i, "reward_mean": 0.1 * i, "train_s": 1.0} for i in range(3)]
+    charts = ChartThread()
+    assert charts.start(draw, rows, str(tmp_path / "a.png"))  # returns while the draw waits on the gate
+    assert not charts.start(draw, rows, str(tmp_path / "b.png"))  # due while drawing: skipped
+    gate.set()
+    charts.wait()
+    assert drawn == [str(tmp_path / "a.png")] and not (tmp_path / "b.png").exists()
+
+    def fail():
+        raise OSError("no space left on device")
+
+    assert charts.start(fail)
+    with pytest.raises(OSError, match="no space"):
+        while not charts.start(lambda: None):  # the next redraw raises the last one's failure
+            time.sleep(0.01)
+    charts.start(fail)
+    with pytest.raises(OSError, match="no space"):
+        charts.wait()
+    charts.wait()  # nothing in flight
+
+
+def test_memory_timeline_snapshot_keeps_the_points_so_far(tmp_path):
+    timeline = MemoryTimeline("t")
+    timeline.mark("step", 1 << 30, 2 << 30)
+    copy = timeline.snapshot()
+    timeline.mark("step", 1 << 30, 3 << 30)
+    assert [p.device_used for p in copy.points] == [2 << 30] and len(timeline.points) == 2
+    assert copy.points[0].seconds == timeline.points[0].seconds
+    assert copy.write_png(tmp_path / "m.png").stat().st_size > 0

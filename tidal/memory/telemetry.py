@@ -103,6 +103,12 @@ class MemoryTimeline:
         self.points.append(point)
         return point
 
+    def snapshot(self) -> MemoryTimeline:
+        """A copy holding the points so far (drawn in another thread while this one goes on recording)."""
+        copy = MemoryTimeline(self.title)
+        copy.points, copy._t0 = list(self.points), self._t0
+        return copy
+
     def to_json(self) -> str:
         return json.dumps([asdict(p) for p in self.points])
 
