@@ -1060,15 +1060,37 @@ def test_explain_does_not_show_api_keys():
         ),
         (["--async", "full", "--debug-rollout-only"], CPU, "--debug-rollout-only has none"),
         # Colocated by choice: both resident; an explicit offload is refused in one line.
-        (["--async", "one-step", "--colocate"], CPU, {"colocate": True, "offload_train": False}),
+        (["--async", "one-step", "--colocate"], CPU, {"colocate": True, "offload_train": False, "train_env_vars": {}}),
         (["--async", "one-step", "--colocate", "--offload"], CPU, "neither can release its memory"),
         # One GPU: trainer and engine stay on it together, resident; eight GPUs: engines get their own.
+        # Sharing it, the trainer's kernels go below the engine's under MPS, unless a side sets a priority.
         (
             TINY_GPU + ["--async", "one-step"],
             GPU1,
-            {"colocate": True, "offload_train": False, "offload_rollout": False},
+            {
+                "colocate": True,
+                "offload_train": False,
+                "offload_rollout": False,
+                "train_env_vars": {"CUDA_MPS_CLIENT_PRIORITY": "1"},
+            },
         ),
-        (TINY_GPU + ["--async", "one-step"], GPU8, {"colocate": False, "rollout_num_gpus": 1}),
+        (
+            TINY_GPU + ["--async", "full", "--train-env-vars", '{"A": "b"}'],
+            GPU1,
+            {"train_env_vars": {"A": "b", "CUDA_MPS_CLIENT_PRIORITY": "1"}},
+        ),
+        (
+            TINY_GPU + ["--async", "one-step", "--rollout-env-vars", '{"CUDA_MPS_CLIENT_PRIORITY": "1"}'],
+            GPU1,
+            {"train_env_vars": {}},
+        ),
+        (
+            TINY_GPU + ["--async", "one-step", "--train-env-vars", '{"CUDA_MPS_CLIENT_PRIORITY": "0"}'],
+            GPU1,
+            {"train_env_vars": {"CUDA_MPS_CLIENT_PRIORITY": "0"}},
+        ),
+        (TINY_GPU, GPU1, {"train_env_vars": {}}),
+        (TINY_GPU + ["--async", "one-step"], GPU8, {"colocate": False, "rollout_num_gpus": 1, "train_env_vars": {}}),
         # Over-sampling below a batch needs dynamic sampling (rounds continue until a batch is kept).
         (["--over-sampling-batch-size", "64"], CPU, {"over_sampling_batch_size": 64, "async_mode": "off"}),
         (["--over-sampling-batch-size", "16"], CPU, "without --dynamic-sampling"),

@@ -10,6 +10,11 @@ rule and the offload decision, because they settle placement and offload:
 - Samples come from older weights, so the engine's log-probs are the behaviour policy: without
   ``--use-tis`` or ``--use-rollout-logprobs`` given, ``--use-tis`` is derived (an explicit
   ``--no-use-tis`` is kept).
+- Trainer and engines sharing a GPU (colocated on CUDA): the trainer's processes get
+  ``CUDA_MPS_CLIENT_PRIORITY=1`` unless either side's env vars set a priority. Under a CUDA MPS daemon
+  the engine's short decode kernels are then scheduled before the trainer's long GEMMs instead of queueing
+  behind them; without MPS the variable is ignored. On one H200 (0.5B shape) one-step went from 1.34x to
+  1.43x sync's samples/s with it.
 - ``--partial-rollout`` (full only, single-turn; the embedded engine's generate step, which a custom generate
   function reaches through ``generate_default``, or an HTTP engine's requests): requests in flight at a
   sync are paused and continued on the new weights.
@@ -60,6 +65,7 @@ def async_mode(ctx: Context) -> None:
                 "the trainer could never take a batch; raise it"
             )
     _placement(ctx)
+    _mps_priority(ctx)
     _behaviour_policy(ctx)
 
 
@@ -113,6 +119,23 @@ def _placement(ctx: Context) -> None:
             )
         if value is not False:
             ctx.derive(name, False, "async", f"--async {mode}: trainer and engines are resident together")
+
+
+MPS_PRIORITY = "CUDA_MPS_CLIENT_PRIORITY"
+
+
+def _mps_priority(ctx: Context) -> None:
+    c = ctx.cfg.cluster
+    if not c.colocate or c.device != "cuda":
+        return
+    if MPS_PRIORITY in c.train_env_vars or MPS_PRIORITY in ctx.cfg.rollout.rollout_env_vars:
+        return
+    ctx.derive(
+        "train_env_vars",
+        {**c.train_env_vars, MPS_PRIORITY: "1"},
+        "async",
+        f"--async {ctx.cfg.rollout.async_mode} on shared GPUs: under CUDA MPS the engine's kernels go before the trainer's",
+    )
 
 
 def _behaviour_policy(ctx: Context) -> None:

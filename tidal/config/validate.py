@@ -330,7 +330,8 @@ def _engine(ctx: Context) -> None:
 rule(
     "async",
     "`--async one-step|full` turns offload off (an explicit offload flag is refused) and, unless `--colocate` is given, "
-    "places engines on their own devices when there are spare ones (on one GPU both stay resident); it derives "
+    "places engines on their own devices when there are spare ones (on one GPU both stay resident, and the trainer gets "
+    "`CUDA_MPS_CLIENT_PRIORITY=1` unless either side's env vars set one); it derives "
     "`--use-tis` unless a correction is chosen; `--async-buffer-size` defaults to rollout-batch-size x "
     "max(1, max-staleness); `--partial-rollout` needs `--async full` and single generate calls (embedded or HTTP engines; a custom generate function is paused inside the `generate_default` it calls), not a multi-turn environment; `--over-sampling-batch-size` defaults to rollout-batch-size under `--async` (unset: the synchronous loop's one round), and is at least rollout-batch-size without `--dynamic-sampling`.",
 )(async_rules.async_mode)
