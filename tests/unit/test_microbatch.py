@@ -5,12 +5,13 @@ Hand-made samples; the model check uses the tiny preset on the CPU (no Ray, no p
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tidal.algos.logprobs import token_logprobs
 from tidal.algos.losses import loss_normalizer
 from tidal.rollout.types import Sample
-from tidal.trainer.actor import MicroBatch
+from tidal.trainer.microbatch import MicroBatch, MicroBatches
 
 
 def _samples() -> list[Sample]:
@@ -79,7 +80,7 @@ def _reference_rows(s: Sample, t: int) -> tuple[list, list, list, list, float]:
     return mask, has_lp, lp, adv, s.reward if n else 0.0
 
 
-def test_every_field_matches_a_position_by_position_build():
+def _random_samples():
     import random
 
     rng = random.Random(3)
@@ -100,6 +101,11 @@ def test_every_field_matches_a_position_by_position_build():
                 loss_mask=[rng.randint(0, 1) for _ in range(n)] if i % 2 else [],
             )
         )
+    return samples
+
+
+def test_every_field_matches_a_position_by_position_build():
+    samples = _random_samples()
     idx = [11, 0, 5, 3, 8, 1, 2]
     mb = MicroBatch(samples, idx, pad_id=99, device=torch.device("cpu"))
     rows = [samples[i] for i in idx]
@@ -122,3 +128,19 @@ def test_every_field_matches_a_position_by_position_build():
     assert mb.trained_positions.tolist() == [
         b * width + j for b, r in enumerate(ref) for j, on in enumerate(r[0]) if on
     ]
+
+
+def test_a_steps_micro_batches_are_built_on_first_use_with_the_normaliser_known_before():
+    samples = _random_samples()
+    batches = [[11, 0, 5], [3, 8, 1, 2], [], [4, 6, 7, 9, 10]]
+    mbs = MicroBatches(samples, batches, pad_id=99, device=torch.device("cpu"))
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        want = sum(
+            float(loss_normalizer(MicroBatch(samples, b, 99, torch.device("cpu")).host_mask, agg)) for b in batches
+        )
+        assert mbs.normalizer(agg) == want
+    assert mbs._built == {}  # the normaliser built nothing
+    assert len(mbs) == 4 and mbs[1] is mbs[1] and mbs[-1] is mbs[3] and list(mbs._built) == [1, 3]
+    assert [mb.indices for mb in mbs] == batches and mbs[2].empty
+    with pytest.raises(ValueError, match="aggregation"):
+        mbs.normalizer("sum")

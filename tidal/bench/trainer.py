@@ -96,7 +96,7 @@ def _limit_tokens_per_s(actor, samples) -> float:
     """The bare model on the trainer's own micro-batches: one forward + backward + AdamW step."""
     from tidal.algos.logprobs import token_logprobs
     from tidal.model.load import build_model
-    from tidal.trainer.actor import MicroBatch
+    from tidal.trainer.microbatch import MicroBatch
     from tidal.trainer.packing import pack_micro_batches
 
     model = build_model(actor.spec, dtype=torch.float32, seed=0, device=actor.device)

@@ -51,7 +51,7 @@ from tidal.rollout.types import Sample
 from tidal.trainer.base import Trainer
 from tidal.trainer.fsdp_state import FSDPState, fsdp_modules, reshard
 from tidal.trainer.groups import place
-from tidal.trainer.microbatch import MicroBatch
+from tidal.trainer.microbatch import MicroBatches
 from tidal.trainer.objective import RolloutObjective
 from tidal.trainer.packing import plan_rollout
 from tidal.trainer.schedule import LRSchedule
@@ -232,7 +232,7 @@ class TrainerActor(Trainer):
     def _train(self, samples: list[Sample], rollout_id: int) -> dict:
         """One rollout. Nothing here waits for the device until the end: metric sums, the engine
         log-prob difference and the grad norms stay device tensors (``RolloutSums``) and come to the
-        host in one ``tolist()``; host-side counts come from ``MicroBatch``. (One synchronisation
+        host in one ``tolist()``; host-side counts come from each ``MicroBatch``. (One synchronisation
         after the recompute keeps ``logprob_recompute_s`` a wall-clock figure.)"""
         self.residency.require_active("train")
         clock = RolloutClock()
@@ -249,9 +249,8 @@ class TrainerActor(Trainer):
             global_batch_size=self.cfg.global_batch_size,
             max_tokens=self.cfg.max_tokens_per_gpu,
         )
-        steps = [
-            [MicroBatch(samples, mb, self.pad_id, self.device) for mb in step[self.rank].micro_batches] for step in plan
-        ]
+        # Built as the loop reaches them (MicroBatches), so the host builds one while the device runs the last.
+        steps = [MicroBatches(samples, step[self.rank].micro_batches, self.pad_id, self.device) for step in plan]
         self.model.train()
         # With one optimizer step per rollout the weights do not change before the training pass, so
         # the old log-probs are that pass's own, detached (ratio 1): no separate pass unless asked for.
@@ -268,7 +267,7 @@ class TrainerActor(Trainer):
         return rollout_metrics(self, sums, objective, clock, steps=len(steps), recomputed=not old_from_train_pass)
 
     def _old_logprobs(
-        self, steps: list[list[MicroBatch]], sums: RolloutSums, objective: RolloutObjective, *, recompute: bool
+        self, steps: list[MicroBatches], sums: RolloutSums, objective: RolloutObjective, *, recompute: bool
     ) -> None:
         """Old log-probs (when ``recompute``; with the correction they imply), reference log-probs (with a
         reference model) and the critic's old values and GAE advantages (PPO) of every micro-batch, with
@@ -287,17 +286,15 @@ class TrainerActor(Trainer):
         self._sync()
 
     def _optimizer_step(
-        self, mbs: list[MicroBatch], sums: RolloutSums, objective: RolloutObjective, old_from_train_pass: bool
+        self, mbs: MicroBatches, sums: RolloutSums, objective: RolloutObjective, old_from_train_pass: bool
     ) -> tuple[float, float]:
         """One optimizer step over this rank's micro-batches: token-mean loss over the whole global batch,
         backward per micro-batch, global-norm clipping, AdamW at the scheduled rate. Returns
         ``(seconds in optimizer.step, learning rate)``. The loss is ``objective``'s (``rl_loss``); a critic
         runs its value loss's backward per micro-batch and steps with the policy."""
-        from tidal.algos.losses import loss_normalizer
-
         agg = self.algo.loss_agg_mode
         entropy_grad = self.algo.entropy_coef != 0.0
-        local_norm = sum(float(loss_normalizer(mb.host_mask, agg)) for mb in mbs)  # host tensors: no sync
+        local_norm = mbs.normalizer(agg)  # from the samples on the host: no sync, nothing built yet
         (global_norm,) = self.groups.all_reduce_host([local_norm])
         global_norm = max(global_norm, 1.0)
         # FSDP2 averages gradients over ranks, so each rank's share is scaled back by world_size.

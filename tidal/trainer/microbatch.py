@@ -8,6 +8,8 @@ sample's ``loss_mask``; tokens supplied by an environment are out of it, and hav
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -55,6 +57,47 @@ class MicroBatch:
         self.correction = None  # tidal.algos.correction.Correction when --use-tis
         self.old_values: torch.Tensor | None = None  # PPO: the critic's values before the update, and GAE returns
         self.returns: torch.Tensor | None = None
+
+
+class MicroBatches(Sequence):
+    """One optimizer step's micro-batches on this rank (``batches``: sample indices of each), each built on
+    first use and kept.
+
+    The training loop launches a micro-batch's forward and backward and does not wait for them, so
+    building the next one on the host (~10 ms for 32k tokens) overlaps the device's work on this one
+    instead of delaying the first kernel by the whole step's building. ``normalizer`` gives the step's
+    loss normaliser from the samples, without building anything.
+    """
+
+    def __init__(self, samples: list[Sample], batches: list[list[int]], pad_id: int, device: torch.device):
+        self.samples, self.batches, self.pad_id, self.device = samples, batches, pad_id, device
+        self._built: dict[int, MicroBatch] = {}
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self))[i]
+        if i not in self._built:
+            self._built[i] = MicroBatch(self.samples, self.batches[i], self.pad_id, self.device)
+        return self._built[i]
+
+    def normalizer(self, agg: str) -> float:
+        """``tidal.algos.losses.loss_normalizer`` of every micro-batch's response mask, summed: the trained
+        (policy) tokens for token-mean, the rows with at least one for seq-mean-token-mean."""
+        from tidal.algos.losses import AGG_MODES
+
+        if agg not in AGG_MODES:
+            raise ValueError(f"unknown loss aggregation {agg!r}; expected one of {AGG_MODES}")
+        counts = [_policy_tokens(self.samples[i]) for mb in self.batches for i in mb]
+        return float(sum(counts) if agg == "token-mean" else sum(c > 0 for c in counts))
+
+
+def _policy_tokens(s: Sample) -> int:
+    """How many of a sample's response tokens are trained (its loss mask's ones; all when it has none)."""
+    return sum(1 for m in s.loss_mask if m) if s.loss_mask else len(s.response_ids)
 
 
 def _host_arrays(rows: list[Sample], pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
