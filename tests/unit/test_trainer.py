@@ -77,7 +77,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_group(ray, world_size=2, *, offload=True, release_groups=True, algorithm=None, **trainer_kw):
+def start_group(
+    ray, world_size=2, *, offload=True, release_groups=True, algorithm=None, one_rank_fsdp=None, **trainer_kw
+):
     from tidal.trainer.actor import TrainerActor
 
     cls = ray.remote(num_cpus=1)(TrainerActor)
@@ -96,6 +98,7 @@ def start_group(ray, world_size=2, *, offload=True, release_groups=True, algorit
             weight_sync=WeightSyncConfig(),
             device="cpu",
             release_process_groups=release_groups,
+            one_rank_fsdp=one_rank_fsdp,
         )
         for r in range(world_size)
     ]
@@ -227,7 +230,9 @@ def test_export_loads_with_from_pretrained(ray_cluster, group, tmp_path):
 
 def test_one_step_rollout_uses_its_own_logprobs_and_matches_a_recompute(ray_cluster, tmp_path):
     """One optimizer step per rollout: the old log-probs are the training pass's own (ratio exactly 1,
-    no separate pass), and the update equals the one made with a separate recompute pass."""
+    no separate pass), and the update equals the one made with a separate recompute pass. The recompute
+    group also runs one CUDA rank's FSDP2 path (layers gathered from forward to backward, gradients
+    reduced once per step rather than per micro-batch): the same update."""
     from safetensors.torch import load_file
 
     from tidal.weight_sync.checksum import tensor_checksum
@@ -236,7 +241,14 @@ def test_one_step_rollout_uses_its_own_logprobs_and_matches_a_recompute(ray_clus
     samples = with_engine_logprobs(make_samples(11))
     weights, metrics, init = {}, {}, {}
     for recompute in (False, True):
-        actors = start_group(ray, world_size=1, offload=False, global_batch_size=None, recompute_logprobs=recompute)
+        actors = start_group(
+            ray,
+            world_size=1,
+            offload=False,
+            global_batch_size=None,
+            recompute_logprobs=recompute,
+            one_rank_fsdp=recompute,
+        )
         try:
             init[recompute] = call(ray, actors, "weight_checksums", "float32")[0]
             metrics[recompute] = call(ray, actors, "train", samples, 0)[0]

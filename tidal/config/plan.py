@@ -190,6 +190,10 @@ def build_plan(cfg, shape: ModelShape, env: Environment) -> MemoryPlan:
     # Logits: the compute-dtype logits saved for backward and their gradient (the chunked log-prob
     # kernels never hold a whole fp32 softmax), plus two chunks of scratch (tidal.algos.logprobs).
     activations = tokens * per_token + tokens * shape.vocab * 2 * compute_b + (1 << 30)
+    if device == "cuda" and ranks == 1:
+        # One CUDA rank keeps every layer's gathered compute copy from its forward to its backward
+        # (tidal.trainer.actor's one_rank_fsdp); its fp32 gradients are the size of the grads class.
+        activations += P * compute_b
     models = 2 if cfg.algorithm.use_critic else 1  # the policy, and PPO's critic of the same size
     trainer = {
         "weights": math.ceil(models * P * 4 / ranks),

@@ -81,13 +81,18 @@ def build_adamw(params: list, cfg, device_type: str) -> torch.optim.AdamW:
 class TrainerActor(Trainer):
     """One rank of the FSDP2 trainer; see the module docstring and ``docs/design.md`` for the contract."""
 
-    def __init__(self, *args, release_process_groups: bool | None = None, **kwargs):
+    def __init__(self, *args, release_process_groups: bool | None = None, one_rank_fsdp: bool | None = None, **kwargs):
         """The arguments of ``Trainer.__init__``, and ``release_process_groups``: destroy/rebuild the compute
         group around pause/resume (default: on NCCL only; tests turn it on over gloo to exercise the same
-        path on CPU)."""
+        path on CPU); ``one_rank_fsdp``: see below (default: on one CUDA rank; tests turn it on over gloo)."""
         super().__init__(*args, **kwargs)
         self.release_groups = (self.device_type == "cuda") if release_process_groups is None else release_process_groups
         self.critic = None  # PPO's value model (tidal.trainer.critic), with --advantage-estimator ppo
+        # One CUDA rank: FSDP2's collectives are copies there, so the layers keep their gathered copy from
+        # forward to backward and the gradients are reduced once per optimizer step, not per micro-batch
+        # (each micro-batch's is added to the unsharded one in fp32). Everywhere else as FSDP2 does by default.
+        default = self.world_size == 1 and self.device_type == "cuda"
+        self.one_rank_fsdp = default if one_rank_fsdp is None else one_rank_fsdp and self.world_size == 1
 
     # ---- setup ------------------------------------------------------------------------------
     def init(self) -> dict:
@@ -180,7 +185,14 @@ class TrainerActor(Trainer):
         )
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
-        return shard(model, self.groups.mesh, self.mp, self.model_cfg.model, compile_layers=self.cfg.compile_layers)
+        return shard(
+            model,
+            self.groups.mesh,
+            self.mp,
+            self.model_cfg.model,
+            compile_layers=self.cfg.compile_layers,
+            reshard_after_forward=not self.one_rank_fsdp,
+        )
 
     # ---- tensors per state class (called by the memory backend at every pause) -----------------
     def _weight_tensors(self):
@@ -299,7 +311,9 @@ class TrainerActor(Trainer):
         global_norm = max(global_norm, 1.0)
         # FSDP2 averages gradients over ranks, so each rank's share is scaled back by world_size.
         normalizer = global_norm / self.world_size
-        for mb in mbs:
+        for k, mb in enumerate(mbs):
+            if self.one_rank_fsdp:
+                self.model.set_requires_gradient_sync(k == len(mbs) - 1)
             # The current policy's entropy comes from the same pass as the log-probs: a gradient
             # only for an entropy bonus, otherwise a detached metric.
             logprobs, ent = token_stats(self.model, mb, entropy=True, entropy_grad=entropy_grad, **self._stats_kw)

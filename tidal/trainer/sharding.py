@@ -28,16 +28,26 @@ def mixed_precision(compute_dtype: torch.dtype):
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
 
 
-def shard(model: torch.nn.Module, mesh, mp, model_name: str, compile_layers: bool = False) -> torch.nn.Module:
+def shard(
+    model: torch.nn.Module,
+    mesh,
+    mp,
+    model_name: str,
+    compile_layers: bool = False,
+    reshard_after_forward: bool = True,
+) -> torch.nn.Module:
     """FSDP2 on a host model: every decoder layer, then the root (policy, reference and critic alike).
 
     ``compile_layers``: each layer's ``forward`` goes through ``torch.compile`` (one graph shared by
     every layer: their code is the same and parameters are graph inputs). Only ``forward`` is
     replaced, so FSDP2's hooks around it (all-gather before, reshard after) stay eager.
+    ``reshard_after_forward`` False keeps each layer's gathered compute copy from its forward to its
+    backward instead of gathering it again (the trainer's choice on one rank, where the copy is the
+    whole model in the compute dtype).
     """
     from torch.distributed.fsdp import fully_shard
 
-    kw = {"mesh": mesh}
+    kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp is not None:
         kw["mp_policy"] = mp
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
