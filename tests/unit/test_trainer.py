@@ -341,3 +341,43 @@ def test_adamw_fused_and_foreach_take_the_same_steps():
     p = [torch.zeros(2, requires_grad=True)]
     assert build_adamw(p, TrainerConfig(), "cpu").defaults["foreach"]
     assert build_adamw(p, TrainerConfig(), "cuda").defaults["fused"]
+
+
+def test_shard_adamw_updates_dtensors_through_their_shards_bit_for_bit():
+    """ShardAdamW's steps after the first run on the DTensors' local shards: parameters and moments equal
+    torch's AdamW over the same DTensors bit for bit, fused and foreach (a one-rank gloo mesh here)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tidal.trainer.actor import ShardAdamW
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+
+        def dt(x):
+            return distribute_tensor(x, mesh, [Shard(0)])
+
+        g = torch.Generator().manual_seed(0)
+        start = [torch.randn(6, 5, generator=g), torch.randn(4, generator=g), torch.randn(3, 2, generator=g)]
+        grads = [[torch.randn(s.shape, generator=g) for s in start] for _ in range(3)]
+        for impl in ("fused", "foreach"):
+            runs = []
+            for cls in (torch.optim.AdamW, ShardAdamW):
+                params = [torch.nn.Parameter(dt(s.clone())) for s in start]
+                opt = cls(params, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), **{impl: True})
+                for step in grads:
+                    for p, gr in zip(params, step):
+                        p.grad = dt(gr.clone())
+                    opt.step()
+                moments = [opt.state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq")]
+                assert all(isinstance(m, type(params[0].data)) for m in moments)  # still DTensors
+                runs.append([t.full_tensor() for t in (*params, *moments)] + [opt.state[params[0]]["step"]])
+            assert not torch.equal(runs[0][0], start[0])
+            assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True)), impl
+    finally:
+        if own:
+            dist.destroy_process_group()
