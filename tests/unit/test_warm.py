@@ -3,7 +3,8 @@
 The cluster test runs in its own process (a Ray cluster of its own, as ``tidal train`` starts one): an actor runs
 in a fork of the warm process with the workers' environment and the preloaded module (frozen out of its collector);
 Ray's processes and the driver's inputs thread run below the warm process's priority, the driver's own thread not;
-an actor with a runtime env of its own is started by Ray as usual; a worker dies with its handle; the warm process stops with ``stop_ray``,
+the raylet's agents are light stand-ins, and the runtime-env one becomes Ray's agent when an actor with a runtime env
+of its own is started (by Ray, as usual); a worker dies with its handle; the warm process stops with ``stop_ray``,
 without the interpreter's teardown.
 """
 
@@ -62,6 +63,15 @@ CLUSTER = textwrap.dedent(
 
     ray_nice = [n for n in map(nice_of_ray_process, psutil.Process().children(recursive=True)) if n is not None]
     assert ray_nice and min(ray_nice) == below_warm, ray_nice
+    def command(p):
+        try:
+            return " ".join(p.cmdline())
+        except psutil.Error:
+            return ""
+
+    # The raylet's two agents are the stand-ins (tidal.cluster.ray_agents), not processes that imported Ray.
+    standins = {command(p).split("ray_agents.py ")[1].split(" ")[0]: p for p in psutil.Process().children(recursive=True) if "ray_agents.py" in command(p)}
+    assert sorted(standins) == ["dashboard", "runtime-env"], standins
     first = Probe.remote()
     pid, parent, mark, preloaded, frozen = ray.get(first.where.remote())
     assert (parent, mark, preloaded) == (warm.pid, "warm", True), (parent, warm.pid, mark, preloaded)
@@ -69,13 +79,10 @@ CLUSTER = textwrap.dedent(
     own = Probe.options(runtime_env={"env_vars": {"TIDAL_TEST_MARK": "own"}}).remote()
     own_pid, own_parent, own_mark, _, _ = ray.get(own.where.remote())
     assert own_parent != warm.pid and own_mark == "own", (own_parent, own_mark)
+    # That runtime env was set up by Ray's own agent, which the stand-in became (same process, Ray's command).
+    assert "runtime_env" in command(standins["runtime-env"]) or "RuntimeEnvAgent" in command(standins["runtime-env"])
+    assert "ray_agents.py" not in command(standins["runtime-env"]), command(standins["runtime-env"])
     # The raylet's handles on the forked workers: killed outright, their workers die too.
-    def command(p):
-        try:
-            return " ".join(p.cmdline())
-        except psutil.Error:
-            return ""
-
     handles = [p for p in psutil.Process().children(recursive=True) if "warm_worker.py" in command(p)]
     assert handles
     for h in handles:
@@ -189,3 +196,39 @@ def test_a_cluster_whose_workers_host_nothing_preloaded_starts_none_ahead():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "idle 0 answer 1" in out.stdout, out.stdout[-500:]
+
+
+def test_agent_standins_take_the_raylets_agent_commands_and_write_ports_as_ray_does(tmp_path):
+    """The raylet's command with the stand-ins: both agents' commands are kept whole after the stand-in's, the dashboard
+    agent only when it is the minimal one. A port file is what Ray's own ``persist_port`` writes (checked against it)."""
+    import shlex
+
+    from ray import _raylet
+
+    from tidal.cluster import ray_agents
+    from tidal.cluster.ray_cluster import port_files_fit
+
+    minimal = "/py -u /ray/dashboard/agent.py --node-id=ab --session-dir=/s --minimal --head"
+    runtime = "/py -u /ray/runtime_env/agent/main.py --node-id=ab --runtime-env-agent-port=0"
+    raylet = [
+        "/ray/raylet",
+        "--node_id=ab",
+        f"--dashboard_agent_command={minimal}",
+        f"--runtime_env_agent_command={runtime}",
+    ]
+    out = ray_agents.standin_command(raylet, python="/py")
+    assert out[:2] == raylet[:2]
+    dash, rt = (shlex.split(a.split("=", 1)[1]) for a in out[2:])
+    assert dash[:4] == ["/py", ray_agents.__file__, "dashboard", "--"] and dash[4:] == shlex.split(minimal)
+    assert rt[:4] == ["/py", ray_agents.__file__, "runtime-env", "--"] and rt[4:] == shlex.split(runtime)
+    full = f"--dashboard_agent_command={minimal.replace(' --minimal', '')}"
+    assert ray_agents.standin_command([raylet[0], full], python="/py") == [raylet[0], full]
+    node = _raylet.NodeID.from_random().hex()
+    for port in (-1, 51234):
+        (tmp_path / "ray").mkdir(exist_ok=True)
+        (tmp_path / "ours").mkdir(exist_ok=True)
+        _raylet.persist_port(str(tmp_path / "ray"), node, _raylet.RUNTIME_ENV_AGENT_PORT_NAME, port)
+        ray_agents.persist_port(str(tmp_path / "ours"), node, ray_agents.RUNTIME_ENV_PORT, port)
+        name = f"{ray_agents.RUNTIME_ENV_PORT}_{node}"
+        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "ray" / name).read_bytes()
+    assert port_files_fit()

@@ -79,7 +79,7 @@ def start_ray(
         if _warm is not None:
             import ray._private.services  # noqa: F401 - where ray_processes_below_warm finds Ray's Popen
 
-            with _environ(_warm.env()), ray_processes_below_warm():
+            with _environ(_warm.env()), ray_processes_below_warm(), light_agents():
                 _init_local(logical_cpus, num_gpus, [], warm=True)
         else:
             _init_local(logical_cpus, num_gpus, list(preload))
@@ -157,6 +157,64 @@ def ray_processes_below_warm() -> Iterator[None]:
         yield
     finally:
         services.ConsolePopen = popen
+
+
+@contextlib.contextmanager
+def light_agents() -> Iterator[None]:
+    """The raylet that ``ray.init`` starts runs ``tidal.cluster.ray_agents``'s stand-ins for its agents (the
+    minimal dashboard agent's job without importing Ray; the runtime-env agent once a runtime env is needed):
+    ~2 s of CPU less at every start, and the node registers without waiting for them. Only where this Ray
+    writes its port files as the stand-ins do (``port_files_fit``); otherwise, or should a Ray release
+    rename the class it starts its processes with, the agents are Ray's."""
+    services = sys.modules.get("ray._private.services")
+    popen = getattr(services, "ConsolePopen", None)
+    if not isinstance(popen, type) or not port_files_fit():
+        yield
+        return
+    from tidal.cluster.ray_agents import standin_command
+
+    class WithStandins(popen):
+        def __init__(self, args, *rest, **kwargs):
+            if isinstance(args, list) and args and os.path.basename(str(args[0])) == "raylet":
+                args = standin_command([str(a) for a in args])
+            super().__init__(args, *rest, **kwargs)
+
+    services.ConsolePopen = WithStandins
+    try:
+        yield
+    finally:
+        services.ConsolePopen = popen
+
+
+def port_files_fit() -> bool:
+    """Whether this Ray's agents write their ports as ``tidal.cluster.ray_agents`` does: the same names, and
+    what Ray's own ``persist_port`` writes is what the stand-ins write."""
+    import tempfile
+
+    from tidal.cluster import ray_agents
+
+    try:
+        from ray import _raylet
+
+        names = (_raylet.METRICS_AGENT_PORT_NAME, _raylet.METRICS_EXPORT_PORT_NAME)
+        names += (_raylet.DASHBOARD_AGENT_LISTEN_PORT_NAME, _raylet.RUNTIME_ENV_AGENT_PORT_NAME)
+        if names != (*ray_agents.DASHBOARD_PORTS, ray_agents.RUNTIME_ENV_PORT):
+            return False
+        node = _raylet.NodeID.from_random().hex()
+        with tempfile.TemporaryDirectory(prefix="tidal-ports-") as theirs, tempfile.TemporaryDirectory() as ours:
+            for port in (-1, 40123):
+                _raylet.persist_port(theirs, node, names[0], port)
+                ray_agents.persist_port(ours, node, names[0], port)
+                with (
+                    open(os.path.join(theirs, f"{names[0]}_{node}")) as a,
+                    open(os.path.join(ours, f"{names[0]}_{node}")) as b,
+                ):
+                    if a.read() != b.read():
+                        return False
+        return True
+    except Exception:  # noqa: BLE001 - any difference at all: Ray's own agents
+        log.debug("port files differ from Ray's; its agents start as usual", exc_info=True)
+        return False
 
 
 def _set_base_env() -> None:
