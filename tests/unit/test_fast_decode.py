@@ -15,7 +15,7 @@ from tidal.memory.portable import PortableBackend
 from tidal.model import build_model, resolve_model
 from tidal.model.load import ModelSpec
 from tidal.rollout.fast import FastDecoder, batch_buckets, sample, sampling_mode
-from tidal.rollout.fast.sampling import plain_core
+from tidal.rollout.fast.sampling import drawn_core, plain_core
 from tidal.rollout.fast.static_cache import kv_shape, prefill_workspace_bytes, workspace_bytes_per_row
 from tidal.rollout.generate import left_pad, teacher_forced_logprobs
 
@@ -218,6 +218,20 @@ def test_sampling_distribution_follows_transformers_warpers(temperature, top_k, 
     assert freq[expected == 0].sum() == 0  # filtered tokens are never drawn
     raw = torch.log_softmax(logits, dim=-1)
     assert torch.allclose(logprobs, raw[tokens], atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_noise_drawn_inside_the_core_samples_the_same_distribution(temperature):
+    """drawn_core (its noise drawn inside, for a compiled kernel to fuse) samples softmax(logits / T), with
+    the raw log-probs; run eagerly here, on torch's default generator."""
+    vocab, rows = 12, 60000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 1.5
+    torch.manual_seed(2)
+    tokens, logprobs = drawn_core(logits.expand(rows, vocab), torch.tensor([temperature]), temperature != 1.0)
+    freq = torch.bincount(tokens, minlength=vocab).double() / rows
+    expected = _warped_probs(logits, temperature, 0, 1.0).double()
+    assert (freq - expected).abs().max() < 0.01, (freq, expected)
+    assert torch.allclose(logprobs, torch.log_softmax(logits, dim=-1)[tokens], atol=1e-6)
 
 
 def test_sampling_modes():

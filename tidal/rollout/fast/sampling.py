@@ -140,3 +140,17 @@ def plain_core(
             gumbel = gumbel * temperature
         tokens = torch.argmax(z + gumbel, dim=-1)
     return tokens, (z.gather(1, tokens.unsqueeze(1)) - lse).squeeze(1)
+
+
+def drawn_core(logits: torch.Tensor, temperature: torch.Tensor, scaled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``plain_core``'s unfiltered sampling with its noise drawn inside: ``E = -log U``, ``U ~ U[0, 1)``.
+
+    Compiled, the uniform draws become part of the argmax kernel (the compiler's in-kernel
+    generator), so no ``[rows, vocab]`` fp32 noise is written and read back each step. The draws come
+    from the compiler's own seeds, not from a generator the caller passes, so the tokens differ from
+    ``plain_core``'s for the same seed; the distribution is the same (``U = 0`` gives ``E = inf``, a
+    Gumbel of ``-inf``: a word drawn with probability 2**-24 is never the maximum).
+    """
+    z = logits.float()
+    noise = -torch.log(torch.rand_like(z))
+    return plain_core(logits, noise, temperature, False, scaled)
