@@ -223,15 +223,23 @@ def test_sampling_distribution_follows_transformers_warpers(temperature, top_k, 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_noise_drawn_inside_the_core_samples_the_same_distribution(temperature):
     """drawn_core (its noise drawn inside, for a compiled kernel to fuse) samples softmax(logits / T), with
-    the raw log-probs; run eagerly here, on torch's default generator."""
+    the raw log-probs; run eagerly here through ``sample``, on torch's default generator. Greedy rows
+    and filters keep their own paths."""
     vocab, rows = 12, 60000
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 1.5
     torch.manual_seed(2)
-    tokens, logprobs = drawn_core(logits.expand(rows, vocab), torch.tensor([temperature]), temperature != 1.0)
+    t = torch.tensor([temperature])
+    mode = sampling_mode(temperature, 1.0, 0, vocab)
+    tokens, logprobs = sample(logits.expand(rows, vocab), mode, t, t, fused=plain_core, drawn=drawn_core)
     freq = torch.bincount(tokens, minlength=vocab).double() / rows
     expected = _warped_probs(logits, temperature, 0, 1.0).double()
     assert (freq - expected).abs().max() < 0.01, (freq, expected)
     assert torch.allclose(logprobs, torch.log_softmax(logits, dim=-1)[tokens], atol=1e-6)
+    never = lambda *a: pytest.fail("drawn_core used outside unfiltered sampling")  # noqa: E731
+    greedy, _ = sample(logits.expand(3, vocab), sampling_mode(0.0, 1.0, 0, vocab), t, t, fused=plain_core, drawn=never)
+    assert greedy.tolist() == [int(logits.argmax())] * 3
+    top2, _ = sample(logits.expand(50, vocab), sampling_mode(1.0, 1.0, 2, vocab), t, t, torch.Generator(), drawn=never)
+    assert set(top2.tolist()) <= set(logits.topk(2).indices.tolist())
 
 
 def test_sampling_modes():

@@ -150,6 +150,7 @@ def run(args: argparse.Namespace, shape: str, path: str) -> dict:
         rollout_seed=args.seed,
         rollout_compile=False if args.no_compile else None,
         rollout_fused_decode=args.fused,
+        rollout_sampler_noise=args.sampler_noise,
         rollout_kv_block=args.kv_block,
         rollout_decode_attention=args.decode_attention,
     )
@@ -211,6 +212,9 @@ def run(args: argparse.Namespace, shape: str, path: str) -> dict:
         "completed_frac": round(sum(s.status == "completed" for s in out) / len(out), 3),
         "compiled": _compiled(engine),
         "fused": bool(getattr(getattr(engine, "_fast_decoder", None), "_fused", None)),
+        "sampler_noise": "drawn"
+        if getattr(getattr(engine, "_fast_decoder", None), "_drawn_sampler", None)
+        else "buffer",
         "kv_block": args.kv_block,
         # The kernel the decoder runs: flex falls back to SDPA where it cannot run the model.
         "decode_attention": getattr(getattr(engine, "_fast_decoder", None), "decode_attention", args.decode_attention),
@@ -245,6 +249,12 @@ def main(argv: list[str] | None = None) -> None:
         "--skip-hf", action="store_true", help="skip transformers generate (runs comparing engine settings in one job)"
     )
     p.add_argument("--fused", action="store_true", help="stacked q/k/v and gate/up matmuls (--rollout-fused-decode)")
+    p.add_argument(
+        "--sampler-noise",
+        default="buffer",
+        choices=("buffer", "drawn"),
+        help="the compiled sampler's noise: a buffer, or drawn inside its kernel (--rollout-sampler-noise)",
+    )
     p.add_argument(
         "--kv-block", type=int, default=256, help="attention-length step of decode graphs (--rollout-kv-block)"
     )

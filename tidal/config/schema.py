@@ -285,6 +285,13 @@ class RolloutConfig:
     rollout_compile: bool | None = opt(
         None, "torch.compile the decode step (attention stays eager); default: on with CUDA, off on CPU."
     )
+    rollout_sampler_noise: str = opt(
+        "buffer",
+        "The compiled decode step's sampling noise for unfiltered sampling: buffer (an fp32 [rows, vocab] tensor "
+        "drawn, then read by the fused sampler) or drawn (inside the sampler's kernel, nothing written; other "
+        "draws than buffer's for the same seed).",
+        choices=("buffer", "drawn"),
+    )
     rollout_fused_decode: bool = opt(
         False,
         "Decode steps with one stacked q/k/v matmul and one gate/up matmul per layer (Llama/Qwen2/Qwen3; "

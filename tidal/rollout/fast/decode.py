@@ -57,7 +57,7 @@ from tidal.rollout.fast.fused import FusedDecodeForward, unsupported_reason
 from tidal.rollout.fast.graphs import GraphSet
 from tidal.rollout.fast.prefix import PrefixStore, reuse_prefixes, take_prompt
 from tidal.rollout.fast.request import DecodeResult, batch_buckets, check_request, cut_at_stops
-from tidal.rollout.fast.sampling import SamplingMode, plain_core, sample, sampling_mode
+from tidal.rollout.fast.sampling import SamplingMode, drawn_core, plain_core, sample, sampling_mode
 from tidal.rollout.fast.static_cache import StaticKVCache, kv_shape, plan_cache
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,8 @@ class FastDecoder:
     why not, when it does not). ``decode_attention`` picks the decode step's attention kernel:
     ``"sdpa"`` (SDPA over the bucketed length with an additive mask) or ``"flex"`` (FlexAttention
     with a per-row block mask; ``flex_kernel_options`` go to ``flex_attention`` as they are).
+    ``sampler_noise="drawn"`` (compiled only) samples unfiltered rows with ``drawn_core``, its noise
+    drawn inside the compiled kernel instead of written to a ``[rows, vocab]`` buffer first.
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class FastDecoder:
         fused: bool = False,
         decode_attention: str = "sdpa",
         flex_kernel_options: dict | None = None,
+        sampler_noise: str = "buffer",
     ) -> None:
         reason = attention.check_supported(model)
         if reason is not None:
@@ -120,6 +123,8 @@ class FastDecoder:
         for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("kv_block", kv_block)):
             if value < 1:
                 raise UserError(f"fast decode {name}={value}: must be at least 1")
+        if sampler_noise not in ("buffer", "drawn"):
+            raise UserError(f"sampler noise {sampler_noise!r}: choose buffer or drawn (--rollout-sampler-noise)")
         if decode_attention not in ("sdpa", "flex"):
             raise UserError(f"decode attention {decode_attention!r}: choose sdpa or flex (--rollout-decode-attention)")
         self.model = model
@@ -153,6 +158,7 @@ class FastDecoder:
         self.compile_fallback_reason: str | None = None
         self._compiled_forward = None
         self._fused_sampler = None
+        self._drawn_sampler = None  # compiled drawn_core (--rollout-sampler-noise drawn)
         self._fused: FusedDecodeForward | None = None
         self.fused_fallback_reason: str | None = None
         if fused:
@@ -165,6 +171,8 @@ class FastDecoder:
             attention.register()
             self._compiled_forward = torch.compile(self._forward_logits, dynamic=True)
             self._fused_sampler = torch.compile(plain_core, dynamic=True)
+            if sampler_noise == "drawn":
+                self._drawn_sampler = torch.compile(drawn_core, dynamic=True)
         if not cuda_graphs and self.graphs.enabled:
             self.graphs.enabled = False
             self.graphs.fallback_reason = "turned off"
@@ -563,7 +571,9 @@ class FastDecoder:
         )
         with attention.active(self.model, ctx):
             logits = self._logits(self.s_tok[:bs, None], mask, self.s_pos[:bs, None])
-        tok, lp = sample(logits, mode, self.s_temp, self.s_top_p, self._gen, fused=self._fused_sampler)
+        tok, lp = sample(
+            logits, mode, self.s_temp, self.s_top_p, self._gen, fused=self._fused_sampler, drawn=self._drawn_sampler
+        )
         where = (self.s_rowmap[:bs], self.s_step.expand(bs))
         self.s_out_tok.index_put_(where, tok)
         self.s_out_lp.index_put_(where, lp)
@@ -613,6 +623,7 @@ class FastDecoder:
         log.warning("fast decode: torch.compile off, decoding uncompiled (%s)", self.compile_fallback_reason)
         self._compiled_forward = None
         self._fused_sampler = None
+        self._drawn_sampler = None
 
     def _compact(self, active: torch.Tensor, bs: int, upto: int) -> None:
         """Move the running slots ``active`` to the front; slots ``[len(active), bs)`` become empty."""

@@ -23,6 +23,7 @@ Settings, read from the engine's ``RolloutConfig`` when it has them (defaults ot
     rollout_compile       bool   CUDA   torch.compile the decode step (attention stays eager); on with CUDA
     rollout_prefix_cache_mb int  0      prompt KV kept between calls for multi-turn requests (tidal.rollout.fast.prefix)
     rollout_fused_decode  bool   False  stacked q/k/v and gate/up matmuls in decode steps (tidal.rollout.fast.fused)
+    rollout_sampler_noise str    buffer compiled unfiltered sampling's noise: a buffer, or drawn inside the kernel
     rollout_decode_attention str auto   decode attention kernel: sdpa, or flex (tidal.rollout.fast.flex_decode); auto: flex with CUDA
 """
 
@@ -64,6 +65,7 @@ def build_decoder(model, cfg, *, device_type: str, pad_id: int, backend, name: s
             region=lambda: backend.region(StateClass.KV_CACHE),
             prefix_cache_bytes=int(getattr(cfg, "rollout_prefix_cache_mb", None) or 0) << 20,
             fused=bool(getattr(cfg, "rollout_fused_decode", False)),
+            sampler_noise=getattr(cfg, "rollout_sampler_noise", "buffer"),
             # auto (a config built in code, not resolved): the resolved default, flex with CUDA.
             decode_attention=_kernel(getattr(cfg, "rollout_decode_attention", "auto"), device_type),
         )

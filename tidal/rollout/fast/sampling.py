@@ -81,13 +81,17 @@ def sample(
     top_p: torch.Tensor,
     generator: torch.Generator | None = None,
     fused: Callable | None = None,
+    drawn: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens [rows] int64, logprobs [rows] fp32)`` for logits ``[rows, vocab]``.
 
     ``temperature`` and ``top_p`` are 0-d or ``[1]`` fp32 device tensors (ignored when the mode does
     not use them). Log-probs are always those of the raw logits at temperature 1. ``fused`` (a
-    compiled ``plain_core``) replaces the eager path for greedy and unfiltered sampling.
+    compiled ``plain_core``) replaces the eager path for greedy and unfiltered sampling; ``drawn`` (a
+    compiled ``drawn_core``) replaces it for unfiltered sampling, drawing its own noise.
     """
+    if drawn is not None and not mode.greedy and not mode.top_k and not mode.top_p:
+        return drawn(logits, temperature, mode.scaled)
     if fused is not None and not mode.top_k and not mode.top_p:
         noise = None if mode.greedy else _exp_noise(tuple(logits.shape), logits.device, generator)
         return fused(logits, noise, temperature, mode.greedy, mode.scaled)
