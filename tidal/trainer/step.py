@@ -99,7 +99,7 @@ def _trained_token_stats(model, mb: MicroBatch, entropy: bool, entropy_grad: boo
 def check_samples(samples: list[Sample], *, vocab: int, model_name: str, max_tokens: int, warn: bool) -> bool:
     """Raise on token ids outside the vocabulary or a response without a prompt; log once (when ``warn``)
     about samples over the micro-batch budget. Returns whether it logged."""
-    top = max((max(s.prompt_ids + s.response_ids, default=0) for s in samples), default=0)
+    top = max((max(max(s.prompt_ids, default=0), max(s.response_ids, default=0)) for s in samples), default=0)
     if top >= vocab:
         raise UserError(
             f"token id {top} is outside the vocabulary ({vocab}) of --model {model_name}; "
