@@ -381,3 +381,33 @@ def test_shard_adamw_updates_dtensors_through_their_shards_bit_for_bit():
     finally:
         if own:
             dist.destroy_process_group()
+
+
+def test_one_rank_clip_equals_torchs_clip_over_dtensors():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tidal.trainer.actor import clip_one_rank
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        g = torch.Generator().manual_seed(1)
+        grads = [torch.randn(7, 3, generator=g) * 3, torch.randn(5, generator=g), torch.randn(2, 2, generator=g)]
+        for max_norm in (1.0, float("inf")):
+            runs = []
+            for clip in (torch.nn.utils.clip_grad_norm_, clip_one_rank):
+                params = [torch.nn.Parameter(distribute_tensor(torch.zeros(x.shape), mesh, [Shard(0)])) for x in grads]
+                for p, x in zip(params, grads):
+                    p.grad = distribute_tensor(x.clone(), mesh, [Shard(0)])
+                total = clip(params, max_norm=max_norm)
+                total = total.full_tensor() if hasattr(total, "full_tensor") else total
+                runs.append([total] + [p.grad.full_tensor() for p in params])
+            assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True)), max_norm
+            assert float(runs[0][0]) > 1.0  # the clip applies at max_norm 1
+    finally:
+        if own:
+            dist.destroy_process_group()

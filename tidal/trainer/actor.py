@@ -76,6 +76,18 @@ def build_adamw(params: list, cfg, device_type: str) -> torch.optim.AdamW:
     return ShardAdamW(params, **kw, **{impl: True})
 
 
+def clip_one_rank(params: list, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (2-norm) for FSDP2 parameters on one rank, on the gradients' local
+    tensors (there, the whole gradients): the same operations in the same order, without DTensor's
+    dispatch over every tensor twice. Returns the total norm before clipping."""
+    grads = [getattr(p.grad, "_local_tensor", p.grad) for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return total
+
+
 class ShardAdamW(torch.optim.AdamW):
     """AdamW whose steps after the first update FSDP2's DTensor parameters through their local shards.
 
@@ -374,7 +386,8 @@ class TrainerActor(Trainer):
                 objective.critic_backward(mb, self.critic, normalizer, self.memory.region(StateClass.GRADS))
             sums.add_loss(mb, m, global_norm)
         max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else float("inf")
-        sums.add_grad_norm(torch.nn.utils.clip_grad_norm_(self.params, max_norm=max_norm))
+        clip = clip_one_rank if self.one_rank_fsdp else torch.nn.utils.clip_grad_norm_
+        sums.add_grad_norm(clip(self.params, max_norm=max_norm))
         lr = self.schedule.apply(self.optimizer)
         t_opt = time.perf_counter()
         # Outside any region, so the step's temporaries are not backed up; the state its first step creates
