@@ -171,3 +171,19 @@ def test_a_long_compiled_chunk_runs_in_eager_pieces_when_the_compiler_is_off():
     (g_ref,) = torch.autograd.grad((ref_lp * w).sum() + (ref_ent * u).sum(), logits)
     (g,) = torch.autograd.grad((lp * w).sum() + (ent * u).sum(), logits)
     torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [256, 152, 37])  # 128 blocks of 2; 8 blocks of 19; odd: one block
+@pytest.mark.parametrize("inv_t", [1.0, 1 / 0.7])
+def test_blocked_forward_equals_the_row_forward(vocab, inv_t):
+    """The compiled forward over vocabulary blocks gives the row kernel's log-prob, shift and entropy."""
+    torch.manual_seed(6)
+    x = (torch.randn(9, vocab) * 4).to(torch.bfloat16)
+    tgt = torch.randint(0, vocab, (9,))
+    work = [torch.empty(9, vocab) for _ in range(2)]
+    ref = losses._chunk_forward(x, tgt, inv_t, True, work)
+    got = losses._chunk_forward_blocked(x, tgt, inv_t, True)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=2e-6)
+    assert losses._chunk_forward_blocked(x, tgt, inv_t, False)[2] is None
+    assert losses._vocab_blocks(151936) == 128 and losses._vocab_blocks(152) == 8 and losses._vocab_blocks(37) == 1

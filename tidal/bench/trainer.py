@@ -23,7 +23,8 @@ One rank in this process (a 1-rank FSDP2 group; the code path of every rank). Pr
     save_s / save_gbps       an atomic checkpoint of weights + optimizer (written while paused)
     write_gbps               the limit: the same bytes written as one safetensors file, same run
     adamw                    the kernel choices in effect: AdamW's (--adamw-impl), the logits per
-    logprob_chunk_elems      compiled log-prob chunk (--logprob-chunk-elems), the LM head at the trained
+    logprob_chunk_elems      compiled log-prob chunk (--logprob-chunk-elems), the compiled forward over
+    logprob_forward          vocabulary blocks or rows (--logprob-forward), the LM head at the trained
     trained_logits_only      positions only (off with --all-logits)
     host_syncs               CUDA: how often one more train call made the host wait for the device
     host_sync_sites          (torch's sync debug mode), and the Python lines that did; the rollout's one
@@ -167,6 +168,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="the LM head at every position (--no-trained-logits-only; the default is on with CUDA)",
     )
     ap.add_argument(
+        "--logprob-forward",
+        default="blocked",
+        choices=("blocked", "rows"),
+        help="the compiled log-prob forward: over vocabulary blocks (one read of the logits) or whole rows (two)",
+    )
+    ap.add_argument(
         "--logprob-chunk-elems",
         type=int,
         default=None,
@@ -222,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.logprob_chunk_elems is not None:
         logprobs.COMPILED_CHUNK_ELEMS = args.logprob_chunk_elems
+    logprobs.BLOCKED_FORWARD = args.logprob_forward == "blocked"
     actor = _trainer(args)
     info = actor.init()
     vocab = actor.model.config.vocab_size
@@ -252,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         "compile_layers": args.compile_layers,
         "adamw": "fused" if actor.optimizer.defaults.get("fused") else "foreach",
         "logprob_chunk_elems": logprobs.COMPILED_CHUNK_ELEMS,
+        "logprob_forward": args.logprob_forward,
         "trained_logits_only": actor._stats_kw["trained_only"],
         "first_train_s": round(first_s, 3),
         "train_s": round(m["train_s"], 3),
