@@ -13,8 +13,7 @@ rule and the offload decision, because they settle placement and offload:
 - Trainer and engines sharing a GPU (colocated on CUDA): the trainer's processes get
   ``CUDA_MPS_CLIENT_PRIORITY=1`` unless either side's env vars set a priority. Under a CUDA MPS daemon
   the engine's short decode kernels are then scheduled before the trainer's long GEMMs instead of queueing
-  behind them; without MPS the variable is ignored. On one H200 (0.5B shape) one-step went from 1.34x to
-  1.43x sync's samples/s with it.
+  behind them; without MPS the variable is ignored (figures: docs/async.md).
 - ``--partial-rollout`` (full only, single-turn; the embedded engine's generate step, which a custom generate
   function reaches through ``generate_default``, or an HTTP engine's requests): requests in flight at a
   sync are paused and continued on the new weights.
