@@ -8,7 +8,8 @@ one warm process (``WarmProcess.start``) as it starts Ray; it imports those modu
 forks a child per Ray worker, which runs Ray's own ``default_worker.py`` unchanged with the imports
 done (copy-on-write: the children share the imported code's memory too). What only one kind of
 actor needs (``ray_cluster.ONE_ACTOR_ONLY``) each child imports itself, beside the others: the
-warm process's imports are the start's critical path, since ``ray.init`` waits for the forks.
+warm process's imports are the start's critical path, since ``ray.init`` waits for the forks (transformers'
+index of its lazy modules is read from a file there: ``tidal.cluster.transformers_index``).
 
 How Ray reaches it: the raylet's worker command names ``tidal/cluster/warm_worker.py`` instead of
 Ray's ``default_worker.py`` (``worker_command``, while ``ray.init`` starts the raylet). That small
