@@ -103,7 +103,12 @@ def test_logits_at_trained_positions_only_give_the_same_loss_and_gradients():
     def head_rows(_m, inp, _out):
         seen.append(inp[0].shape[:-1])
 
+    from transformers import masking_utils
+
+    checks = []  # transformers' packed-sequence check (a host sync on CUDA): never called by token_stats
+    original = masking_utils.find_packed_sequence_indices
     handle = model.lm_head.register_forward_hook(head_rows)
+    masking_utils.find_packed_sequence_indices = lambda *a: checks.append(1)
     for trained_only in (False, True):
         model.zero_grad(set_to_none=True)
         logp, ent = token_stats(model, mb, entropy=True, entropy_grad=True, compile=False, trained_only=trained_only)
@@ -114,6 +119,8 @@ def test_logits_at_trained_positions_only_give_the_same_loss_and_gradients():
         loss.backward()
         out[trained_only] = (logp, ent, loss, {n: p.grad.clone() for n, p in model.named_parameters()})
     handle.remove()
+    masking_utils.find_packed_sequence_indices = original
+    assert checks == []
     assert seen == [mb.input_ids.shape, (mb.num_response_tokens,)]  # [B, T] rows, then the 5 trained ones
     (lp_all, ent_all, loss_all, g_all), (lp, ent, loss, g) = out[False], out[True]
     m = mb.mask

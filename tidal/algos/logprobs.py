@@ -17,9 +17,10 @@ The compiled kernels hold no scratch (each chunk reads the logits and writes onl
 the gradient), so they take ``COMPILED_CHUNK_ELEMS`` logits a chunk (about 7k rows at a 152k
 vocabulary): fewer launches and calls, and a grid of thousands of rows instead of 441 for the
 device's 132 SMs. Should they fail mid-call, the eager kernels take over a long chunk in pieces of
-their own budget. The compiled forward works over blocks of the vocabulary (``_chunk_forward_blocked``:
-each block's max and sums in one pass, then the row's from the blocks' partials), so it reads the
-logits once where a max followed by sums over whole rows reads them twice (``BLOCKED_FORWARD``).
+their own budget. ``_chunk_forward_blocked`` (``BLOCKED_FORWARD``, off) works over blocks of the
+vocabulary instead (each block's max and sums in one pass, then the row's from the partials); measured
+slower than the row kernel on the H200, it is kept for comparison (``tidal bench trainer
+--logprob-forward blocked``).
 
 On CUDA with triton, the per-chunk forward and backward run through ``torch.compile`` (dynamic
 rows; the backward becomes one kernel that reads bf16 logits and writes the bf16 gradient); any
@@ -244,8 +245,10 @@ def _disable_compile(exc: BaseException) -> None:
     log.warning("log-prob kernels: torch.compile failed, using the eager kernels from now on (%s)", _compile_off)
 
 
-# The compiled forward: over vocabulary blocks (one read of the logits) or whole rows (two reads).
-BLOCKED_FORWARD = True
+# The compiled forward: over vocabulary blocks (one read of the logits) or whole rows. Rows: on the H200 the
+# blocked kernel took 0.092 s for the 0.5B bench's 131k rows against ~0.05 s for rows (inductor's row
+# reduction re-reads each row from cache, so it is not two reads of memory).
+BLOCKED_FORWARD = False
 
 
 def _compiled_fn(name: str):

@@ -169,7 +169,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--logprob-forward",
-        default="blocked",
+        default="rows",
         choices=("blocked", "rows"),
         help="the compiled log-prob forward: over vocabulary blocks (one read of the logits) or whole rows (two)",
     )

@@ -9,8 +9,10 @@ reduced sums into rank 0's metrics.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -56,11 +58,55 @@ def token_stats(
 
     if trained_only:
         return _trained_token_stats(model, mb, entropy, entropy_grad, compile)
-    logits = model(input_ids=mb.input_ids, use_cache=False).logits
+    with unpacked_rows():
+        logits = model(input_ids=mb.input_ids, use_cache=False).logits
     if entropy:
         logp, ent = token_logprobs_and_entropy(logits, mb.next_ids, with_entropy_grad=entropy_grad, compile=compile)
         return logp[:, :-1], ent[:, :-1]
     return token_logprobs(logits, mb.next_ids, compile=compile)[:, :-1], None
+
+
+@contextlib.contextmanager
+def unpacked_rows() -> Iterator[None]:
+    """Model calls inside skip transformers' packed-sequence check. Without an attention mask transformers
+    looks for several sequences packed into one row (positions that restart) and decides with a
+    host-side ``.all()``: a wait for the device at every micro-batch. The trainer's rows are never
+    packed (one right-padded sequence each, positions from 0), for which the check returns None: so
+    does its stand-in."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - transformers is a core dependency
+        yield
+        return
+    check = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if check is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = _not_packed
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = check
+
+
+def _not_packed(position_ids: torch.Tensor) -> None:
+    return None
+
+
+class _Rows(torch.autograd.Function):
+    """Rows ``pos`` (distinct) of a 2-D tensor. The backward copies the gradient into zeros at ``pos``
+    instead of ``index_select``'s accumulating ``index_add`` (atomic adds, for rows that cannot repeat)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(pos)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, pos)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (pos,) = ctx.saved_tensors
+        return g.new_zeros((ctx.rows, *g.shape[1:])).index_copy_(0, pos, g), None
 
 
 def _trained_token_stats(model, mb: MicroBatch, entropy: bool, entropy_grad: bool, compile: bool):
@@ -71,11 +117,12 @@ def _trained_token_stats(model, mb: MicroBatch, entropy: bool, entropy_grad: boo
 
     def rows_only(_head, args):
         h = args[0]
-        return (h.reshape(-1, h.shape[-1]).index_select(0, pos), *args[1:])
+        return (_Rows.apply(h.reshape(-1, h.shape[-1]), pos), *args[1:])
 
     handle = model.get_output_embeddings().register_forward_pre_hook(rows_only)
     try:
-        logits = model(input_ids=mb.input_ids, use_cache=False).logits
+        with unpacked_rows():
+            logits = model(input_ids=mb.input_ids, use_cache=False).logits
     finally:
         handle.remove()
     if logits.shape[:-1] != pos.shape:
