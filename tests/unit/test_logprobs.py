@@ -187,3 +187,15 @@ def test_blocked_forward_equals_the_row_forward(vocab, inv_t):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=2e-6)
     assert losses._chunk_forward_blocked(x, tgt, inv_t, False)[2] is None
     assert losses._vocab_blocks(151936) == 128 and losses._vocab_blocks(152) == 8 and losses._vocab_blocks(37) == 1
+
+
+def test_rowwise_backward_writes_the_same_gradient():
+    torch.manual_seed(8)
+    x = (torch.randn(6, 50) * 3).to(torch.bfloat16)
+    tgt = torch.randint(0, 50, (6,))
+    _, shift, ent = losses._chunk_forward(x, tgt, 1.0, True, [torch.empty(6, 50) for _ in range(2)])
+    g_lp, g_ent = torch.randn(6), torch.randn(6)
+    a, b = torch.empty(6, 50), torch.empty(6, 50)
+    losses._chunk_backward_fused(x, tgt, shift, ent, g_lp, g_ent, 1.0, a)
+    sums = losses._chunk_backward_rowwise(x, tgt, shift, ent, g_lp, g_ent, 1.0, b)
+    assert torch.equal(a, b) and torch.allclose(sums, a.sum(-1))
