@@ -319,7 +319,7 @@ def test_smollm2_folder_is_a_plain_hf_model():
 
 def test_adamw_fused_and_foreach_take_the_same_steps():
     """--adamw-impl: both kernels give the same update (to fp32 rounding); auto is foreach on CPU, fused on CUDA."""
-    from tidal.trainer.actor import build_adamw
+    from tidal.trainer.optim import build_adamw
 
     g = torch.Generator().manual_seed(0)
     start = [torch.randn(33, 7, generator=g), torch.randn(5, generator=g)]
@@ -350,7 +350,7 @@ def test_shard_adamw_updates_dtensors_through_their_shards_bit_for_bit():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from tidal.trainer.actor import ShardAdamW
+    from tidal.trainer.optim import ShardAdamW
 
     own = not dist.is_initialized()
     if own:
@@ -388,7 +388,7 @@ def test_one_rank_clip_equals_torchs_clip_over_dtensors():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from tidal.trainer.actor import clip_one_rank
+    from tidal.trainer.optim import clip_one_rank
 
     own = not dist.is_initialized()
     if own:

@@ -53,86 +53,12 @@ from tidal.trainer.fsdp_state import FSDPState, fsdp_modules, reshard
 from tidal.trainer.groups import place
 from tidal.trainer.microbatch import MicroBatches
 from tidal.trainer.objective import RolloutObjective
+from tidal.trainer.optim import build_adamw, clip_one_rank
 from tidal.trainer.packing import plan_rollout
 from tidal.trainer.schedule import LRSchedule
 from tidal.trainer.sharding import build_sharded, mixed_precision, shard
 from tidal.trainer.step import RolloutClock, RolloutSums, check_samples, rollout_metrics, token_stats
 from tidal.trainer.weights import iter_full_tensors, local_shard
-
-
-def build_adamw(params: list, cfg, device_type: str) -> torch.optim.AdamW:
-    """AdamW over ``params`` with ``cfg``'s (a ``TrainerConfig``) rate, betas, eps and decay, and its kernels
-    (``--adamw-impl``; auto: fused on CUDA, foreach on CPU).
-
-    foreach runs one kernel per operation over all tensors, on CPU too (torch picks it only for CUDA
-    tensors; the per-tensor loop cost the default CPU run 8.2 ms a step against 2.9). fused runs the
-    whole update as one kernel over every tensor, reading each parameter, gradient and moment once
-    (foreach's seven operations pass over them about three times as often); its step counters live on
-    the device. FSDP2's DTensor parameters take either (DTensor shards the fused op like any
-    element-wise one).
-    """
-    kw = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-    impl = cfg.adamw_impl if cfg.adamw_impl != "auto" else ("fused" if device_type == "cuda" else "foreach")
-    return ShardAdamW(params, **kw, **{impl: True})
-
-
-def clip_one_rank(params: list, max_norm: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` (2-norm) for FSDP2 parameters on one rank, on the gradients' local
-    tensors (there, the whole gradients): the same operations in the same order, without DTensor's
-    dispatch over every tensor twice. Returns the total norm before clipping."""
-    grads = [getattr(p.grad, "_local_tensor", p.grad) for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
-    torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
-    return total
-
-
-class ShardAdamW(torch.optim.AdamW):
-    """AdamW whose steps after the first update FSDP2's DTensor parameters through their local shards.
-
-    AdamW is element-wise, so each rank updating its own shards of the parameters, gradients and
-    moments is the update DTensor would make; going through DTensor instead costs its dispatch over
-    every tensor of the one fused (or foreach) call, tens of milliseconds of host time a step for a
-    model of 290 tensors, after the device has finished the backward. The first step (which creates
-    the moments, as DTensors, for checkpoints and the memory backend) and any configuration this does
-    not cover (amsgrad, maximize, capturable, a closure) run torch's own step. The state is torch's:
-    saving, loading and ``zero_grad`` are unchanged.
-    """
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        plain = closure is not None or any(
-            g["amsgrad"] or g["maximize"] or g.get("capturable") or g.get("differentiable") for g in self.param_groups
-        )
-        if plain or any(p.grad is not None and not self.state.get(p) for g in self.param_groups for p in g["params"]):
-            return super().step(closure)
-        from torch.optim.adamw import adamw
-
-        def local(t):  # a DTensor's local shard without to_local()'s autograd wrapper, or the tensor itself
-            return getattr(t, "_local_tensor", t)
-
-        for g in self.param_groups:
-            live = [p for p in g["params"] if p.grad is not None]
-            states = [self.state[p] for p in live]
-            adamw(
-                [local(p) for p in live],
-                [local(p.grad) for p in live],
-                [local(s["exp_avg"]) for s in states],
-                [local(s["exp_avg_sq"]) for s in states],
-                [],
-                [s["step"] for s in states],
-                foreach=g["foreach"],
-                fused=g["fused"],
-                amsgrad=False,
-                beta1=g["betas"][0],
-                beta2=g["betas"][1],
-                lr=g["lr"],
-                weight_decay=g["weight_decay"],
-                eps=g["eps"],
-                maximize=False,
-            )
-        return None
 
 
 class TrainerActor(Trainer):
