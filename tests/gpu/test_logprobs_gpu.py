@@ -120,7 +120,11 @@ def test_compiled_speed(data, monkeypatch):
     monkeypatch.setattr(losses, "BLOCKED_FORWARD", False)
     monkeypatch.setattr(losses, "ROWWISE_BACKWARD", True)  # the backward as a row-wise kernel
     t_rowwise = timed()
+    monkeypatch.setattr(losses, "BOUNDED_ROWS", True)  # and with the rows bounded (32-bit indexing)
+    t_bounded = timed()
     monkeypatch.setattr(losses, "ROWWISE_BACKWARD", False)
+    t_bounded_flat = timed()
+    monkeypatch.setattr(losses, "BOUNDED_ROWS", False)
     monkeypatch.setattr(losses, "COMPILED_CHUNK_ELEMS", 0)  # the row forward in the eager budget's 441-row chunks
     t_short = timed()
     t_eager = timed(compile=False)
@@ -129,7 +133,8 @@ def test_compiled_speed(data, monkeypatch):
         f"\ntoken_logprobs_and_entropy [{ROWS}, {VOCAB}] bf16, forward + backward: "
         f"eager {t_eager * 1e3:.1f} ms, compiled row forward in 441-row chunks {t_short * 1e3:.1f} ms, "
         f"row forward in one chunk {t_rows * 1e3:.1f} ms, blocked forward in one chunk {t_compiled * 1e3:.1f} ms, "
-        f"row forward and row-wise backward in one chunk {t_rowwise * 1e3:.1f} ms; "
+        f"row forward and row-wise backward in one chunk {t_rowwise * 1e3:.1f} ms "
+        f"({t_bounded * 1e3:.1f} ms with bounded rows; the plain backward with bounded rows {t_bounded_flat * 1e3:.1f} ms); "
         f"{moved / 1e9:.2f} GB moved at least, "
         f"{moved / t_rows / 1e12:.2f} TB/s for the row forward in one chunk"
     )

@@ -271,6 +271,9 @@ def _disable_compile(exc: BaseException) -> None:
 BLOCKED_FORWARD = False
 # The compiled backward as a row-wise kernel (``_chunk_backward_rowwise``); off: not measured yet.
 ROWWISE_BACKWARD = False
+# Bound the chunk's rows for the compiler (``torch._dynamo.mark_dynamic`` with a maximum), so it can prove
+# rows * V < 2**31 and index in 32 bits instead of 64; off: not measured yet.
+BOUNDED_ROWS = False
 
 
 def _compiled_fn(name: str):
@@ -279,16 +282,28 @@ def _compiled_fn(name: str):
         key = "forward-blocked"
     elif name == "backward" and ROWWISE_BACKWARD:
         key = "backward-rowwise"
+    if BOUNDED_ROWS:
+        key += "-bounded"
     if key not in _compiled:
         fn = {
             "forward": _chunk_forward_fused,
             "forward-blocked": _chunk_forward_blocked,
             "backward": _chunk_backward_fused,
             "backward-rowwise": _chunk_backward_rowwise,
-        }[key]
+        }[key.removesuffix("-bounded")]
         # A micro-batch's last chunk has fewer rows than the others: compile for dynamic rows at once.
         _compiled[key] = torch.compile(fn, dynamic=True)
     return _compiled[key]
+
+
+def _bound_rows(*tensors: Tensor) -> None:
+    """With ``BOUNDED_ROWS``: mark dim 0 of each as dynamic, at most the rows of a compiled chunk."""
+    if not BOUNDED_ROWS:
+        return
+    most = max(2, COMPILED_CHUNK_ELEMS // max(1, tensors[0].shape[-1]))
+    for t in tensors:
+        if t.shape[0] >= 2:
+            torch._dynamo.mark_dynamic(t, 0, min=2, max=most)
 
 
 class _Chunks:
@@ -310,6 +325,7 @@ class _Chunks:
     def forward(self, x: Tensor, tgt: Tensor, inv_t: float, want_entropy: bool):
         if _compile_available(x.device, self.compile):
             try:
+                _bound_rows(x, tgt)
                 return _compiled_fn("forward")(x, tgt, inv_t, want_entropy)
             except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to eager
                 _disable_compile(exc)
@@ -324,6 +340,7 @@ class _Chunks:
     def backward(self, x, tgt, shift, ent, g_lp, g_ent, inv_t: float, out: Tensor) -> None:
         if _compile_available(x.device, self.compile):
             try:
+                _bound_rows(x, tgt, shift, out, *(t for t in (g_lp, g_ent) if t is not None))
                 _compiled_fn("backward")(x, tgt, shift, ent, g_lp, g_ent, inv_t, out)
                 return
             except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to eager
