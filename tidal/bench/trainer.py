@@ -24,8 +24,10 @@ One rank in this process (a 1-rank FSDP2 group; the code path of every rank). Pr
     write_gbps               the limit: the same bytes written as one safetensors file, same run
     adamw                    the kernel choices in effect: AdamW's (--adamw-impl), the logits per
     logprob_chunk_elems      compiled log-prob chunk (--logprob-chunk-elems), the compiled forward over
-    logprob_forward          vocabulary blocks or rows (--logprob-forward), the LM head at the trained
-    trained_logits_only      positions only (off with --all-logits)
+    logprob_forward          vocabulary blocks or rows (--logprob-forward), the backward element-wise
+    logprob_backward         or row-wise (--logprob-backward), rows bounded for 32-bit indexing
+    logprob_bounded_rows     (--logprob-bounded-rows), the LM head at the trained positions only
+    trained_logits_only      (off with --all-logits)
     host_syncs               CUDA: how often one more train call made the host wait for the device
     host_sync_sites          (torch's sync debug mode), and the Python lines that did; the rollout's one
                              transfer of its metrics at the end is expected, anything per micro-batch
@@ -174,6 +176,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="the compiled log-prob forward: over vocabulary blocks (one read of the logits) or whole rows (two)",
     )
     ap.add_argument(
+        "--logprob-backward",
+        default="flat",
+        choices=("flat", "rowwise"),
+        help="the compiled log-prob backward: element-wise over rows * V, or a row-wise kernel",
+    )
+    ap.add_argument(
+        "--logprob-bounded-rows",
+        action="store_true",
+        help="bound the compiled chunks' rows for the compiler (32-bit indexing)",
+    )
+    ap.add_argument(
         "--logprob-chunk-elems",
         type=int,
         default=None,
@@ -230,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.logprob_chunk_elems is not None:
         logprobs.COMPILED_CHUNK_ELEMS = args.logprob_chunk_elems
     logprobs.BLOCKED_FORWARD = args.logprob_forward == "blocked"
+    logprobs.ROWWISE_BACKWARD = args.logprob_backward == "rowwise"
+    logprobs.BOUNDED_ROWS = args.logprob_bounded_rows
     actor = _trainer(args)
     info = actor.init()
     vocab = actor.model.config.vocab_size
@@ -261,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         "adamw": "fused" if actor.optimizer.defaults.get("fused") else "foreach",
         "logprob_chunk_elems": logprobs.COMPILED_CHUNK_ELEMS,
         "logprob_forward": args.logprob_forward,
+        "logprob_backward": args.logprob_backward,
+        "logprob_bounded_rows": args.logprob_bounded_rows,
         "trained_logits_only": actor._stats_kw["trained_only"],
         "first_train_s": round(first_s, 3),
         "train_s": round(m["train_s"], 3),
