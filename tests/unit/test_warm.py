@@ -3,7 +3,7 @@
 The cluster test runs in its own process (a Ray cluster of its own, as ``tidal train`` starts one): an actor runs
 in a fork of the warm process with the workers' environment and the preloaded module (frozen out of its collector);
 Ray's processes and the driver's inputs thread run below the warm process's priority, the driver's own thread not;
-the raylet's agents are light stand-ins, and the runtime-env one becomes Ray's agent when an actor with a runtime env
+no worker is prestarted (ray.init does not wait for the forks); the raylet's agents are light stand-ins, and the runtime-env one becomes Ray's agent when an actor with a runtime env
 of its own is started (by Ray, as usual); a worker dies with its handle; the warm process stops with ``stop_ray``,
 without the interpreter's teardown.
 """
@@ -30,6 +30,18 @@ CLUSTER = textwrap.dedent(
     warm = ray_cluster._warm.proc
     started = start_ray(None, num_cpus=2, num_gpus=0, worker_env=env, preload=["colorsys", "atexit_mark"])
     import ray
+
+    def handles_now():
+        out = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                out += [p.pid] if p.cmdline()[1:2] and p.cmdline()[1].endswith("warm_worker.py") else []
+            except psutil.Error:
+                pass
+        return out
+
+    # No worker was prestarted for ray.init to wait for: the actors' workers are started (forked) as they are created.
+    assert handles_now() == [], handles_now()
 
     @ray.remote(num_cpus=0)
     class Probe:
@@ -188,8 +200,8 @@ def test_a_cluster_whose_workers_host_nothing_preloaded_starts_none_ahead():
     from tidal.cluster.ray_cluster import IDLE_WORKER_KEEP_MS, local_system_config
 
     assert local_system_config([], prestart=False) == {"prestart_worker_first_driver": False}
-    warm = local_system_config([], prestart=True)
-    assert warm == {"idle_worker_killing_time_threshold_ms": IDLE_WORKER_KEEP_MS}
+    prestarted = local_system_config([], prestart=True)
+    assert prestarted == {"idle_worker_killing_time_threshold_ms": IDLE_WORKER_KEEP_MS}
     assert local_system_config(["torch"], prestart=True)["preload_python_modules"] == ["torch"]
     out = subprocess.run(
         [sys.executable, "-c", NO_PRESTART], capture_output=True, text=True, timeout=120, env={**os.environ}

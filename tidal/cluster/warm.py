@@ -8,7 +8,7 @@ one warm process (``WarmProcess.start``) as it starts Ray; it imports those modu
 forks a child per Ray worker, which runs Ray's own ``default_worker.py`` unchanged with the imports
 done (copy-on-write: the children share the imported code's memory too). What only one kind of
 actor needs (``ray_cluster.ONE_ACTOR_ONLY``) each child imports itself, beside the others: the
-warm process's imports are the start's critical path, since ``ray.init`` waits for the forks (transformers'
+warm process's imports are the start's critical path, since the actors wait for the forks (transformers'
 index of its lazy modules is read from a file there: ``tidal.cluster.transformers_index``).
 
 How Ray reaches it: the raylet's worker command names ``tidal/cluster/warm_worker.py`` instead of
@@ -17,7 +17,7 @@ script hands its command line, environment and standard streams to this process 
 socket and stays as the raylet's handle on the forked worker (signals forwarded, exit status
 returned); a worker whose environment must be set before its process starts (a runtime env's
 variables, ``LD_PRELOAD`` for torch_memory_saver) is started by Ray as usual. The socket listens
-before Ray starts, so the workers Ray prestarts wait for the imports instead of doing their own.
+before Ray starts: the workers Ray starts for the actors wait for the imports instead of doing their own.
 
 Only on a CPU cluster started here: CUDA must not be initialised before a fork, and GPU actors
 need their own process environment. ``--ray-address`` (joining a cluster) changes nothing.
