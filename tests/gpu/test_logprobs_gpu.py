@@ -92,7 +92,8 @@ def test_public_function_compiled_equals_eager(data, monkeypatch, temperature, e
         monkeypatch.setattr(losses, "COMPILED_CHUNK_ELEMS", chunk_rows * VOCAB)
     compiled = _fwd_bwd(x, tgt, temperature, entropy_grad)
     forward = "forward-blocked" if losses.BLOCKED_FORWARD else "forward"
-    assert losses._compile_off is None and {forward, "backward"} <= set(losses._compiled)
+    backward = "backward-rowwise" if losses.ROWWISE_BACKWARD else "backward"
+    assert losses._compile_off is None and {forward, backward} <= set(losses._compiled)
     eager = _fwd_bwd(x, tgt, temperature, entropy_grad, compile=False)
     torch.testing.assert_close(compiled[0], eager[0], **TOL)
     torch.testing.assert_close(compiled[1], eager[1], **TOL)
@@ -114,6 +115,7 @@ def test_compiled_speed(data, monkeypatch):
         return (time.perf_counter() - t0) / 5
 
     monkeypatch.setattr(losses, "BLOCKED_FORWARD", False)
+    monkeypatch.setattr(losses, "ROWWISE_BACKWARD", False)
     t_rows = timed()
     monkeypatch.setattr(losses, "BLOCKED_FORWARD", True)  # the forward over vocabulary blocks
     t_compiled = timed()

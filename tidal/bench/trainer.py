@@ -177,7 +177,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--logprob-backward",
-        default="flat",
+        default="rowwise",
         choices=("flat", "rowwise"),
         help="the compiled log-prob backward: element-wise over rows * V, or a row-wise kernel",
     )
