@@ -5,7 +5,8 @@
     python -m tidal.bench.trainer --device cuda --model qwen2.5-0.5b-shape --samples 64 \\
         --prompt-len 256 --response-len 256                           # GPU
 
-One rank in this process (a 1-rank FSDP2 group; the code path of every rank). Prints one JSON line:
+One rank in this process (a 1-rank FSDP2 group; the code path of every rank). Prints ``{"train": ...}``
+(first_train_s, train_s, grad_norm) as soon as the measured call ends, then one JSON line:
 
     first_train_s            the warm-up call (the first: allocator growth, AdamW state, compiling)
     first_loss / loss        the two calls' losses, and the measured call's entropy and gradient norm (same
@@ -254,6 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     first_s = time.perf_counter() - t_first
     batch = _samples(args.samples, args.prompt_len, args.response_len, vocab, seed=1)
     m = actor.train(batch, 1)
+    # The measured figures at once (the full row comes at the end, after the limit, pause and save), so that a
+    # run cut short by a time limit still reports them.
+    early = {
+        "first_train_s": round(first_s, 3),
+        "train_s": round(m["train_s"], 3),
+        "grad_norm": round(m["grad_norm"], 6),
+    }
+    print(json.dumps({"train": early}), flush=True)
     profile, later = None, []
     if args.profile:  # one more call, so that the profiler's own overhead stays out of train_s
         out, summary = profiled(lambda: actor.train(batch, 2), args.device, "train")
