@@ -17,9 +17,9 @@ import concurrent.futures
 import logging
 import os
 import sys
-import threading
 from typing import TYPE_CHECKING
 
+from tidal.background import in_background
 from tidal.cluster.groups import EngineGroup, TrainerGroup
 from tidal.cluster.placement import Placement, create_placement_group, plan_placement
 from tidal.cluster.ray_cluster import start_ray, start_warm, stop_ray
@@ -97,7 +97,7 @@ class Session:
             switch = sys.getswitchinterval()
             sys.setswitchinterval(min(switch, STARTUP_SWITCH_INTERVAL_S))
             try:
-                inputs = _in_background(_read_inputs, cfg, spec)
+                inputs = in_background(_read_inputs, cfg, spec, name="tidal-inputs")
                 self._start_cluster(placement, env, preload)
                 self.mark_startup("startup_ray_s")
                 self.tokenizer, self.dataset, self.agent = inputs.result()
@@ -216,7 +216,7 @@ class Session:
         if self.display is not None:
             self.display.close()
         # The last charts are drawn (~1 s of CPU) while the actors and Ray stop, which is mostly waiting.
-        closing = _in_background(self._close_run) if self.run is not None else None
+        closing = in_background(self._close_run, name="tidal-close") if self.run is not None else None
         try:
             if ray.is_initialized():
                 if self.engines is not None:
@@ -493,7 +493,7 @@ class Session:
         if self._plotting is None:
             # matplotlib (~0.7 s of CPU) is imported beside the steps rather than after the last one: the
             # run's end waits for its charts.
-            self._plotting = _in_background(import_plotting)
+            self._plotting = in_background(import_plotting, name="tidal-plotting")
         if self.redraw.due():  # drawn beside the next step, from a copy of what is recorded now
             timeline = self.timeline.snapshot() if self.timeline is not None else None
             self.charts.start(self._draw, list(self.run.history), timeline)
@@ -543,17 +543,3 @@ def _read_inputs(cfg: TidalConfig, spec):
 
         trainer_class(cfg.trainer.train_backend)
     return tokenizer, dataset, agent
-
-
-def _in_background(fn, *args) -> concurrent.futures.Future:
-    """``fn(*args)`` in a daemon thread; ``.result()`` returns its value or raises its exception."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller of .result()
-            future.set_exception(e)
-
-    threading.Thread(target=run, name="tidal-inputs", daemon=True).start()
-    return future

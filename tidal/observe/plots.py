@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import threading
 import time
 from collections.abc import Callable
+
+from tidal.background import in_background
 
 PHASES = ("generate_s", "release_s", "train_s", "pause_s", "sync_s", "resume_s")
 REDRAW_EVERY_S = 30.0
@@ -57,16 +58,7 @@ class ChartThread:
                 return False
             done, self._future = self._future, None
             done.result()  # the last draw's failure, if any (raised once)
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                future.set_result(draw(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to start() or wait()
-                future.set_exception(e)
-
-        self._future = future
-        threading.Thread(target=run, name="tidal-charts", daemon=True).start()
+        self._future = in_background(draw, *args, name="tidal-charts")
         return True
 
     def wait(self) -> None:
