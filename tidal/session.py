@@ -182,13 +182,18 @@ class Session:
             total_steps=cfg.rollout.num_rollout * steps_per_rollout(cfg),
         )
         engine_init = self.engines.call_async("init")
-        info = get(self.trainer.call_async("init"))[0]
+        trainer_init = self.trainer.call_async("init")
+        warm = self._warm_up_calls()  # queued behind each actor's init: every actor warms at once
+        info = get(trainer_init)[0]
         engine_info = get(engine_init)
+        warmed = {side: get(call) for side, call in warm.items()}
         self.mark_startup("startup_actors_s")
         self.startup["startup_trainer_init_s"] = round(info.get("init_s", 0.0), 3)
         self.startup["startup_trainer_build_s"] = round(info.get("build_s", 0.0), 3)
         builds = [e.get("build_s", 0.0) for e in engine_info if isinstance(e, dict)]
         self.startup["startup_engine_build_s"] = round(max(builds, default=0.0), 3)
+        for side, reports in warmed.items():
+            self.startup[f"startup_{side}_warmup_s"] = round(max(r.seconds for r in reports), 3)
         self.display.info(
             f"trainer: {len(placement.trainers)} rank(s), {info.get('num_params', 0) / 1e6:.2f}M params on {self.device}; "
             f"engines: {len(self.engines)} ({'colocated' if placement.colocated else 'disaggregated'})"
@@ -200,6 +205,23 @@ class Session:
                 "engines released", self.engines.call("release_memory", ["kv_cache", "weights"])[0].after
             )
         self.trainer.call("connect_engines", self.engines.actors, default_dtype_name(self.device))
+
+    def _warm_up_calls(self) -> dict[str, list]:
+        """With ``--warm-up``: each engine's ``warm_up`` at its share of the first rollout's samples (whole prompt
+        groups per engine, as ``run_engines`` splits them) and the trainer's, sent now; by side."""
+        cfg = self.cfg
+        if not cfg.cluster.warm_up:
+            return {}
+        from tidal.rollout.orchestrate import sampling_params
+
+        r = cfg.rollout
+        prompts = r.over_sampling_batch_size or r.rollout_batch_size
+        rows = -(-prompts // max(1, len(self.engines))) * r.n_samples_per_prompt
+        sampling = sampling_params(r, self.tokenizer)
+        return {
+            "engine": self.engines.call_async("warm_up", rows, sampling),
+            "trainer": self.trainer.call_async("warm_up"),
+        }
 
     def mark_startup(self, name: str) -> None:
         """Record seconds since this process started under ``name`` (a ``startup_*`` figure of step 0)."""

@@ -158,6 +158,26 @@ def test_rule_trained_logits(argv, env, expect):
 @pytest.mark.parametrize(
     "argv, env, expect",
     [
+        ([], CPU, {"warm_up": False}),
+        (TINY_GPU, GPU1, {"warm_up": True}),
+        (TINY_GPU + ["--offload"], GPU1, {"warm_up": False}),
+        (
+            TINY_GPU + ["--no-rollout-compile", "--no-rollout-cuda-graphs", "--no-compile-logprobs"],
+            GPU1,
+            {"warm_up": False},
+        ),
+        (TINY_GPU + ["--no-rollout-compile", "--no-rollout-cuda-graphs"], GPU1, {"warm_up": True}),
+        (TINY_GPU + ["--no-warm-up"], GPU1, {"warm_up": False}),
+        (["--warm-up"], CPU, {"warm_up": True}),
+    ],
+)
+def test_rule_warm_up(argv, env, expect):
+    check(argv, env, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, env, expect",
+    [
         ([], CPU, {"init_on_device": False}),
         (TINY_GPU, GPU1, {"init_on_device": True}),
         (TINY_GPU + ["--no-init-on-device"], GPU1, {"init_on_device": False}),

@@ -187,6 +187,22 @@ def test_sampling_is_deterministic_given_a_seed(engine):
     assert [s.response_ids for s in a] != [s.response_ids for s in c]
 
 
+def test_a_warm_up_leaves_no_trace_in_later_calls():
+    """``--warm-up``: one decode step at the first call's rows, before it. The calls after it sample what an
+    engine that never warmed samples (the call count that seeds them is unchanged), and its pad prompts are
+    not kept as prefixes; with the fast path off there is nothing to warm."""
+    warmed, cold = make_engine(rollout_prefix_cache_mb=1), make_engine(rollout_prefix_cache_mb=1)
+    sp = SamplingParams(max_new_tokens=6)
+    report = warmed.warm_up(20, sp)
+    assert report.warmed == ["decode step"] and report.rows == 20 and report.seconds > 0
+    assert len(warmed._decoder().prefixes) == 0
+    for _ in range(2):
+        a, b = warmed.generate(make_samples(warmed), sp), cold.generate(make_samples(cold), sp)
+        assert [s.response_ids for s in a] == [s.response_ids for s in b]
+        assert [s.response_logprobs for s in a] == [s.response_logprobs for s in b]
+    assert make_engine(rollout_fast_decode=False).warm_up(20, sp).warmed == []
+
+
 def test_chunked_generation_equals_one_batch():
     eng = make_engine()
     sp = SamplingParams(temperature=0.0, max_new_tokens=8)

@@ -274,6 +274,31 @@ def test_one_step_rollout_uses_its_own_logprobs_and_matches_a_recompute(ray_clus
     assert all(tensor_checksum(weights[False][n]) != init[False][n] for n in shared)
 
 
+def test_a_warm_up_changes_neither_the_state_nor_the_next_update(ray_cluster):
+    """``--warm-up``: the trainer's passes over dummy micro-batches (training pass, the reference's and the
+    recompute's no-grad passes, one rank's gradient sync toggled) leave the weights, AdamW state and
+    schedule as they were, and the rollout trained after it makes exactly the update one trained without
+    it makes."""
+    ray = ray_cluster
+    samples = with_engine_logprobs(make_samples(12))
+    after = {}
+    for warm in (True, False):
+        actors = start_group(ray, world_size=1, offload=False, one_rank_fsdp=True)
+        try:
+            if warm:
+                before = call(ray, actors, "state_checksums")[0]
+                (report,) = call(ray, actors, "warm_up")
+                assert report.warmed == ["trainer"] and report.seconds > 0
+                assert call(ray, actors, "state_checksums")[0] == before
+            metrics = call(ray, actors, "train", samples, 0)[0]
+            assert metrics["optimizer_steps"] == 2 and metrics["kl"] >= 0
+            after[warm] = (call(ray, actors, "state_checksums")[0], metrics["loss"], metrics["lr"])
+        finally:
+            for a in actors:
+                ray.kill(a)
+    assert after[True] == after[False]
+
+
 # ---- the SmolLM2 preset ---------------------------------------------------------------------------
 
 

@@ -1,5 +1,5 @@
-"""Resolution rules of the run's files: checkpoints to save and load, prompt data and plug-in paths,
-the output folder, the memory-history snapshots.
+"""Resolution rules of the run's files and start: checkpoints to save and load, prompt data and plug-in
+paths, the output folder, the memory-history snapshots, the warm-up before the first rollout.
 
 Plain functions over ``tidal.config.validate.Context``; ``validate`` registers them last in its
 ordered rule list, so they run in the one resolve pass and appear in docs/configuration.md with
@@ -83,6 +83,26 @@ def output_dir(ctx: Context) -> None:
             "output-dir",
             "a fresh run folder",
         )
+
+
+def warm_up(ctx: Context) -> None:
+    """``--warm-up`` left unset: on where the first rollout would otherwise compile or capture (CUDA: the fast
+    decode step compiled or captured, or the trainer's layers or log-prob kernels compiled) and both sides stay
+    resident, since the warm-ups run at once on every actor (after the offload decision)."""
+    c, r, t, m = ctx.cfg.cluster, ctx.cfg.rollout, ctx.cfg.trainer, ctx.cfg.memory
+    if c.warm_up is not None:
+        return
+    engine = r.rollout_engine == "embedded" and r.rollout_fast_decode and (r.rollout_compile or r.rollout_cuda_graphs)
+    trainer = not r.debug_rollout_only and (t.compile_layers or t.compile_logprobs)
+    if c.device != "cuda":
+        on, why = False, f"nothing compiles or captures on {c.device}"
+    elif m.offload_train or m.offload_rollout:
+        on, why = False, "offload: trainer and engines do not stay resident together"
+    elif not (engine or trainer):
+        on, why = False, "nothing compiles or captures"
+    else:
+        on, why = True, "CUDA, " + " and ".join(n for n, x in (("decode step", engine), ("trainer", trainer)) if x)
+    ctx.derive("warm_up", on, "warm-up", why)
 
 
 def memory_history(ctx: Context) -> None:

@@ -49,6 +49,14 @@ class ClusterConfig:
         "triton kernels) across runs, so a run after the first skips most compiling; empty: torch's own "
         "defaults (under /tmp).",
     )
+    warm_up: bool | None = opt(
+        None,
+        "Compile and capture before the first rollout, on every actor at once: each engine runs one decode step "
+        "at the first rollout's batch size (torch.compile, CUDA graph capture), the trainer a forward and backward "
+        "of two small dummy micro-batches (its compiled layers and log-prob kernels), gradients dropped. The "
+        "first step then does not wait for one side's compiling after the other's. Default: on with CUDA when "
+        "something compiles or captures and trainer and engines stay resident (no offload).",
+    )
 
 
 @dataclass

@@ -475,6 +475,12 @@ rule(
 rule("output-dir", "`--output-dir` defaults to runs/<YYYYmmdd-HHMMSS>-<model>.")(run_rules.output_dir)
 
 rule(
+    "warm-up",
+    "`--warm-up` defaults to on with CUDA where the decode step or the trainer compiles or captures and no side is "
+    "offloaded (the warm-ups run on every actor at once, before the first rollout); off on CPU and with offload.",
+)(run_rules.warm_up)
+
+rule(
     "memory-history",
     "`--record-memory-history` needs CUDA; its snapshots go to `--memory-snapshot-dir` (default <output-dir>/memory-snapshots), "
     "which is only used with it.",
@@ -500,6 +506,7 @@ def unresolved_fields(cfg: TidalConfig) -> list[str]:
         "update_weight_transport", "global_batch_size", "eps_clip_high", "output_dir",
         "rollout_compile", "use_critic", "offload_host_memory", "rollout_prefix_cache_mb",
         "disable_grad_buffers_cpu_backup", "init_on_device", "rollout_decode_attention", "trained_logits_only",
+        "warm_up",
     }  # fmt: skip
     out = []
     for info in fields():

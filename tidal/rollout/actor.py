@@ -29,7 +29,7 @@ from tidal.rollout.engine import (
     WeightUpdateResult,
     update_result,
 )
-from tidal.rollout.types import Sample, SampleBatch, SamplingParams
+from tidal.rollout.types import Sample, SampleBatch, SamplingParams, WarmUpReport
 
 if TYPE_CHECKING:
     from tidal.rollout.embedded import EmbeddedEngine
@@ -111,6 +111,9 @@ class EngineActor(RolloutEngine):
         out = self._engine().generate(samples, sampling)
         self._history.step()
         return SampleBatch(out)  # one object on the wire (tidal.rollout.types)
+
+    def warm_up(self, rows: int, sampling: SamplingParams) -> WarmUpReport:
+        return self._engine().warm_up(rows, sampling)
 
     def release_memory(self, tags: Sequence[str] = TAGS) -> MemoryReport:
         engine = self._engine()

@@ -76,7 +76,7 @@ from tidal.rollout.generate import (
     shared_prefill,
     unfinished,
 )
-from tidal.rollout.types import Sample, SamplingParams
+from tidal.rollout.types import Sample, SamplingParams, WarmUpReport
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +302,40 @@ class EmbeddedEngine(EngineWeights):
             gc.collect()
             gc.freeze()
         return samples
+
+    def warm_up(self, rows: int, sampling: SamplingParams) -> WarmUpReport:
+        """Compile and capture the decode step a first ``generate`` of ``rows`` samples would (``--warm-up``).
+
+        One fast-decode call of two new tokens at as many rows as that call's first wave (``_rows_per_chunk``
+        at the longest prompt, the decoder's rows) and ``sampling``'s mode: the step is compiled and its graph
+        captured for that batch bucket. Nothing of it reaches later calls: the prompts are pad tokens, no
+        stop id can end a row before its step, the call count that seeds each call is unchanged, and a graph
+        captured here restores the device RNG as a capture inside the call would. Later batch buckets (rows
+        that end early) are still captured when reached. Nothing to warm: the fast path is off (transformers
+        generate compiles nothing). Where the step is neither compiled nor captured (CPU) the call only runs it."""
+        from tidal.rollout.fast.plug import OFF
+
+        t0 = time.perf_counter()
+        self.residency.require_generate()
+        dec = self._decoder()
+        if dec == OFF or rows < 1:
+            return WarmUpReport()
+        prompt_len = max(1, min(self.rollout.rollout_max_prompt_len, 8))
+        n = min(rows, self._rows_per_chunk(self.rollout.rollout_max_prompt_len, sampling.max_new_tokens))
+        warm = dataclasses.replace(sampling, max_new_tokens=2, stop=[], stop_token_ids=[])
+        self._generate_chunk([[self._pad_id] * prompt_len] * n, warm, [], [2] * n)
+        stats = dec.last_stats
+        if dec.prefixes is not None:
+            dec.prefixes.clear()  # the pad prompts are no prefix of anything real
+        gc.collect()
+        gc.freeze()  # the compiled step's objects live for the whole run (see generate_default)
+        return WarmUpReport(
+            seconds=time.perf_counter() - t0,
+            warmed=["decode step"],
+            rows=min(n, dec.rows),
+            graph_captures=int(stats.get("graph_captures", 0)),
+            capture_s=float(stats.get("capture_s", 0.0)),
+        )
 
     def _rows_per_chunk(self, prompt_len: int, new_tokens: int) -> int:
         """Rows whose KV cache, prefill activations and per-step logits fit the chunk budget."""

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, TrainerConfig, WeightSyncConfig
 from tidal.memory.base import MemoryFigures
-from tidal.rollout.types import Sample, SamplingParams
+from tidal.rollout.types import Sample, SamplingParams, WarmUpReport
 from tidal.weight_sync.bucket import BucketHeader  # the weight-bucket message (``Bucket.header`` builds it)
 from tidal.weight_sync.local_checkpoint import PullResult
 
@@ -93,6 +93,12 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def generate(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
         """Generate one response per sample (prompt_ids filled); return the samples completed."""
+
+    def warm_up(self, rows: int, sampling: SamplingParams) -> WarmUpReport:
+        """Compile and capture what a first ``generate`` of ``rows`` samples under ``sampling`` would, before it
+        (``--warm-up``), leaving no trace in later calls' results. An engine with nothing to warm returns an
+        empty report (a server warms itself)."""
+        return WarmUpReport()
 
     @abc.abstractmethod
     def release_memory(self, tags: Sequence[str] = TAGS) -> MemoryReport:

@@ -34,6 +34,20 @@ class SamplingParams:
 
 
 @dataclass
+class WarmUpReport:
+    """What an actor compiled and captured before the run's first rollout (``--warm-up``), and how long it took.
+
+    ``warmed`` names what ran (empty: nothing to warm on this actor); an engine also says at how many rows
+    (``rows``) and how many decode graphs it captured (``graph_captures``, ``capture_s``)."""
+
+    seconds: float = 0.0
+    warmed: list[str] = field(default_factory=list)
+    rows: int = 0
+    graph_captures: int = 0
+    capture_s: float = 0.0
+
+
+@dataclass
 class Turn:
     """One span of a trajectory's response: ``response_ids[start:end]`` came from ``role``."""
 

@@ -47,7 +47,7 @@ from tidal.config.schema import trained_logits_only_default
 from tidal.dtypes import as_dtype, default_dtype_name
 from tidal.memory.base import StateClass
 from tidal.memory.home import Adopter
-from tidal.rollout.types import Sample
+from tidal.rollout.types import Sample, WarmUpReport
 from tidal.trainer.base import Trainer
 from tidal.trainer.fsdp_state import FSDPState, fsdp_modules, reshard
 from tidal.trainer.groups import place
@@ -260,6 +260,44 @@ class TrainerActor(Trainer):
         reshard(self._models)  # the root keeps its all-gathered parameters after forward; free them
         self.last_rollout_id = rollout_id
         return rollout_metrics(self, sums, objective, clock, steps=len(steps), recomputed=not old_from_train_pass)
+
+    def warm_up(self) -> WarmUpReport:
+        """The first rollout's compiling, done before it (``--warm-up``): the policy's training pass (forward,
+        log-probs and entropy, backward) over two small micro-batches of pad tokens of different shapes, and
+        the no-grad passes a rollout also runs (the reference's; the policy's with ``--recompute-logprobs``
+        or several steps a rollout), so the compiled layers and log-prob kernels reach the graphs with
+        dynamic sizes every real micro-batch uses. Each micro-batch goes through ``token_stats`` with the
+        trainer's own kernel choices, and the gradient sync is the training loop's (one CUDA rank: on the
+        last). The loss is zero and the gradients are dropped (set to None), as are the gathered copies;
+        weights, optimizer state and schedule are untouched. Every rank runs it at once (FSDP2's
+        collectives). The critic is not warmed."""
+        t0 = time.perf_counter()
+        self.residency.require_active("warm up")
+        kw = self._stats_kw
+        entropy_grad = self.algo.entropy_coef != 0.0
+        no_grad_policy = self.cfg.recompute_logprobs or self.cfg.global_batch_size is not None
+        self.model.train()
+        shapes = ((2, 8, 40), (3, 6, 28))  # (rows, prompt tokens, response tokens): every size differs
+        for k, (rows, prompt, response) in enumerate(shapes):
+            samples = [
+                Sample(index=i, group=i, prompt="", prompt_ids=[self.pad_id] * prompt,
+                       response_ids=[self.pad_id] * response, response_logprobs=[0.0] * response)
+                for i in range(rows)
+            ]  # fmt: skip
+            (mb,) = MicroBatches(samples, [list(range(rows))], self.pad_id, self.device)
+            with torch.no_grad():
+                if self.ref_model is not None:
+                    token_stats(self.ref_model, mb, **kw)
+                if no_grad_policy:
+                    token_stats(self.model, mb, **kw)
+            if self.one_rank_fsdp:
+                self.model.set_requires_gradient_sync(k == len(shapes) - 1)
+            logprobs, ent = token_stats(self.model, mb, entropy=True, entropy_grad=entropy_grad, **kw)
+            with self.memory.region(StateClass.GRADS):
+                (logprobs.float().sum() * 0.0 + ent.float().sum() * 0.0).backward()
+        self._free_transients()
+        gc.freeze()  # the compiled graphs live for the whole run (see init)
+        return WarmUpReport(seconds=time.perf_counter() - t0, warmed=["trainer"])
 
     def _old_logprobs(
         self, steps: list[MicroBatches], sums: RolloutSums, objective: RolloutObjective, *, recompute: bool

@@ -48,6 +48,7 @@ from tidal.dtypes import as_dtype, default_dtype
 from tidal.errors import ConfigError, ResidencyError
 from tidal.memory.base import MemoryBackend, MemoryResult, StateClass
 from tidal.memory.residency import TrainerResidency
+from tidal.rollout.types import WarmUpReport
 from tidal.weight_sync.base import SyncReport
 
 # What a trainer's memory backend pauses and resumes; each backend registers its tensors of each class.
@@ -126,6 +127,11 @@ class Trainer(ABC):
     @abstractmethod
     def train(self, samples: list, rollout_id: int) -> dict:
         """All optimizer steps of one rollout's samples; rank 0 returns the metrics reduced over ranks."""
+
+    def warm_up(self) -> WarmUpReport:
+        """Compile what the first ``train`` would, before it (``--warm-up``), leaving weights, optimizer state,
+        schedule and gradients as they were. A backend with nothing to compile returns an empty report."""
+        return WarmUpReport()
 
     @abstractmethod
     def _free_transients(self) -> None:
