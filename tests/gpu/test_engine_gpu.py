@@ -168,3 +168,19 @@ def test_preset_drawn_on_the_device_matches_the_trainers_draw():
     trainer_side = build_model(spec, dtype=torch.float32, seed=7, device="cuda")
     want = {n: tensor_checksum(p.detach().to(torch.bfloat16)) for n, p in trainer_side.named_parameters()}
     assert want == sums[0]
+
+
+def test_a_warm_up_captures_what_the_first_generate_needs_and_changes_no_token():
+    """On CUDA the warm-up compiles the decode step and captures the graph of the first wave's batch bucket:
+    the first generate at those rows then captures nothing, and it samples what an engine that never
+    warmed samples."""
+    sp = SamplingParams(temperature=1.0, max_new_tokens=16)
+    warmed = EmbeddedEngine(ModelConfig(model="tiny-qwen2"), RolloutConfig(), MemoryConfig(), device="cuda")
+    cold = EmbeddedEngine(ModelConfig(model="tiny-qwen2"), RolloutConfig(), MemoryConfig(), device="cuda")
+    report = warmed.warm_up(48, sp)
+    assert report.warmed == ["decode step"] and report.rows == 48 and report.graph_captures >= 1
+    a = warmed.generate(samples_for(warmed, 48), sp)
+    assert warmed._decoder().last_stats["graph_captures"] == 0
+    b = cold.generate(samples_for(cold, 48), sp)
+    assert cold._decoder().last_stats["graph_captures"] >= 1
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
