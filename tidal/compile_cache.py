@@ -41,3 +41,18 @@ def use(path: str | None) -> dict[str, str]:
     if env:
         os.makedirs(env["TORCHINDUCTOR_CACHE_DIR"], exist_ok=True)
     return env
+
+
+def compile_seconds() -> tuple[float, float]:
+    """Seconds this process has spent in ``torch.compile`` so far: in all (Dynamo's tracing, the backend and
+    guards) and in the backend alone (AOTAutograd and inductor: code generation, or reading this module's
+    caches). Taken from torch's own compile-time counters, so a difference of two readings says how much of
+    a span was compiling; (0, 0) where torch does not keep them."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics as metrics
+    except ImportError:
+        return 0.0, 0.0
+    return (
+        float(sum(metrics.get("_compile.compile_inner", ()))),
+        float(sum(metrics.get("OutputGraph.call_user_compiler", ()))),
+    )

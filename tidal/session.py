@@ -192,8 +192,11 @@ class Session:
         self.startup["startup_trainer_build_s"] = round(info.get("build_s", 0.0), 3)
         builds = [e.get("build_s", 0.0) for e in engine_info if isinstance(e, dict)]
         self.startup["startup_engine_build_s"] = round(max(builds, default=0.0), 3)
-        for side, reports in warmed.items():
-            self.startup[f"startup_{side}_warmup_s"] = round(max(r.seconds for r in reports), 3)
+        for side, reports in warmed.items():  # the slowest actor of each side, and where its time went
+            slowest = max(reports, key=lambda r: r.seconds)
+            for what in ("seconds", "compile_s", "backend_s"):
+                name = "warmup_s" if what == "seconds" else f"warmup_{what}"
+                self.startup[f"startup_{side}_{name}"] = round(getattr(slowest, what), 3)
         self.display.info(
             f"trainer: {len(placement.trainers)} rank(s), {info.get('num_params', 0) / 1e6:.2f}M params on {self.device}; "
             f"engines: {len(self.engines)} ({'colocated' if placement.colocated else 'disaggregated'})"

@@ -315,7 +315,7 @@ class EmbeddedEngine(EngineWeights):
         generate compiles nothing). Where the step is neither compiled nor captured (CPU) the call only runs it."""
         from tidal.rollout.fast.plug import OFF
 
-        t0 = time.perf_counter()
+        start = WarmUpReport.start()
         self.residency.require_generate()
         dec = self._decoder()
         if dec == OFF or rows < 1:
@@ -329,8 +329,8 @@ class EmbeddedEngine(EngineWeights):
             dec.prefixes.clear()  # the pad prompts are no prefix of anything real
         gc.collect()
         gc.freeze()  # the compiled step's objects live for the whole run (see generate_default)
-        return WarmUpReport(
-            seconds=time.perf_counter() - t0,
+        return WarmUpReport.since(
+            start,
             warmed=["decode step"],
             rows=min(n, dec.rows),
             graph_captures=int(stats.get("graph_captures", 0)),

@@ -18,6 +18,7 @@ spans. A single-turn sample leaves both empty: every response token is the polic
 from __future__ import annotations
 
 import operator
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,11 +38,36 @@ class SamplingParams:
 class WarmUpReport:
     """What an actor compiled and captured before the run's first rollout (``--warm-up``), and how long it took.
 
-    ``warmed`` names what ran (empty: nothing to warm on this actor); an engine also says at how many rows
-    (``rows``) and how many decode graphs it captured (``graph_captures``, ``capture_s``)."""
+    ``warmed`` names what ran (empty: nothing to warm on this actor); ``compile_s`` of ``seconds`` were spent in
+    ``torch.compile``, ``backend_s`` of those in its backend (``tidal.compile_cache.compile_seconds``); an
+    engine also says at how many rows (``rows``) and how many decode graphs it captured (``graph_captures``,
+    ``capture_s``, compiling in the capture's warm-up runs included)."""
 
     seconds: float = 0.0
     warmed: list[str] = field(default_factory=list)
+    compile_s: float = 0.0
+    backend_s: float = 0.0
+
+    @staticmethod
+    def start() -> tuple[float, float, float]:
+        """The clocks a warm-up starts from: wall time and ``compile_seconds``'s two counters."""
+        from tidal.compile_cache import compile_seconds
+
+        return (time.perf_counter(), *compile_seconds())
+
+    @classmethod
+    def since(cls, start: tuple[float, float, float], **fields: Any) -> WarmUpReport:
+        """The report of a warm-up that began at ``start`` (``WarmUpReport.start()``), with ``fields``."""
+        from tidal.compile_cache import compile_seconds
+
+        compiled, backend = compile_seconds()
+        return cls(
+            seconds=time.perf_counter() - start[0],
+            compile_s=compiled - start[1],
+            backend_s=backend - start[2],
+            **fields,
+        )
+
     rows: int = 0
     graph_captures: int = 0
     capture_s: float = 0.0

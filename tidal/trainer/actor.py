@@ -271,7 +271,7 @@ class TrainerActor(Trainer):
         last). The loss is zero and the gradients are dropped (set to None), as are the gathered copies;
         weights, optimizer state and schedule are untouched. Every rank runs it at once (FSDP2's
         collectives). The critic is not warmed."""
-        t0 = time.perf_counter()
+        start = WarmUpReport.start()
         self.residency.require_active("warm up")
         kw = self._stats_kw
         entropy_grad = self.algo.entropy_coef != 0.0
@@ -297,7 +297,7 @@ class TrainerActor(Trainer):
                 (logprobs.float().sum() * 0.0 + ent.float().sum() * 0.0).backward()
         self._free_transients()
         gc.freeze()  # the compiled graphs live for the whole run (see init)
-        return WarmUpReport(seconds=time.perf_counter() - t0, warmed=["trainer"])
+        return WarmUpReport.since(start, warmed=["trainer"])
 
     def _old_logprobs(
         self, steps: list[MicroBatches], sums: RolloutSums, objective: RolloutObjective, *, recompute: bool
