@@ -21,12 +21,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @contextlib.contextmanager
-def serve_process(args, log_path, *, key, env_extra=None, health_s=20.0, timeout=60.0, stop_s=20.0):
+def serve_process(
+    args, log_path, *, key, env_extra=None, health_s=20.0, timeout=60.0, stop_s=20.0, step_delay_s: float = 0.0
+):
     """Run ``python -m tidal serve --port 0 ARGS`` with the key in ``TIDAL_SERVE_API_KEY`` (as a run starts its
-    servers); yield a client bound to it."""
-    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
+    servers); yield a client bound to it. ``step_delay_s``: every decode step that much longer (``slow_steps``)."""
+    tests = os.path.join(REPO, "tests")
+    path = os.pathsep.join(p for p in (REPO, tests, os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "TIDAL_SERVE_API_KEY": key, **(env_extra or {})}
-    cmd = [sys.executable, "-m", "tidal", "serve", *args, "--port", "0"]
+    main = ["slow_steps", str(step_delay_s)] if step_delay_s else ["tidal"]
+    cmd = [sys.executable, "-m", *main, "serve", *args, "--port", "0"]
     with open(log_path, "w+") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         try:

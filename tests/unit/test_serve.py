@@ -36,7 +36,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "stderr.log"
-    with serve_process(["--model", "tiny"], log, key=KEY, env_extra={"OMP_NUM_THREADS": "1"}) as client:
+    # Each decode step 2 ms longer: a 250-token request then outlasts the pause tests' polls and the 0.2 s after
+    # which a newcomer joins a running step (the tiny model alone: ~0.17 s for it on an idle core).
+    env = {"OMP_NUM_THREADS": "1"}
+    with serve_process(["--model", "tiny"], log, key=KEY, env_extra=env, step_delay_s=0.002) as client:
         yield client
 
 
@@ -278,8 +281,9 @@ def _admission_then_abort(pool, server) -> None:
     # tidal's HTTP engine through the same pause: its requests come back aborted, are sent again, held by the
     # paused server, and answered whole after continue.
     engine = http_engine(str(server.base_url).removeprefix("http://"), rollout_engine_api_key=KEY)
-    sample = Sample(index=0, group=0, prompt=None, prompt_ids=[1, 5, 6])
-    done = pool.submit(engine.generate, [sample], SamplingParams(temperature=1.0, max_new_tokens=60, seed=38))
+    # A row that runs long from this seed (up to 250 slowed steps): it still runs when the pause comes.
+    sample = Sample(index=0, group=0, prompt=None, prompt_ids=[1, 9])
+    done = pool.submit(engine.generate, [sample], SamplingParams(temperature=1.0, max_new_tokens=250, seed=38))
     wait_for_state(server, lambda s: s["running_rows"] == 1, "a running step")
     engine.pause_generation()
     wait_for_state(server, lambda s: s["queued"] == 1, "the engine's request sent again and held")
