@@ -122,13 +122,18 @@ def main(argv: list[str] | None = None) -> None:
             variant=name,
             rows=args.rows,
             vocab=args.vocab,
-            ms=round(ms, 4),
-            floor_ms=round((logit_bytes if name == "compiled-drawn" else moved) / (gbps * 1e9) * 1000, 4),
+            ms=_sig(ms),
+            floor_ms=_sig((logit_bytes if name == "compiled-drawn" else moved) / (gbps * 1e9) * 1000),
             copy_gbps=round(gbps, 1),
             tokens_equal=equal,
             logprob_max_abs_diff=diff,
         )
         print(json.dumps(row), flush=True)
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant digits: a small case's sub-microsecond floor stays above 0."""
+    return float(f"{x:.{digits}g}")
 
 
 if __name__ == "__main__":
