@@ -223,7 +223,7 @@ class Session:
         sampling = sampling_params(r, self.tokenizer)
         return {
             "engine": self.engines.call_async("warm_up", rows, sampling),
-            "trainer": self.trainer.call_async("warm_up"),
+            "trainer": self.trainer.call_async("warm_up", steps_per_rollout(cfg) > 1 or cfg.trainer.recompute_logprobs),
         }
 
     def mark_startup(self, name: str) -> None:

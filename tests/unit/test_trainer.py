@@ -287,7 +287,7 @@ def test_a_warm_up_changes_neither_the_state_nor_the_next_update(ray_cluster):
         try:
             if warm:
                 before = call(ray, actors, "state_checksums")[0]
-                (report,) = call(ray, actors, "warm_up")
+                (report,) = call(ray, actors, "warm_up", True)  # 8 samples, 4 a step: old log-probs recomputed
                 assert report.warmed == ["trainer"] and report.seconds > 0
                 assert call(ray, actors, "state_checksums")[0] == before
             metrics = call(ray, actors, "train", samples, 0)[0]

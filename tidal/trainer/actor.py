@@ -61,6 +61,13 @@ from tidal.trainer.step import RolloutClock, RolloutSums, check_samples, rollout
 from tidal.trainer.weights import iter_full_tensors, local_shard
 
 
+def warm_up_shapes(max_tokens: int) -> list[tuple[int, int, int]]:
+    """The trainer warm-up's micro-batches as (rows, prompt tokens, response tokens): 2 rows of 48 tokens, then
+    ``max_tokens`` (at least 3 rows) of 256 tokens where that fits three of them, else of 24."""
+    response = 248 if max_tokens >= 3 * 256 else 16
+    return [(2, 8, 40), (max(3, max_tokens // (8 + response)), 8, response)]
+
+
 class TrainerActor(Trainer):
     """One rank of the FSDP2 trainer; see the module docstring and ``docs/design.md`` for the contract."""
 
@@ -261,23 +268,24 @@ class TrainerActor(Trainer):
         self.last_rollout_id = rollout_id
         return rollout_metrics(self, sums, objective, clock, steps=len(steps), recomputed=not old_from_train_pass)
 
-    def warm_up(self) -> WarmUpReport:
+    def warm_up(self, recompute: bool = False) -> WarmUpReport:
         """The first rollout's compiling, done before it (``--warm-up``): the policy's training pass (forward,
-        log-probs and entropy, backward) over two small micro-batches of pad tokens of different shapes, and
-        the no-grad passes a rollout also runs (the reference's; the policy's with ``--recompute-logprobs``
-        or several steps a rollout), so the compiled layers and log-prob kernels reach the graphs with
-        dynamic sizes every real micro-batch uses. Each micro-batch goes through ``token_stats`` with the
-        trainer's own kernel choices, and the gradient sync is the training loop's (one CUDA rank: on the
-        last). The loss is zero and the gradients are dropped (set to None), as are the gathered copies;
-        weights, optimizer state and schedule are untouched. Every rank runs it at once (FSDP2's
-        collectives). The critic is not warmed."""
+        log-probs and entropy, backward) over two micro-batches of pad tokens, a small one and one of
+        ``--max-tokens-per-gpu`` tokens, and the no-grad passes a rollout also runs (the reference's; the
+        policy's when the rollout recomputes old log-probs: ``recompute``). The second shape differs from the
+        first in both sizes, so the compiled layers and log-prob kernels reach the graphs with dynamic sizes
+        that real micro-batches use, and the full one runs the log-prob kernels over several chunks and grows
+        the allocator to a micro-batch's peak, whose blocks stay cached for the first rollout. Each micro-batch
+        goes through ``token_stats`` with the trainer's own kernel choices, and the gradient sync is the
+        training loop's (one CUDA rank: on the last). The loss is zero and the gradients are dropped (set to
+        None), as are the gathered copies; weights, optimizer state and schedule are untouched. Every rank runs
+        it at once (FSDP2's collectives). The critic is not warmed."""
         start = WarmUpReport.start()
         self.residency.require_active("warm up")
         kw = self._stats_kw
         entropy_grad = self.algo.entropy_coef != 0.0
-        no_grad_policy = self.cfg.recompute_logprobs or self.cfg.global_batch_size is not None
         self.model.train()
-        shapes = ((2, 8, 40), (3, 6, 28))  # (rows, prompt tokens, response tokens): every size differs
+        shapes = warm_up_shapes(self.cfg.max_tokens_per_gpu)
         for k, (rows, prompt, response) in enumerate(shapes):
             samples = [
                 Sample(index=i, group=i, prompt="", prompt_ids=[self.pad_id] * prompt,
@@ -288,14 +296,17 @@ class TrainerActor(Trainer):
             with torch.no_grad():
                 if self.ref_model is not None:
                     token_stats(self.ref_model, mb, **kw)
-                if no_grad_policy:
+                if recompute:
                     token_stats(self.model, mb, **kw)
             if self.one_rank_fsdp:
                 self.model.set_requires_gradient_sync(k == len(shapes) - 1)
             logprobs, ent = token_stats(self.model, mb, entropy=True, entropy_grad=entropy_grad, **kw)
             with self.memory.region(StateClass.GRADS):
                 (logprobs.float().sum() * 0.0 + ent.float().sum() * 0.0).backward()
-        self._free_transients()
+            del logprobs, ent, mb
+        reshard(self._models)
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
         gc.freeze()  # the compiled graphs live for the whole run (see init)
         return WarmUpReport.since(start, warmed=["trainer"])
 

@@ -128,9 +128,10 @@ class Trainer(ABC):
     def train(self, samples: list, rollout_id: int) -> dict:
         """All optimizer steps of one rollout's samples; rank 0 returns the metrics reduced over ranks."""
 
-    def warm_up(self) -> WarmUpReport:
-        """Compile what the first ``train`` would, before it (``--warm-up``), leaving weights, optimizer state,
-        schedule and gradients as they were. A backend with nothing to compile returns an empty report."""
+    def warm_up(self, recompute: bool = False) -> WarmUpReport:
+        """Compile what the first ``train`` would, before it (``--warm-up``; ``recompute``: the rollout recomputes
+        old log-probs in a no-grad pass), leaving weights, optimizer state, schedule and gradients as they were.
+        A backend with nothing to compile returns an empty report."""
         return WarmUpReport()
 
     @abstractmethod
