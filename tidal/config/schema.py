@@ -53,7 +53,7 @@ class ClusterConfig:
         None,
         "Compile and capture before the first rollout, on every actor at once: each engine runs one decode step "
         "at the first rollout's batch size (torch.compile, CUDA graph capture), the trainer a forward and backward "
-        "of two small dummy micro-batches (its compiled layers and log-prob kernels), gradients dropped. The "
+        "of a small and a full-size dummy micro-batch (its compiled layers and log-prob kernels), gradients dropped. The "
         "first step then does not wait for one side's compiling after the other's. Default: on with CUDA when "
         "something compiles or captures and trainer and engines stay resident (no offload).",
     )

@@ -47,6 +47,9 @@ class WarmUpReport:
     warmed: list[str] = field(default_factory=list)
     compile_s: float = 0.0
     backend_s: float = 0.0
+    rows: int = 0
+    graph_captures: int = 0
+    capture_s: float = 0.0
 
     @staticmethod
     def start() -> tuple[float, float, float]:
@@ -67,10 +70,6 @@ class WarmUpReport:
             backend_s=backend - start[2],
             **fields,
         )
-
-    rows: int = 0
-    graph_captures: int = 0
-    capture_s: float = 0.0
 
 
 @dataclass
