@@ -38,7 +38,7 @@ for s in "$@"; do
     tests) TAIL=30 run tests "${TESTS_LIMIT:-420}" python3 -m pytest -q -m gpu ${TESTS_PATHS:-tests/gpu} -p no:cacheprovider -o addopts="" -rfE --durations=10 ;;
     train-default) run train-default 150 python3 -m tidal.bench.reward_curve --num-rollout 40 --output-dir "$OUT/run-default" ;;
     train-offload) run train-offload 120 python3 -m tidal.cli train --no-progress --offload --num-rollout 5 --output-dir "$OUT/run-offload" ;;
-    startup-0.5b) TAIL=6 run startup-0.5b${STARTUP05_TAG:-} 540 bash -c 'd=$(mktemp -d /tmp/tidal-cc.XXXX); python3 -m tidal.bench.startup --runs ${STARTUP05_RUNS:-2} -- --preset qwen2.5-0.5b-1gpu --num-rollout 1 --rollout-batch-size 64 --rollout-max-response-len 256 --compile-cache-dir "$d" '"${STARTUP05_ARGS:-}" ;;
+    startup-0.5b) TAIL=6 run startup-0.5b${STARTUP05_TAG:-} 540 python3 -m tidal.bench.startup --runs ${STARTUP05_RUNS:-2} --fresh-cache -- --preset qwen2.5-0.5b-1gpu --num-rollout 1 --rollout-batch-size 64 --rollout-max-response-len 256 ${STARTUP05_ARGS:-} ;;
     startup) TAIL=5 run startup 300 python3 -m tidal.bench.startup --runs 3 -- --num-rollout ${STARTUP_ROLLOUTS:-5} ;;
     train-0.5b) run train-0.5b${TRAIN05_TAG:-} 200 python3 -m tidal.cli train --no-progress --preset qwen2.5-0.5b-1gpu --num-rollout ${TRAIN05_ROLLOUTS:-5} --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-0.5b${TRAIN05_TAG:-}" ${TRAIN05_ARGS:-} ;;
     bench-memory) run bench-memory 200 python3 -m tidal.bench.memory --gib ${MEM_GIB:-16} --cycles ${MEM_CYCLES:-5} --disk-dir /var/tmp/tidal-disk ;;

@@ -63,6 +63,7 @@ def test_step0_breakdown_reads_the_first_row(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
     got = step0_breakdown(str(tmp_path))
     assert got == {
+        "device": None,  # no config.yaml
         "step0_elapsed_s": 9.5,
         "step0_generate_s": 2.0,
         "step0_train_s": 1.5,
@@ -70,6 +71,24 @@ def test_step0_breakdown_reads_the_first_row(tmp_path):
         "startup_actors_s": 6.0,
     }
     assert step0_breakdown(str(tmp_path / "missing")) == {}
+    (tmp_path / "config.yaml").write_text("cluster:\n  ray_address: null\n  device: cuda\nmodel:\n  model: tiny\n")
+    assert step0_breakdown(str(tmp_path))["device"] == "cuda"
+
+
+def test_first_step_limits_follow_the_device_and_the_cache():
+    """8 s on a CPU; on a GPU 20 s warm, and with one fresh cache for every run the first run is the cold one (45 s)."""
+    from tidal.bench.startup import first_step_limits
+
+    cpu = [{"run": i, "rc": 0, "device": "cpu", "first_step_s": 5.0 + i} for i in range(3)]
+    gpu = [{"run": i, "rc": 0, "device": "cuda", "first_step_s": s} for i, s in enumerate((60.0, 38.0, 36.0))]
+    assert first_step_limits(cpu, fresh_cache=True) == {"first_step_limit_s": 8.0}
+    assert first_step_limits(gpu, fresh_cache=False) == {"first_step_limit_s": 20.0}
+    assert first_step_limits(gpu, fresh_cache=True) == {
+        "first_step_cold_s": 60.0,
+        "cold_limit_s": 45.0,
+        "first_step_warm_s": 37.0,
+        "warm_limit_s": 20.0,
+    }
 
 
 def test_a_lean_cluster_runs_actors_without_the_monitor_and_dashboard_head(ray_cluster):
