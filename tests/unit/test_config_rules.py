@@ -168,6 +168,7 @@ def test_rule_trained_logits(argv, env, expect):
         ),
         (TINY_GPU + ["--no-rollout-compile", "--no-rollout-cuda-graphs"], GPU1, {"warm_up": True}),
         (TINY_GPU + ["--no-warm-up"], GPU1, {"warm_up": False}),
+        (TINY_GPU + ["--debug-rollout-only"], GPU8, {"warm_up": False}),
         (["--warm-up"], CPU, {"warm_up": True}),
     ],
 )

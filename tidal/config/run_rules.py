@@ -93,9 +93,11 @@ def warm_up(ctx: Context) -> None:
     if c.warm_up is not None:
         return
     engine = r.rollout_engine == "embedded" and r.rollout_fast_decode and (r.rollout_compile or r.rollout_cuda_graphs)
-    trainer = not r.debug_rollout_only and (t.compile_layers or t.compile_logprobs)
+    trainer = t.compile_layers or t.compile_logprobs
     if c.device != "cuda":
         on, why = False, f"nothing compiles or captures on {c.device}"
+    elif r.debug_rollout_only:
+        on, why = False, "rollout only: no trainer to warm beside the engines"
     elif m.offload_train or m.offload_rollout:
         on, why = False, "offload: trainer and engines do not stay resident together"
     elif not (engine or trainer):
