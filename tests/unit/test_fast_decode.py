@@ -414,6 +414,28 @@ def test_fused_projections_match_the_model_and_follow_weight_changes(models, nam
     )
 
 
+def test_compiled_fused_pieces_trace_without_graph_breaks(models):
+    """The fused forward compiled in pieces between the attention calls: three graphs for any number of
+    layers (the weights are arguments), no graph break, and the same greedy tokens as the eager model
+    (``aot_eager`` traces what inductor would compile, without a C++ compiler)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = models["tiny-qwen2"]
+    prompts = _prompts(6, seed=5)
+    dec = FastDecoder(model, max_batch=8, max_seq_len=48, fused=True)
+    dec._fused.set_compiled(True, backend="aot_eager")
+    res = dec.generate(prompts, max_new_tokens=7, temperature=0)
+    ref = FastDecoder(model, max_batch=8, max_seq_len=48).generate(prompts, max_new_tokens=7, temperature=0)
+    assert res.stats["compiled"] and dec.compile_fallback_reason is None
+    assert res.tokens == ref.tokens
+    assert _max_diff(res.logprobs, ref.logprobs) < 1e-5
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] == 3
+    torch._dynamo.reset()
+
+
 def test_fused_projections_fall_back_for_other_families():
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -164,12 +164,13 @@ class FastDecoder:
         if fused:
             self.fused_fallback_reason = unsupported_reason(model)
             if self.fused_fallback_reason is None:
-                self._fused = FusedDecodeForward(model)
+                self._fused = FusedDecodeForward(model, compile=compile)
             else:
                 log.info("fast decode: projections not fused (%s)", self.fused_fallback_reason)
         if compile:
             attention.register()
-            self._compiled_forward = torch.compile(self._forward_logits, dynamic=True)
+            # The fused forward compiles its own pieces between the attention calls (one graph each).
+            self._compiled_forward = torch.compile(self._forward_logits, dynamic=True) if self._fused is None else None
             self._fused_sampler = torch.compile(plain_core, dynamic=True)
             if sampler_noise == "drawn":
                 self._drawn_sampler = torch.compile(drawn_core, dynamic=True)
@@ -368,7 +369,7 @@ class FastDecoder:
             mode=mode.name,
             cuda_graphs=self.graphs.enabled,
             fallback_reason=self.graphs.fallback_reason,
-            compiled=self._compiled_forward is not None,
+            compiled=self._compiled_forward is not None or (self._fused is not None and self._fused.compiled),
             compile_fallback_reason=self.compile_fallback_reason,
             fused=self._fused is not None,
             fused_fallback_reason=self.fused_fallback_reason,
@@ -610,9 +611,10 @@ class FastDecoder:
         return out.logits[:, -1]
 
     def _logits(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        if self._compiled_forward is not None:
+        compiled = self._compiled_forward or (self._fused if self._fused is not None and self._fused.compiled else None)
+        if compiled is not None:
             try:
-                return self._compiled_forward(ids, mask, pos)
+                return compiled(ids, mask, pos)
             except Exception as exc:  # compilation problems surface on the first call: decode uncompiled
                 self._disable_compile(exc)
         return self._forward_logits(ids, mask, pos)
@@ -622,6 +624,8 @@ class FastDecoder:
         self.compile_fallback_reason = f"{type(exc).__name__}: {first}"
         log.warning("fast decode: torch.compile off, decoding uncompiled (%s)", self.compile_fallback_reason)
         self._compiled_forward = None
+        if self._fused is not None:
+            self._fused.set_compiled(False)
         self._fused_sampler = None
         self._drawn_sampler = None
 

@@ -53,6 +53,10 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
             return "a decoder layer without a gated MLP"
         if getattr(attn, "sliding_window", None) is not None:
             return "sliding-window attention"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act!r} (fused decode computes SiLU)"
+    if getattr(cfg, "rms_norm_eps", None) is None:
+        return "no rms_norm_eps in the config"
     return None
 
 
@@ -67,7 +71,7 @@ def _stack_shapes(parts: list[torch.nn.Linear]) -> tuple[tuple[int, int], bool]:
 class FusedDecodeForward:
     """Last-position logits of one decode step, with stacked q/k/v and gate/up weights (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, compile: bool = False) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"fused decode cannot run this model: {reason}")
@@ -77,9 +81,20 @@ class FusedDecodeForward:
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self._eps = float(cfg.rms_norm_eps)
+        self._dims = dict(heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim, eps=self._eps)
         self.buffers: list[torch.Tensor] = []
         self._qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._gate_up: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.compiled = False
+        self.set_compiled(compile)
+
+    def set_compiled(self, on: bool, backend: str = "inductor") -> None:
+        """Run the three pieces through ``torch.compile`` (``dynamic=True``: one graph each serves every
+        batch bucket and every layer, whose weights are arguments) or eagerly."""
+        self.compiled = bool(on)
+        wrap = (lambda f: torch.compile(f, dynamic=True, backend=backend)) if on else (lambda f: f)
+        self._enter, self._between, self._leave = wrap(_enter), wrap(_between), wrap(_leave)
 
     def _groups(self) -> list[tuple[list[torch.nn.Linear], list[torch.nn.Linear]]]:
         return [
@@ -122,32 +137,92 @@ class FusedDecodeForward:
                     torch.cat([p.bias for p in parts], dim=0, out=b)
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` for one token per row (``ids``, ``pos``: ``[rows, 1]``; ``mask``: additive)."""
+        """Logits ``[rows, vocab]`` for one token per row (``ids``, ``pos``: ``[rows, 1]``; ``mask``: additive).
+
+        The layers' arithmetic runs in three pieces around the attention calls (see the module docstring):
+        ``enter`` before layer 0's, ``between`` from each layer's attention output to the next layer's
+        query/key/value, ``leave`` from the last attention output to the logits."""
         base = self.base
         hidden = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(hidden, pos)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        rows, seq = ids.shape
-        q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        for layer, (wq, bq), (wg, bg) in zip(base.layers, self._qkv, self._gate_up):
-            attn, mlp = layer.self_attn, layer.mlp
-            x = layer.input_layernorm(hidden)
-            q, k, v = F.linear(x, wq, bq).split([q_out, kv_out, kv_out], dim=-1)
-            q = q.view(rows, seq, self.heads, self.head_dim)
-            k = k.view(rows, seq, self.kv_heads, self.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotary embedding
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            v = v.view(rows, seq, self.kv_heads, self.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            out, _ = attention.fast_attention(attn, q, k, v, mask, scaling=attn.scaling)
-            hidden = hidden + attn.o_proj(out.reshape(rows, seq, q_out))
-            x = layer.post_attention_layernorm(hidden)
-            gate, up = F.linear(x, wg, bg).chunk(2, dim=-1)
-            hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
-        hidden = base.norm(hidden)
-        return self.model.lm_head(hidden[:, -1])
+        layers = list(zip(base.layers, self._qkv, self._gate_up))
+        q, k, v = self._enter(hidden, *self._pre(layers[0]), cos, sin, **self._dims)
+        for i, (layer, _, _) in enumerate(layers):
+            out, _ = attention.fast_attention(layer.self_attn, q, k, v, mask, scaling=layer.self_attn.scaling)
+            if i + 1 < len(layers):
+                hidden, q, k, v = self._between(
+                    hidden, out, *self._post(layers[i]), *self._pre(layers[i + 1]), cos, sin, **self._dims
+                )
+        head = self.model.lm_head
+        return self._leave(hidden, out, *self._post(layers[-1]), base.norm.weight, head.weight, head.bias, self._eps)
+
+    def _pre(self, entry) -> tuple:
+        """Layer arguments of ``_qkv``: input norm weight, stacked q/k/v weight and bias, q/k norm weights."""
+        layer, (wq, bq), _ = entry
+        attn = layer.self_attn
+        q_norm = attn.q_norm.weight if hasattr(attn, "q_norm") else None
+        k_norm = attn.k_norm.weight if hasattr(attn, "k_norm") else None
+        return layer.input_layernorm.weight, wq, bq, q_norm, k_norm
+
+    def _post(self, entry) -> tuple:
+        """Layer arguments of ``_mlp_block``: o_proj, post-attention norm, stacked gate/up and down_proj weights."""
+        layer, _, (wg, bg) = entry
+        o, down = layer.self_attn.o_proj, layer.mlp.down_proj
+        return o.weight, o.bias, layer.post_attention_layernorm.weight, wg, bg, down.weight, down.bias
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as the Llama/Qwen families compute it: ``w * (x / sqrt(mean(x^2) + eps))``, in fp32, then cast."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _qkv(hidden, norm_w, wqkv, bqkv, q_norm, k_norm, cos, sin, *, heads, kv_heads, head_dim, eps):
+    """A layer's attention inputs from the residual stream: input RMSNorm, one q/k/v matmul, Qwen3's per-head
+    q/k norms, the rotary embedding (``x cos + rotate_half(x) sin``); q ``[rows, heads, 1, dim]``, k and v
+    ``[rows, kv_heads, 1, dim]``, the layout ``fast_attention`` takes."""
+    rows, seq, _ = hidden.shape
+    x = _rms_norm(hidden, norm_w, eps)
+    q, k, v = F.linear(x, wqkv, bqkv).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = q.view(rows, seq, heads, head_dim)
+    k = k.view(rows, seq, kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    v = v.view(rows, seq, kv_heads, head_dim).transpose(1, 2)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+
+def _mlp_block(hidden, attn_out, wo, bo, post_w, wgu, bgu, wd, bd, eps):
+    """The rest of a layer after its attention: o_proj and residual, post-attention RMSNorm, one gate/up
+    matmul, SiLU gate, down_proj and residual."""
+    rows, seq, _ = hidden.shape
+    hidden = hidden + F.linear(attn_out.reshape(rows, seq, -1), wo, bo)
+    gate, up = F.linear(_rms_norm(hidden, post_w, eps), wgu, bgu).chunk(2, dim=-1)
+    return hidden + F.linear(F.silu(gate) * up, wd, bd)
+
+
+def _enter(hidden, norm_w, wqkv, bqkv, q_norm, k_norm, cos, sin, *, heads, kv_heads, head_dim, eps):
+    """Piece one: layer 0's attention inputs."""
+    return _qkv(hidden, norm_w, wqkv, bqkv, q_norm, k_norm, cos, sin, heads=heads, kv_heads=kv_heads,
+                head_dim=head_dim, eps=eps)  # fmt: skip
+
+
+def _between(hidden, attn_out, wo, bo, post_w, wgu, bgu, wd, bd, norm_w, wqkv, bqkv, q_norm, k_norm, cos, sin, *,
+             heads, kv_heads, head_dim, eps):  # fmt: skip
+    """Piece two: layer i's MLP block, then layer i+1's attention inputs (new residual stream, q, k, v)."""
+    hidden = _mlp_block(hidden, attn_out, wo, bo, post_w, wgu, bgu, wd, bd, eps)
+    q, k, v = _qkv(hidden, norm_w, wqkv, bqkv, q_norm, k_norm, cos, sin, heads=heads, kv_heads=kv_heads,
+                   head_dim=head_dim, eps=eps)  # fmt: skip
+    return hidden, q, k, v
+
+
+def _leave(hidden, attn_out, wo, bo, post_w, wgu, bgu, wd, bd, final_w, head_w, head_b, eps):
+    """Piece three: the last layer's MLP block, the final RMSNorm and the output projection of the last position."""
+    hidden = _mlp_block(hidden, attn_out, wo, bo, post_w, wgu, bgu, wd, bd, eps)
+    return F.linear(_rms_norm(hidden[:, -1], final_w, eps), head_w, head_b)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
