@@ -63,9 +63,13 @@ from tidal.trainer.weights import iter_full_tensors, local_shard
 
 def warm_up_shapes(max_tokens: int) -> list[tuple[int, int, int]]:
     """The trainer warm-up's micro-batches as (rows, prompt tokens, response tokens): 2 rows of 48 tokens, then
-    ``max_tokens`` (at least 3 rows) of 256 tokens where that fits three of them, else of 24."""
-    response = 248 if max_tokens >= 3 * 256 else 16
-    return [(2, 8, 40), (max(3, max_tokens // (8 + response)), 8, response)]
+    half of ``max_tokens`` (at least 3 rows) in rows of 256 tokens where that fits three of them, else of 24.
+
+    Half, not all: every token of these rows is a response token, so a full-size one would need more memory
+    than a real micro-batch of the same size (whose prompts carry no log-prob kernels), and its peak would come
+    on top of the engine's own warm-up. Half still runs the log-prob kernels over several chunks."""
+    response = 248 if max_tokens >= 6 * 256 else 16
+    return [(2, 8, 40), (max(3, max_tokens // 2 // (8 + response)), 8, response)]
 
 
 class TrainerActor(Trainer):
@@ -270,16 +274,15 @@ class TrainerActor(Trainer):
 
     def warm_up(self, recompute: bool = False) -> WarmUpReport:
         """The first rollout's compiling, done before it (``--warm-up``): the policy's training pass (forward,
-        log-probs and entropy, backward) over two micro-batches of pad tokens, a small one and one of
-        ``--max-tokens-per-gpu`` tokens, and the no-grad passes a rollout also runs (the reference's; the
-        policy's when the rollout recomputes old log-probs: ``recompute``). The second shape differs from the
-        first in both sizes, so the compiled layers and log-prob kernels reach the graphs with dynamic sizes
-        that real micro-batches use, and the full one runs the log-prob kernels over several chunks and grows
-        the allocator to a micro-batch's peak, whose blocks stay cached for the first rollout. Each micro-batch
-        goes through ``token_stats`` with the trainer's own kernel choices, and the gradient sync is the
-        training loop's (one CUDA rank: on the last). The loss is zero and the gradients are dropped (set to
-        None), as are the gathered copies; weights, optimizer state and schedule are untouched. Every rank runs
-        it at once (FSDP2's collectives). The critic is not warmed."""
+        log-probs and entropy, backward) over two micro-batches of pad tokens (``warm_up_shapes``: a small one
+        and one of half ``--max-tokens-per-gpu``), and the no-grad passes a rollout also runs (the reference's;
+        the policy's when the rollout recomputes old log-probs: ``recompute``). The second shape differs from
+        the first in both sizes, so the compiled layers and log-prob kernels reach the graphs with dynamic sizes
+        that real micro-batches use, and it runs the log-prob kernels over several chunks. Each micro-batch goes
+        through ``token_stats`` with the trainer's own kernel choices, and the gradient sync is the training
+        loop's (one CUDA rank: on the last). The loss is zero and the gradients are dropped (set to None), as
+        are the gathered copies and the allocator's cached blocks; weights, optimizer state and schedule are
+        untouched. Every rank runs it at once (FSDP2's collectives). The critic is not warmed."""
         start = WarmUpReport.start()
         self.residency.require_active("warm up")
         kw = self._stats_kw
@@ -308,6 +311,10 @@ class TrainerActor(Trainer):
         self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
         gc.freeze()  # the compiled graphs live for the whole run (see init)
+        if self.device_type == "cuda":
+            # Blocks cut for the warm-up's shapes would not fit the real micro-batches' and the first step would
+            # reserve more beside them (an 80 GB card ran out of memory on the 0.5B preset): hand them back.
+            torch.cuda.empty_cache()
         return WarmUpReport.since(start, warmed=["trainer"])
 
     def _old_logprobs(
