@@ -128,7 +128,8 @@ def _timed(fn, repeats: int) -> tuple[object, float]:
 def _compiled(engine: EmbeddedEngine) -> bool:
     """Whether the engine decoded through a compiled step (False for transformers generate or a fallback)."""
     dec = getattr(engine, "_fast_decoder", None)
-    return getattr(dec, "_compiled_forward", None) is not None
+    fused = getattr(dec, "_fused", None)
+    return getattr(dec, "_compiled_forward", None) is not None or bool(getattr(fused, "compiled", False))
 
 
 def engine_generate_fresh(engine: EmbeddedEngine, args: argparse.Namespace, sampling: SamplingParams):
