@@ -145,21 +145,6 @@ def test_rule_rollout_compile(argv, env, expect):
 @pytest.mark.parametrize(
     "argv, env, expect",
     [
-        ([], CPU, {"rollout_fused_decode": False}),
-        (TINY_GPU, GPU1, {"rollout_fused_decode": True}),
-        (TINY_GPU + ["--no-rollout-compile"], GPU1, {"rollout_fused_decode": False}),
-        (TINY_GPU + ["--no-rollout-fused-decode"], GPU1, {"rollout_fused_decode": False}),
-        (["--rollout-compile"], CPU, {"rollout_fused_decode": True}),
-        (["--rollout-fused-decode"], CPU, {"rollout_fused_decode": True}),
-    ],
-)
-def test_rule_fused_decode(argv, env, expect):
-    check(argv, env, expect)
-
-
-@pytest.mark.parametrize(
-    "argv, env, expect",
-    [
         ([], CPU, {"trained_logits_only": False}),
         (TINY_GPU, GPU1, {"trained_logits_only": True}),
         (TINY_GPU + ["--no-trained-logits-only"], GPU1, {"trained_logits_only": False}),

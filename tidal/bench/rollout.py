@@ -249,12 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--skip-hf", action="store_true", help="skip transformers generate (runs comparing engine settings in one job)"
     )
-    p.add_argument(
-        "--fused",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="stacked q/k/v and gate/up matmuls compiled in pieces (--rollout-fused-decode; default: with the compile)",
-    )
+    p.add_argument("--fused", action="store_true", help="stacked q/k/v and gate/up matmuls (--rollout-fused-decode)")
     p.add_argument(
         "--sampler-noise",
         default="buffer",

@@ -108,7 +108,6 @@ DERIVED = {
     "rollout_num_gpus", "offload_train", "offload_rollout", "update_weight_transport",
     "global_batch_size", "eps_clip_high", "output_dir", "memory_snapshot_dir", "rollout_compile",
     "offload_host_memory", "use_critic", "critic_lr", "init_on_device", "trained_logits_only", "warm_up",
-    "rollout_fused_decode",
 }  # fmt: skip
 
 

@@ -300,11 +300,10 @@ class RolloutConfig:
         "draws than buffer's for the same seed).",
         choices=("buffer", "drawn"),
     )
-    rollout_fused_decode: bool | None = opt(
-        None,
-        "Decode steps with one stacked q/k/v matmul and one gate/up matmul per layer, compiled in pieces between "
-        "the attention calls (Llama/Qwen2/Qwen3, others run the model's forward; the stacked weights are refreshed "
-        "from the model at every generate and are kv_cache memory); default: on with --rollout-compile.",
+    rollout_fused_decode: bool = opt(
+        False,
+        "Decode steps with one stacked q/k/v matmul and one gate/up matmul per layer (Llama/Qwen2/Qwen3; "
+        "the stacked weights are refreshed from the model at every generate and are kv_cache memory).",
     )
     rollout_decode_attention: str = opt(
         "auto",

@@ -170,18 +170,6 @@ def _rollout_compile(ctx: Context) -> None:
 
 
 @rule(
-    "fused-decode",
-    "`--rollout-fused-decode` defaults to on where the decode step compiles (`--rollout-compile`): stacked "
-    "projections, compiled in pieces between the attention calls; off otherwise.",
-)
-def _fused_decode(ctx: Context) -> None:
-    r = ctx.cfg.rollout
-    if r.rollout_fused_decode is None:
-        on = bool(r.rollout_compile)
-        ctx.derive("rollout_fused_decode", on, "fused-decode", "rollout-compile " + ("on" if on else "off"))
-
-
-@rule(
     "trained-logits",
     "`--trained-logits-only` defaults to on with CUDA and off on CPU (where the default run keeps its numbers).",
 )
@@ -518,7 +506,7 @@ def unresolved_fields(cfg: TidalConfig) -> list[str]:
         "update_weight_transport", "global_batch_size", "eps_clip_high", "output_dir",
         "rollout_compile", "use_critic", "offload_host_memory", "rollout_prefix_cache_mb",
         "disable_grad_buffers_cpu_backup", "init_on_device", "rollout_decode_attention", "trained_logits_only",
-        "warm_up", "rollout_fused_decode",
+        "warm_up",
     }  # fmt: skip
     out = []
     for info in fields():

@@ -22,7 +22,7 @@ Settings, read from the engine's ``RolloutConfig`` when it has them (defaults ot
     rollout_kv_block      int    256    attention length granularity of a decode step
     rollout_compile       bool   CUDA   torch.compile the decode step (attention stays eager); on with CUDA
     rollout_prefix_cache_mb int  0      prompt KV kept between calls for multi-turn requests (tidal.rollout.fast.prefix)
-    rollout_fused_decode  bool   compile  stacked q/k/v and gate/up matmuls in decode steps (tidal.rollout.fast.fused)
+    rollout_fused_decode  bool   False  stacked q/k/v and gate/up matmuls in decode steps (tidal.rollout.fast.fused)
     rollout_sampler_noise str    buffer compiled unfiltered sampling's noise: a buffer, or drawn inside the kernel
     rollout_decode_attention str auto   decode attention kernel: sdpa, or flex (tidal.rollout.fast.flex_decode); auto: flex with CUDA
 """
@@ -51,8 +51,6 @@ def build_decoder(model, cfg, *, device_type: str, pad_id: int, backend, name: s
         return OFF
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30
     seq = min(limit, cfg.rollout_max_prompt_len + cfg.rollout_max_response_len)
-    compile = cfg.rollout_compile if cfg.rollout_compile is not None else rollout_compile_default(device_type)
-    fused = getattr(cfg, "rollout_fused_decode", None)
     try:
         dec = FastDecoder(
             model,
@@ -62,11 +60,11 @@ def build_decoder(model, cfg, *, device_type: str, pad_id: int, backend, name: s
             cuda_graphs=cfg.rollout_cuda_graphs,
             kv_block=cfg.rollout_kv_block,
             # Unset (a config built in code, not resolved): the resolved default, on with CUDA.
-            compile=compile,
+            compile=cfg.rollout_compile if cfg.rollout_compile is not None else rollout_compile_default(device_type),
             pad_id=pad_id,
             region=lambda: backend.region(StateClass.KV_CACHE),
             prefix_cache_bytes=int(getattr(cfg, "rollout_prefix_cache_mb", None) or 0) << 20,
-            fused=compile if fused is None else bool(fused),  # unset: the resolved default, with the compile
+            fused=bool(getattr(cfg, "rollout_fused_decode", False)),
             sampler_noise=getattr(cfg, "rollout_sampler_noise", "buffer"),
             # auto (a config built in code, not resolved): the resolved default, flex with CUDA.
             decode_attention=_kernel(getattr(cfg, "rollout_decode_attention", "auto"), device_type),
