@@ -302,8 +302,9 @@ class RolloutConfig:
     )
     rollout_fused_decode: bool = opt(
         False,
-        "Decode steps with one stacked q/k/v matmul and one gate/up matmul per layer (Llama/Qwen2/Qwen3; "
-        "the stacked weights are refreshed from the model at every generate and are kv_cache memory).",
+        "Decode steps with one stacked q/k/v matmul and one gate/up matmul per layer, compiled (with "
+        "--rollout-compile) in three pieces between the attention calls (Llama/Qwen2/Qwen3; the stacked weights "
+        "are refreshed from the model at every generate and are kv_cache memory).",
     )
     rollout_decode_attention: str = opt(
         "auto",
