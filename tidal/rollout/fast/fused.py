@@ -9,13 +9,22 @@ and fewer of them waiting on each other.
 ``FusedDecodeForward(model)`` runs the same computation as the transformers decoder layers of a
 Llama, Qwen2 or Qwen3 causal LM (RMSNorm, rotary embedding, grouped-query attention through
 ``tidal.rollout.fast.attention.fast_attention``, SiLU-gated MLP, residuals; Qwen3's per-head q/k
-norms; optional biases), reusing the model's own norm, rotary, embedding, output-projection and
-activation modules. Only the stacked weights are its own: ``buffers`` lists them (allocated by the
-decoder in its memory region, class kv_cache) and ``refresh()`` copies the model's current q/k/v and
-gate/up weights into them in place (addresses unchanged, so captured CUDA graphs stay valid). The
-decoder refreshes at the start of every ``generate``: a weight sync, a memory backend's release and
-resume, anything that rewrote the parameters in between is picked up (a device-to-device copy of
-~0.5 GB for a 0.5B model, well under a millisecond on a GPU).
+norms; optional biases) as pure functions of the layers' weights, reusing the model's embedding,
+rotary module and output projection. Only the stacked weights are its own: ``buffers`` lists them
+(allocated by the decoder in its memory region, class kv_cache) and ``refresh()`` copies the model's
+current q/k/v and gate/up weights into them in place (addresses unchanged, so captured CUDA graphs stay
+valid). The decoder refreshes at the start of every ``generate``: a weight sync, a memory backend's
+release and resume, anything that rewrote the parameters in between is picked up (a device-to-device
+copy of ~0.5 GB for a 0.5B model, well under a millisecond on a GPU).
+
+Compiled (``compile=True``, the decoder's ``--rollout-compile``), the arithmetic between the attention
+calls runs as three ``torch.compile`` pieces: ``_enter`` (layer 0's q/k/v), ``_between`` (a layer's
+o_proj, residual, MLP and residual, then the next layer's RMSNorm, q/k/v and rotary embedding) and
+``_leave`` (the last layer's MLP block, the final norm, the logits). The attention call stays eager
+(it writes the KV cache in place) between them. Each piece takes the layer's weights as arguments, so
+one graph serves every layer (and, with dynamic sizes, every batch bucket), and none of them breaks:
+Dynamo traces three small functions once, where compiling the model's forward restarts its trace at
+each wrapper frame above the attention call and leaves the layer loop eager.
 
 ``unsupported_reason(model)`` says why a model cannot take this path (other families, sliding
 windows, layers whose modules are not where these families keep them); the decoder then runs the
