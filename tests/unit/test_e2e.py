@@ -76,6 +76,9 @@ def _run(tmp_path, *flags):
     assert 0 < rows[0]["startup_trainer_build_s"] <= rows[0]["startup_trainer_init_s"]
     assert rows[0]["startup_engine_build_s"] > 0
     assert not any(k.startswith("startup_") for k in rows[1])
+    # Where each rollout's generate went: the fast decoder's own stats (on CPU no graph is captured).
+    for r in rows:
+        assert r["decode/prefill_s"] > 0 and r["decode/steps"] >= 0 and r["decode/graph_captures"] == 0, r
     assert os.path.exists(os.path.join(cfg.logging.output_dir, "curves.png"))
     _check_samples(cfg.logging.output_dir, steps=[0, 1], versions={0: 1, 1: 2})
     assert os.path.getsize(os.path.join(cfg.logging.output_dir, "memory.png")) > 0

@@ -281,12 +281,21 @@ def _admission_then_abort(pool, server) -> None:
     # tidal's HTTP engine through the same pause: its requests come back aborted, are sent again, held by the
     # paused server, and answered whole after continue.
     engine = http_engine(str(server.base_url).removeprefix("http://"), rollout_engine_api_key=KEY)
-    # A row that runs long from this seed (up to 250 slowed steps): it still runs when the pause comes.
-    sample = Sample(index=0, group=0, prompt=None, prompt_ids=[1, 9])
-    done = pool.submit(engine.generate, [sample], SamplingParams(temperature=1.0, max_new_tokens=250, seed=38))
-    wait_for_state(server, lambda s: s["running_rows"] == 1, "a running step")
-    engine.pause_generation()
-    wait_for_state(server, lambda s: s["queued"] == 1, "the engine's request sent again and held")
+    for seed in range(38, 46):
+        # A row of up to 250 slowed steps; with the tiny vocabulary an EOS may still end it before the pause
+        # reaches its step (the draws depend on the server's steps before it): then it is tried again.
+        sample = Sample(index=0, group=0, prompt=None, prompt_ids=[1, 9])
+        done = pool.submit(engine.generate, [sample], SamplingParams(temperature=1.0, max_new_tokens=250, seed=seed))
+        wait_for_state(server, lambda s, done=done: s["running_rows"] == 1 or done.done(), "a running step")
+        engine.pause_generation()
+        state = wait_for_state(
+            server, lambda s, done=done: s["queued"] == 1 or done.done(), "the engine's request sent again and held"
+        )
+        if state["queued"] == 1:
+            break
+        engine.continue_generation()  # answered before the pause cut it: nothing was sent again
+    else:
+        raise AssertionError("no request of the HTTP engine was held by the pause (each ended before it)")
     engine.continue_generation()
     (out,) = done.result(timeout=60)
     assert out.status in ("completed", "truncated") and len(out.response_ids) == len(out.response_logprobs) > 0

@@ -29,7 +29,7 @@ from tidal.rollout.engine import (
     WeightUpdateResult,
     update_result,
 )
-from tidal.rollout.types import Sample, SampleBatch, SamplingParams, WarmUpReport
+from tidal.rollout.types import DecodeStats, Sample, SampleBatch, SamplingParams, WarmUpReport
 
 if TYPE_CHECKING:
     from tidal.rollout.embedded import EmbeddedEngine
@@ -114,6 +114,9 @@ class EngineActor(RolloutEngine):
 
     def warm_up(self, rows: int, sampling: SamplingParams) -> WarmUpReport:
         return self._engine().warm_up(rows, sampling)
+
+    def take_decode_stats(self) -> DecodeStats:
+        return self._engine().take_decode_stats()
 
     def release_memory(self, tags: Sequence[str] = TAGS) -> MemoryReport:
         engine = self._engine()

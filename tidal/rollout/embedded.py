@@ -76,7 +76,7 @@ from tidal.rollout.generate import (
     shared_prefill,
     unfinished,
 )
-from tidal.rollout.types import Sample, SamplingParams, WarmUpReport
+from tidal.rollout.types import DecodeStats, Sample, SamplingParams, WarmUpReport
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +303,13 @@ class EmbeddedEngine(EngineWeights):
             gc.freeze()
         return samples
 
+    def take_decode_stats(self) -> DecodeStats:
+        """The fast decoder's stats of every generate call since the last ask (zeros without the fast path)."""
+        from tidal.rollout.fast.plug import OFF
+
+        dec = self._fast_decoder
+        return DecodeStats() if dec is None or dec == OFF else dec.take_totals()
+
     def warm_up(self, rows: int, sampling: SamplingParams) -> WarmUpReport:
         """Compile and capture the decode step a first ``generate`` of ``rows`` samples would (``--warm-up``).
 
@@ -325,6 +332,7 @@ class EmbeddedEngine(EngineWeights):
         warm = dataclasses.replace(sampling, max_new_tokens=2, stop=[], stop_token_ids=[])
         self._generate_chunk([[self._pad_id] * prompt_len] * n, warm, [], [2] * n)
         stats = dec.last_stats
+        dec.take_totals()  # the first rollout's decode/* metrics are its own
         if dec.prefixes is not None:
             dec.prefixes.clear()  # the pad prompts are no prefix of anything real
         gc.collect()

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, TrainerConfig, WeightSyncConfig
 from tidal.memory.base import MemoryFigures
-from tidal.rollout.types import Sample, SamplingParams, WarmUpReport
+from tidal.rollout.types import DecodeStats, Sample, SamplingParams, WarmUpReport
 from tidal.weight_sync.bucket import BucketHeader  # the weight-bucket message (``Bucket.header`` builds it)
 from tidal.weight_sync.local_checkpoint import PullResult
 
@@ -99,6 +99,11 @@ class RolloutEngine(abc.ABC):
         (``--warm-up``), leaving no trace in later calls' results. An engine with nothing to warm returns an
         empty report (a server warms itself)."""
         return WarmUpReport()
+
+    def take_decode_stats(self) -> DecodeStats:
+        """Where this engine's generate calls spent their time since the last ask (then zero again): the
+        rollout's ``decode/*`` metrics. An engine that does not decode itself returns zeros."""
+        return DecodeStats()
 
     @abc.abstractmethod
     def release_memory(self, tags: Sequence[str] = TAGS) -> MemoryReport:

@@ -24,7 +24,7 @@ from tidal.errors import last_line
 from tidal.errors import ray_get as get
 from tidal.rollout.agent import score_trajectories, trajectory_metrics
 from tidal.rollout.rewards import score_samples
-from tidal.rollout.types import Sample, SampleBatch, SamplingParams
+from tidal.rollout.types import DecodeStats, Sample, SampleBatch, SamplingParams
 
 
 def make_rollout_samples(
@@ -178,7 +178,15 @@ def generate_rollout(s, rollout_id: int) -> tuple[list[Sample], dict]:
     metrics = rounds[0] if len(rounds) == 1 else merge_round_metrics(rounds)
     if r.over_sampling_batch_size is not None:
         metrics["rollout_rounds"] = len(rounds)
+    metrics.update(decode_metrics(s))
     return kept, metrics
+
+
+def decode_metrics(s) -> dict:
+    """The ``decode/*`` metrics of everything the engines generated since the last ask (``DecodeStats``):
+    decode steps, prefill, decode and graph-capture seconds, new graphs and compactions; none without the
+    fast decode path."""
+    return DecodeStats.metrics(s.engines.call("take_decode_stats"))
 
 
 def merge_round_metrics(rounds: list[dict]) -> dict:
@@ -280,4 +288,5 @@ def evaluate(s) -> dict:
     else:
         samples = agent.run(lambda reqs, sp: run_engines(s, reqs, sp, 1), samples, greedy)
         score_trajectories(samples, s.cfg.rollout.agent_reward, s.reward_fn)
+    decode_metrics(s)  # the evaluation's generate calls are not the next rollout's
     return {"eval_accuracy": sum(x.reward for x in samples) / len(samples)}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import operator
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,47 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+
+
+@dataclass
+class DecodeStats:
+    """Where an engine's generate calls spent their time since it was last asked (``take_decode_stats``).
+
+    Filled by the fast decode path (``tidal.rollout.fast``): ``calls`` generate calls, ``steps`` decode steps,
+    seconds of prefill, of decode steps and of graph captures (compiling in the captures' warm-up runs
+    included; part of ``decode_s``), ``graph_captures`` new CUDA graphs and ``compactions`` of the running
+    batch. All zero where generation runs elsewhere (transformers generate, an HTTP server)."""
+
+    calls: int = 0
+    steps: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    capture_s: float = 0.0
+    graph_captures: int = 0
+    compactions: int = 0
+
+    def add(self, stats: dict) -> None:
+        """Count one generate call of the fast decoder, from its ``DecodeResult.stats``."""
+        self.calls += 1
+        self.steps += int(stats.get("steps", 0))
+        self.prefill_s += float(stats.get("prefill_s", 0.0))
+        self.decode_s += float(stats.get("decode_s", 0.0))
+        self.capture_s += float(stats.get("capture_s", 0.0))
+        self.graph_captures += int(stats.get("graph_captures", 0))
+        self.compactions += int(stats.get("compactions", 0))
+
+    @staticmethod
+    def metrics(engines: Sequence[DecodeStats]) -> dict[str, float]:
+        """A rollout's ``decode/*`` metrics over every engine: counts summed, seconds the slowest engine's
+        (the engines run side by side). Empty where no engine decoded through the fast path."""
+        if not any(e.calls for e in engines):
+            return {}
+        out: dict[str, float] = {}
+        for name in ("steps", "graph_captures", "compactions"):
+            out[f"decode/{name}"] = sum(getattr(e, name) for e in engines)
+        for name in ("prefill_s", "decode_s", "capture_s"):
+            out[f"decode/{name}"] = max(getattr(e, name) for e in engines)
+        return out
 
 
 @dataclass

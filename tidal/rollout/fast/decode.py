@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -59,6 +60,7 @@ from tidal.rollout.fast.prefix import PrefixStore, reuse_prefixes, take_prompt
 from tidal.rollout.fast.request import DecodeResult, batch_buckets, check_request, cut_at_stops
 from tidal.rollout.fast.sampling import SamplingMode, drawn_core, plain_core, sample, sampling_mode
 from tidal.rollout.fast.static_cache import StaticKVCache, kv_shape, plan_cache
+from tidal.rollout.types import DecodeStats
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +180,8 @@ class FastDecoder:
             self.graphs.enabled = False
             self.graphs.fallback_reason = "turned off"
         self.last_stats: dict = {}
+        self._totals = DecodeStats()  # every call's stats since the last take_totals (the engine's metrics)
+        self._totals_lock = threading.Lock()
         # Prompt KV kept between calls for requests that extend an earlier one (multi-turn); None: off.
         self.prefixes = PrefixStore(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.flex_fallback_reason: str | None = None
@@ -382,7 +386,15 @@ class FastDecoder:
             seconds=time.perf_counter() - t_start,
         )
         self.last_stats = stats
+        with self._totals_lock:
+            self._totals.add(stats)
         return DecodeResult(tokens=tokens, logprobs=logprobs, stopped=stopped, stats=stats)
+
+    def take_totals(self) -> DecodeStats:
+        """The stats of every ``generate`` since the last call (then zero again)."""
+        with self._totals_lock:
+            out, self._totals = self._totals, DecodeStats()
+        return out
 
     def _make_ready(self, need: int) -> None:
         """A cache and graphs that fit ``need`` positions (reallocated when longer than before)."""
