@@ -32,6 +32,19 @@ run() {
   tail -n "${TAIL:-12}" "$OUT/$name.log"
 }
 
+# Each step's phases and where its generate went (the decode/* metrics), one line a step.
+steps_table() {
+  [ -f "$1" ] || return 0
+  python3 - "$1" <<'PY'
+import json, sys
+keys = ("generate_s", "decode/prefill_s", "decode/decode_s", "decode/capture_s", "decode/graph_captures",
+        "decode/compactions", "train_s", "sync_s", "gen_tokens_per_s", "elapsed_s")
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(f"step {r['step']}: " + " ".join(f"{k}={r[k]:.3g}" for k in keys if isinstance(r.get(k), (int, float))))
+PY
+}
+
 for s in "$@"; do
   case $s in
     env) run env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total --format=csv; python3 -c "import torch, transformers, ray, torch_memory_saver; print(torch.__version__, torch.version.cuda, transformers.__version__, ray.__version__)"' ;;
@@ -40,7 +53,9 @@ for s in "$@"; do
     train-offload) run train-offload 120 python3 -m tidal.cli train --no-progress --offload --num-rollout 5 --output-dir "$OUT/run-offload" ;;
     startup-0.5b) TAIL=6 run startup-0.5b${STARTUP05_TAG:-} 540 python3 -m tidal.bench.startup --runs ${STARTUP05_RUNS:-2} --fresh-cache -- --preset qwen2.5-0.5b-1gpu --num-rollout 1 --rollout-batch-size 64 --rollout-max-response-len 256 ${STARTUP05_ARGS:-} ;;
     startup) TAIL=5 run startup 300 python3 -m tidal.bench.startup --runs 3 -- --num-rollout ${STARTUP_ROLLOUTS:-5} ;;
-    train-0.5b) run train-0.5b${TRAIN05_TAG:-} 200 python3 -m tidal.cli train --no-progress --preset qwen2.5-0.5b-1gpu --num-rollout ${TRAIN05_ROLLOUTS:-5} --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-0.5b${TRAIN05_TAG:-}" ${TRAIN05_ARGS:-} ;;
+    train-0.5b)
+      run train-0.5b${TRAIN05_TAG:-} 200 python3 -m tidal.cli train --no-progress --preset qwen2.5-0.5b-1gpu --num-rollout ${TRAIN05_ROLLOUTS:-5} --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-0.5b${TRAIN05_TAG:-}" ${TRAIN05_ARGS:-}
+      steps_table "$OUT/run-0.5b${TRAIN05_TAG:-}/metrics.jsonl" ;;
     bench-memory) run bench-memory 200 python3 -m tidal.bench.memory --gib ${MEM_GIB:-16} --cycles ${MEM_CYCLES:-5} --disk-dir /var/tmp/tidal-disk ;;
     bench-sync) run bench-sync 300 python3 -m tidal.bench.weight_sync --model ${SYNC_MODELS:-qwen2.5-0.5b-shape,qwen3-4b-shape} --modes ${SYNC_MODES:-full,delta} --transports tensor --sources ${SYNC_SOURCES:-backup,device} ${SYNC_ARGS:-} ;;
     bench-sync-disk) TAIL=20 run bench-sync-disk 420 python3 -m tidal.bench.weight_sync --model ${SYNC_MODELS:-qwen3-4b-shape} --modes delta --transports tensor,disk --sources backup --disk-dir /var/tmp ${SYNC_ARGS:-} ;;
