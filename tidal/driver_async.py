@@ -45,6 +45,7 @@ import time
 from tidal.errors import ray_get as get
 from tidal.rollout.buffer import Group, GroupBuffer, PromptCursor
 from tidal.rollout.inflight import Finished, InFlight
+from tidal.rollout.orchestrate import decode_metrics
 from tidal.rollout.types import SampleBatch
 from tidal.steps import Timer, eval_due, finish_step, sync_weights
 
@@ -139,6 +140,7 @@ class _Loop:
                 **sync,
                 **t,
                 **self.s.memory_metrics(),
+                **decode_metrics(self.s),  # the generate calls that ended since the last step
             }
         )
         self.gen_samples, self.filtered, self.engine_busy_s = 0, 0, 0.0

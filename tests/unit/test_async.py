@@ -48,6 +48,8 @@ def test_one_step_learns_one_version_behind(ray_cluster, tmp_path):
         held = versions[rec["step"]] - 1  # the version the trainer trained from
         assert held - rec["weight_version"] == (0 if rec["step"] == 0 else 1), rec
     assert all(r["train_samples"] == 256 and 0 < r["trainer_busy_frac"] <= 1 for r in rows)
+    # The engines' decode stats, read beside their running calls: those that ended since the last step.
+    assert sum(r.get("decode/prefill_s", 0.0) > 0 for r in rows) >= len(rows) // 2, rows
 
 
 def _staleness(cfg, rows) -> list[int]:

@@ -194,9 +194,9 @@ class EngineActor(RolloutEngine):
 
 
 class ProbedEngineActor(EngineActor):
-    """``EngineActor`` whose ``health``, ``pid``, ``pause_generation`` and ``memory_stats`` answer from their own
-    concurrency group, beside a running ``generate``: an engine whose process stopped (frozen, or stuck
-    holding the GIL) does not answer, a busy one does. Start it with ``ray.remote(concurrency_groups={"probe": 2})`` (``cluster.groups`` does);
+    """``EngineActor`` whose ``health``, ``pid``, ``pause_generation``, ``memory_stats`` and ``take_decode_stats``
+    answer from their own concurrency group, beside a running ``generate``: an engine whose process stopped
+    (frozen, or stuck holding the GIL) does not answer, a busy one does. Start it with ``ray.remote(concurrency_groups={"probe": 2})`` (``cluster.groups`` does);
     ``EngineActor`` itself stays a plain actor class for ``ray.remote`` alone."""
 
     @ray.method(concurrency_group="probe")
@@ -215,3 +215,8 @@ class ProbedEngineActor(EngineActor):
     def memory_stats(self) -> dict[str, int]:
         """Read each step beside the call out (the async loops): waiting behind it would stall every step."""
         return super().memory_stats()
+
+    @ray.method(concurrency_group="probe")
+    def take_decode_stats(self) -> DecodeStats:
+        """Read each step beside the call out, as ``memory_stats`` (the decoder's totals hold a lock)."""
+        return super().take_decode_stats()

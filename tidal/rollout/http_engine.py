@@ -78,7 +78,7 @@ from tidal.rollout.sglang_client import (
     serialize_named_tensors,
     short,
 )
-from tidal.rollout.types import Sample, SamplingParams
+from tidal.rollout.types import DecodeStats, Sample, SamplingParams
 from tidal.weight_sync.group import SGLANG_GROUP
 
 log = logging.getLogger(__name__)
@@ -421,6 +421,11 @@ class HttpEngineActor(RolloutEngine):
                 if attempt == 9:
                     raise
                 time.sleep(0.2)
+
+    @ray.method(concurrency_group="probe")
+    def take_decode_stats(self) -> DecodeStats:
+        """The server decodes, not this client: zeros, answered beside a running ``generate``."""
+        return DecodeStats()
 
     @ray.method(concurrency_group="probe")
     def pause_generation(self) -> None:
