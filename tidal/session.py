@@ -86,12 +86,12 @@ class Session:
         self.reward_fn = get_reward_fn(cfg.data.rm_type, cfg.data.custom_rm_path)
         self.load_path, load_note = self._find_checkpoint()  # before the run folder: a bad --load leaves nothing
         trainer_env = actor_env(cfg.memory, dict(cfg.cluster.train_env_vars), self.device)
-        placement, env, preload = self._plan_cluster(spec.config_dict().get("model_type"), trainer_env)
+        placement, env, preload, warm = self._plan_cluster(spec.config_dict().get("model_type"), trainer_env)
         try:
             # First the warm process that imports the actors' modules once (a local CPU cluster), then the tokenizer,
             # prompts and the agent loop, read beside Ray's start (transformers takes seconds to import on a small
             # host); a bad dataset still stops everything before the run folder or an actor exists.
-            start_warm(cfg.cluster.ray_address, env, preload)
+            start_warm(cfg.cluster.ray_address, env, warm)
             # While the inputs' thread imports (holding the GIL for most of seconds), ray.init on this thread
             # waits for the GIL after each of its many short waits: up to the switch interval each time.
             switch = sys.getswitchinterval()
@@ -117,8 +117,9 @@ class Session:
             raise
         return self
 
-    def _plan_cluster(self, model_type: str | None, trainer_env: dict) -> tuple[Placement, dict, list[str]]:
-        """Placement, the environment of a local cluster's workers and the modules they preload."""
+    def _plan_cluster(self, model_type: str | None, trainer_env: dict) -> tuple[Placement, dict, list[str], list[str]]:
+        """Placement, the environment of a local cluster's workers, the modules its prestarted workers preload
+        (used without a warm process) and those a warm process imports (``--warm-process``; none: no warm process)."""
         from tidal.cluster.placement import worker_env
         from tidal.cluster.ray_cluster import prestart_modules
 
@@ -130,11 +131,14 @@ class Session:
         placement = plan_placement(cfg.cluster, self.device, num_engines, with_trainer=not rollout_only)
         env = worker_env(placement)
         env.update(cache_env(cfg.cluster.compile_cache_dir))  # torch.compile's caches, kept across runs
-        preload = []
+        preload, warm = [], []
         if cfg.rollout.rollout_engine == "embedded" and not trainer_env:
             actors = len(placement.engines) + len(placement.trainers)
-            preload = prestart_modules(model_type, actors=actors, trainer=not rollout_only, num_gpus=placement.num_gpus)
-        return placement, env, preload
+            kw = dict(actors=actors, trainer=not rollout_only, num_gpus=placement.num_gpus)
+            preload = prestart_modules(model_type, **kw)
+            mode = cfg.cluster.warm_process
+            warm = [] if mode == "off" else prestart_modules(model_type, any_host=mode == "on", **kw)
+        return placement, env, preload, warm
 
     def _start_cluster(self, placement: Placement, env: dict, preload: list[str]) -> None:
         """Ray (started or joined) and the placement group."""

@@ -821,6 +821,34 @@ def test_rule_memory_history(argv, env, expect):
     check(argv, env, expect)
 
 
+@pytest.mark.parametrize(
+    "argv, env, expect",
+    [
+        ([], CPU, {"warm_process": "auto"}),
+        (TINY_GPU + ["--warm-process", "on"], GPU1, {"warm_process": "on"}),
+        (["--warm-process", "off"], CPU, {"warm_process": "off"}),
+        (["--warm-process", "on", "--ray-address", "10.0.0.1:6379"], CPU, "--ray-address"),
+        (
+            ["--warm-process", "on", "--rollout-engine", "sglang", "--rollout-external-engine-addrs", "h:1"],
+            CPU,
+            "sglang",
+        ),
+    ],
+)
+def test_rule_warm_process(argv, env, expect):
+    check(argv, env, expect)
+
+
+def test_warm_process_modules_on_any_host_only_when_asked():
+    """A GPU host prestarts no preloaded workers (each costs a Ray import), but ``--warm-process on`` gives its
+    warm process the same modules a small CPU host's gets."""
+    from tidal.cluster.ray_cluster import prestart_modules
+
+    assert prestart_modules("qwen2", actors=2, trainer=True, num_gpus=1) == []
+    mods = prestart_modules("qwen2", actors=2, trainer=True, num_gpus=1, any_host=True)
+    assert mods[:2] == ["torch", "transformers.models.qwen2.modeling_qwen2"] and "tidal.trainer.actor" in mods
+
+
 def test_resolve_is_idempotent_and_does_not_mutate_its_input():
     cfg, prov = parse(["--offload"])
     once = resolve(cfg, prov, CPU)

@@ -223,7 +223,9 @@ def _set_base_env() -> None:
         os.environ.setdefault(k, v)
 
 
-def prestart_modules(model_type: str | None, *, actors: int, trainer: bool, num_gpus: int) -> list[str]:
+def prestart_modules(
+    model_type: str | None, *, actors: int, trainer: bool, num_gpus: int, any_host: bool = False
+) -> list[str]:
     """Modules the prestarted workers of a local CPU cluster import before they host an actor.
 
     Ray prestarts one Python worker per logical CPU when it starts; the actors of a run that need no
@@ -232,9 +234,11 @@ def prestart_modules(model_type: str | None, *, actors: int, trainer: bool, num_
     with Ray's own start and the driver's set-up, instead of running them after the actors are
     created. Only on a small CPU host, where the prestarted workers are about as many as the actors:
     each preloaded worker costs some 400 MB, and on a many-core host most of them would host nothing.
-    On GPUs the trainer needs a fresh process anyway (torch_memory_saver's preload variables).
+    On GPUs with torch_memory_saver's preload variables the trainer needs a fresh process anyway.
+    ``any_host`` (``--warm-process on``): the same list on any host, for a warm process, which forks only the
+    workers the actors ask for (it prestarts none).
     """
-    if num_gpus or float(os.cpu_count() or 1) > 2 * max(1, actors):
+    if not any_host and (num_gpus or float(os.cpu_count() or 1) > 2 * max(1, actors)):
         return []
     mods = ["torch"]
     if model_type and _has_transformers_model(model_type):

@@ -19,8 +19,11 @@ returned); a worker whose environment must be set before its process starts (a r
 variables, ``LD_PRELOAD`` for torch_memory_saver) is started by Ray as usual. The socket listens
 before Ray starts: the workers Ray starts for the actors wait for the imports instead of doing their own.
 
-Only on a CPU cluster started here: CUDA must not be initialised before a fork, and GPU actors
-need their own process environment. ``--ray-address`` (joining a cluster) changes nothing.
+Only on a cluster started here, by default a small CPU host's (``--warm-process auto``); ``--warm-process on``
+starts one on any host, GPUs included: the warm process imports torch and the model's code without touching
+CUDA (each fork initialises it as its actor's GPU is known), and an actor whose environment must be set before
+its process starts (torch_memory_saver's ``LD_PRELOAD``) is started by Ray as usual. ``--ray-address``
+(joining a cluster) changes nothing.
 The warm process stops with the driver (a pipe from it closes) or at ``stop``.
 """
 

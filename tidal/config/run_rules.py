@@ -107,6 +107,24 @@ def warm_up(ctx: Context) -> None:
     ctx.derive("warm_up", on, "warm-up", why)
 
 
+def warm_process(ctx: Context) -> None:
+    """``--warm-process on`` forks a local cluster's actors: it means nothing where no local cluster starts here
+    (``--ray-address``) or where the engines are servers (``--rollout-engine sglang``), so it is refused there."""
+    c, r = ctx.cfg.cluster, ctx.cfg.rollout
+    if c.warm_process != "on":
+        return
+    if c.ray_address:
+        raise ConfigError(
+            "--warm-process on forks the actors of a cluster started here; with --ray-address the cluster's own "
+            "workers host them; drop one of the two"
+        )
+    if r.rollout_engine != "embedded":
+        raise ConfigError(
+            f"--warm-process on forks embedded engines and trainers; --rollout-engine {r.rollout_engine} runs "
+            "servers; drop --warm-process"
+        )
+
+
 def memory_history(ctx: Context) -> None:
     m = ctx.cfg.memory
     if not m.record_memory_history:

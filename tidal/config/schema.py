@@ -53,9 +53,17 @@ class ClusterConfig:
         None,
         "Compile and capture before the first rollout, on every actor at once: each engine runs one decode step "
         "at the first rollout's batch size (torch.compile, CUDA graph capture), the trainer a forward and backward "
-        "of a small and a full-size dummy micro-batch (its compiled layers and log-prob kernels), gradients dropped. The "
+        "of a small and a half-size dummy micro-batch (its compiled layers and log-prob kernels), gradients dropped. The "
         "first step then does not wait for one side's compiling after the other's. Default: on with CUDA when "
         "something compiles or captures and trainer and engines stay resident (no offload).",
+    )
+    warm_process: str = opt(
+        "auto",
+        "A local cluster's actors as forks of one process that imported torch and the model's code while Ray "
+        "started (the imports leave the actors' start): auto on a CPU host of at most two cores per actor; on "
+        "also with GPUs or more cores (no actor whose environment must be set before it starts: those start "
+        "as usual); off never.",
+        choices=("auto", "on", "off"),
     )
 
 

@@ -481,6 +481,12 @@ rule(
 )(run_rules.warm_up)
 
 rule(
+    "warm-process",
+    "`--warm-process on` (a warm process also on GPU and many-core hosts) needs a cluster started here and embedded "
+    "engines: with `--ray-address` or `--rollout-engine sglang` it is refused.",
+)(run_rules.warm_process)
+
+rule(
     "memory-history",
     "`--record-memory-history` needs CUDA; its snapshots go to `--memory-snapshot-dir` (default <output-dir>/memory-snapshots), "
     "which is only used with it.",
