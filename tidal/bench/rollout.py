@@ -128,8 +128,7 @@ def _timed(fn, repeats: int) -> tuple[object, float]:
 def _compiled(engine: EmbeddedEngine) -> bool:
     """Whether the engine decoded through a compiled step (False for transformers generate or a fallback)."""
     dec = getattr(engine, "_fast_decoder", None)
-    fused = getattr(dec, "_fused", None)
-    return getattr(dec, "_compiled_forward", None) is not None or bool(getattr(fused, "compiled", False))
+    return hasattr(dec, "_compiled_step") and dec._compiled_step() is not None
 
 
 def engine_generate_fresh(engine: EmbeddedEngine, args: argparse.Namespace, sampling: SamplingParams):

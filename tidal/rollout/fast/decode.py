@@ -373,7 +373,7 @@ class FastDecoder:
             mode=mode.name,
             cuda_graphs=self.graphs.enabled,
             fallback_reason=self.graphs.fallback_reason,
-            compiled=self._compiled_forward is not None or (self._fused is not None and self._fused.compiled),
+            compiled=self._compiled_step() is not None,
             compile_fallback_reason=self.compile_fallback_reason,
             fused=self._fused is not None,
             fused_fallback_reason=self.fused_fallback_reason,
@@ -622,8 +622,15 @@ class FastDecoder:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=1)
         return out.logits[:, -1]
 
+    def _compiled_step(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """What runs a decode step's forward compiled: the fused forward's pieces or the compiled model forward;
+        None when the step is uncompiled (never asked for, or compiling failed)."""
+        if self._fused is not None:
+            return self._fused if self._fused.compiled else None
+        return self._compiled_forward
+
     def _logits(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        compiled = self._compiled_forward or (self._fused if self._fused is not None and self._fused.compiled else None)
+        compiled = self._compiled_step()
         if compiled is not None:
             try:
                 return compiled(ids, mask, pos)
