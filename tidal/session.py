@@ -88,7 +88,7 @@ class Session:
         trainer_env = actor_env(cfg.memory, dict(cfg.cluster.train_env_vars), self.device)
         placement, env, preload, warm = self._plan_cluster(spec.config_dict().get("model_type"), trainer_env)
         try:
-            # First the warm process that imports the actors' modules once (a local CPU cluster), then the tokenizer,
+            # First the warm process that imports the actors' modules once (a local cluster), then the tokenizer,
             # prompts and the agent loop, read beside Ray's start (transformers takes seconds to import on a small
             # host); a bad dataset still stops everything before the run folder or an actor exists.
             start_warm(cfg.cluster.ray_address, env, warm)
@@ -136,8 +136,8 @@ class Session:
             actors = len(placement.engines) + len(placement.trainers)
             kw = dict(actors=actors, trainer=not rollout_only, num_gpus=placement.num_gpus)
             preload = prestart_modules(model_type, **kw)
-            mode = cfg.cluster.warm_process
-            warm = [] if mode == "off" else prestart_modules(model_type, any_host=mode == "on", **kw)
+            # auto and on alike: a warm process wherever the cluster starts here (start_warm), CPU or GPU.
+            warm = [] if cfg.cluster.warm_process == "off" else prestart_modules(model_type, any_host=True, **kw)
         return placement, env, preload, warm
 
     def _start_cluster(self, placement: Placement, env: dict, preload: list[str]) -> None:

@@ -65,18 +65,16 @@ def test_full_partial_rollout_resident_on_one_gpu(ray_cluster, tmp_path):
 def test_a_paused_cuda_call_returns_partial_rows_that_continue_on_new_weights():
     """A pause at the fast decoder's second host sync (between CUDA graph replays): every row still running comes
     back aborted with exactly the tokens of the replays before it, and a later call continues those rows on the
-    new weights. The call is one chunk of one wave whatever else holds the GPU (``chunk_bytes``: the engine sizes
-    its chunks by the free device memory, and beside other processes it split these 16 rows into chunks, so the
-    pause found rows of later chunks not started, with no tokens)."""
+    new weights. The call is one chunk of one wave whatever else holds the GPU (a fast-decode chunk is a wave of
+    the decoder's cache; sized by the free device memory, as it once was, beside other processes it split these
+    16 rows into chunks, so the pause found rows of later chunks not started, with no tokens)."""
     import threading
 
     from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig
     from tidal.rollout.embedded import EmbeddedEngine
     from tidal.rollout.types import Sample, SamplingParams
 
-    eng = EmbeddedEngine(
-        ModelConfig(model="tiny-qwen2"), RolloutConfig(), MemoryConfig(), device="cuda", chunk_bytes=1 << 30
-    )
+    eng = EmbeddedEngine(ModelConfig(model="tiny-qwen2"), RolloutConfig(), MemoryConfig(), device="cuda", chunk_bytes=1)
     eng.set_weight_version(3)
     prompts = [eng.tokenizer.encode(t) for t in ("12+34=", "7*8=", "5", "abc")] * 4
     samples = [Sample(index=i, group=i, prompt="", prompt_ids=p) for i, p in enumerate(prompts)]

@@ -849,6 +849,18 @@ def test_warm_process_modules_on_any_host_only_when_asked():
     assert mods[:2] == ["torch", "transformers.models.qwen2.modeling_qwen2"] and "tidal.trainer.actor" in mods
 
 
+@pytest.mark.parametrize("flag, warm", [("auto", True), ("on", True), ("off", False)])
+def test_a_gpu_run_plans_a_warm_process_unless_off(flag, warm):
+    """``--warm-process auto`` (the default) forks a local GPU cluster's actors from a warm process, as ``on``
+    does; ``off`` starts none. Ray's prestarted workers preload nothing there either way."""
+    from tidal.session import Session
+
+    cfg, _ = run(TINY_GPU + ["--warm-process", flag], GPU1)
+    placement, _, preload, modules = Session(cfg)._plan_cluster("qwen2", {})
+    assert placement.num_gpus == 1 and preload == []
+    assert bool(modules) == warm and (not warm or modules[0] == "torch")
+
+
 def test_resolve_is_idempotent_and_does_not_mutate_its_input():
     cfg, prov = parse(["--offload"])
     once = resolve(cfg, prov, CPU)

@@ -203,6 +203,25 @@ def test_a_warm_up_leaves_no_trace_in_later_calls():
     assert make_engine(rollout_fast_decode=False).warm_up(20, sp).warmed == []
 
 
+def test_a_fast_decode_chunk_is_one_wave_of_its_cache_whatever_the_free_memory():
+    """With the fast decoder a chunk is one wave of the rows its KV cache holds: a chunk budget (on a GPU the free
+    device memory, less whenever the trainer holds more) too small for one row of transformers ``generate``
+    still decodes these 24 rows in one call of one wave, the tokens an unbounded engine samples. ``generate``
+    chunks by that budget."""
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8)
+    tight = EmbeddedEngine(ModelConfig(model="tiny"), RolloutConfig(), MemoryConfig(), chunk_bytes=1)
+    out = tight.generate(make_samples(tight), sp)
+    got = tight._fast_decoder.take_totals()
+    assert (got.calls, got.waves) == (1, 1) and tight._fast_decoder.rows >= 24
+    ref = make_engine()
+    assert [s.response_ids for s in out] == [s.response_ids for s in ref.generate(make_samples(ref), sp)]
+    plain = EmbeddedEngine(
+        ModelConfig(model="tiny"), RolloutConfig(rollout_fast_decode=False), MemoryConfig(), chunk_bytes=1
+    )
+    assert plain._rows_per_chunk(8, 8, []) == 1
+    assert tight._rows_per_chunk(8, 8, list(range(tight._fast_decoder.max_stop_ids + 1))) == 1  # too many stops
+
+
 def test_chunked_generation_equals_one_batch():
     eng = make_engine()
     sp = SamplingParams(temperature=0.0, max_new_tokens=8)

@@ -446,13 +446,14 @@ def test_decoder_totals_add_up_its_calls_and_reset_when_taken(models):
     a = dec.generate(prompts, max_new_tokens=[2, 9, 9, 4, 9, 9], temperature=0)
     b = dec.generate(prompts, max_new_tokens=5, temperature=0)
     got = dec.take_totals()
-    assert (got.calls, got.steps) == (2, a.stats["steps"] + b.stats["steps"])
+    assert (got.calls, got.waves, got.steps) == (2, 2, a.stats["steps"] + b.stats["steps"])
     assert got.compactions == a.stats["compactions"] + b.stats["compactions"] >= 1
     assert got.decode_s == pytest.approx(a.stats["decode_s"] + b.stats["decode_s"])
     assert got.prefill_s > 0 and got.graph_captures == 0
     assert dec.take_totals() == DecodeStats()
-    other = DecodeStats(calls=1, steps=3, prefill_s=9.0, decode_s=0.5, compactions=2)
+    other = DecodeStats(calls=1, waves=2, steps=3, prefill_s=9.0, decode_s=0.5, compactions=2)
     m = DecodeStats.metrics([got, other])
+    assert m["decode/waves"] == 4
     assert m["decode/steps"] == got.steps + 3 and m["decode/compactions"] == got.compactions + 2
     assert m["decode/prefill_s"] == 9.0 and m["decode/decode_s"] == max(got.decode_s, 0.5)
     assert DecodeStats.metrics([DecodeStats(), DecodeStats()]) == {}

@@ -91,7 +91,7 @@ def start_ray(
 def start_warm(address: str | None, worker_env: dict[str, str], preload: Sequence[str]) -> bool:
     """Start the warm process (``tidal.cluster.warm``) for the local cluster ``start_ray`` will start,
     as early as possible: it imports ``preload`` while the driver starts Ray. Only for a cluster
-    started here, on Linux, with modules to preload (a small CPU host: ``prestart_modules``).
+    started here, on Linux, with modules to preload (``prestart_modules``; none with ``--warm-process off``).
     Returns whether it started one; ``stop_ray`` stops it."""
     global _warm
     ray = sys.modules.get("ray")  # not imported for this: the warm process should start first

@@ -2,8 +2,8 @@
 
 Every actor of a run is a Ray worker process, and each imports torch, transformers' model code
 (which pulls in ``torch._dynamo``, ``torch.distributed.tensor`` and sympy) and tidal's actor
-modules: ~5-6 s of CPU per process on a small host, paid once per actor, on the cores the actors
-then share. A local CPU cluster that ``tidal train`` starts pays it once instead: the driver starts
+modules: ~5-6 s of CPU per process on a small host (~15 s on the H100 hosts), paid once per actor, on
+the cores the actors then share. A local cluster that ``tidal train`` starts pays it once instead: the driver starts
 one warm process (``WarmProcess.start``) as it starts Ray; it imports those modules once, then
 forks a child per Ray worker, which runs Ray's own ``default_worker.py`` unchanged with the imports
 done (copy-on-write: the children share the imported code's memory too). What only one kind of
@@ -19,9 +19,8 @@ returned); a worker whose environment must be set before its process starts (a r
 variables, ``LD_PRELOAD`` for torch_memory_saver) is started by Ray as usual. The socket listens
 before Ray starts: the workers Ray starts for the actors wait for the imports instead of doing their own.
 
-Only on a cluster started here, by default a small CPU host's (``--warm-process auto``); ``--warm-process on``
-starts one on any host, GPUs included: the warm process imports torch and the model's code without touching
-CUDA (each fork initialises it as its actor's GPU is known), and an actor whose environment must be set before
+Only on a cluster started here with embedded engines (``--warm-process auto``, the default, or ``on``), CPU or
+GPU: the warm process imports torch and the model's code without touching CUDA (each fork initialises it as its actor's GPU is known), and an actor whose environment must be set before
 its process starts (torch_memory_saver's ``LD_PRELOAD``) is started by Ray as usual. ``--ray-address``
 (joining a cluster) changes nothing.
 The warm process stops with the driver (a pipe from it closes) or at ``stop``.

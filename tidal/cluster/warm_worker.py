@@ -1,6 +1,6 @@
-"""The worker command of a local CPU cluster: ask the warm process for a forked Ray worker, or start one.
+"""The worker command of a local cluster: ask the warm process for a forked Ray worker, or start one.
 
-Ray's raylet starts every worker as ``python <worker script> <Ray's worker flags>``; a local CPU
+Ray's raylet starts every worker as ``python <worker script> <Ray's worker flags>``; a local
 cluster that ``tidal train`` starts names this file as that script (``tidal.cluster.warm``). It
 imports only the standard library, so it is up in some 20 ms. It connects to the warm process
 (``TIDAL_WARM_SOCKET``), hands over its command line, environment, working directory and its

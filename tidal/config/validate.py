@@ -482,8 +482,8 @@ rule(
 
 rule(
     "warm-process",
-    "`--warm-process on` (a warm process also on GPU and many-core hosts) needs a cluster started here and embedded "
-    "engines: with `--ray-address` or `--rollout-engine sglang` it is refused.",
+    "`--warm-process on` needs a cluster started here and embedded engines: with `--ray-address` or "
+    "`--rollout-engine sglang` it is refused (the default, auto, starts a warm process wherever it applies).",
 )(run_rules.warm_process)
 
 rule(

@@ -267,7 +267,7 @@ class EmbeddedEngine(EngineWeights):
         todo = unfinished(samples)  # new rows, and rows a paused call cut short (continued from where they were)
         # Similar lengths share a chunk so that little of it is padding.
         order = sorted(range(len(todo)), key=lambda i: todo[i].total_len)
-        rows = self._rows_per_chunk(max(s.total_len for s in todo), sampling.max_new_tokens) if todo else 1
+        rows = self._rows_per_chunk(max(s.total_len for s in todo), sampling.max_new_tokens, end_ids) if todo else 1
         extend = functools.partial(
             extend_response,
             version=self._version,
@@ -328,7 +328,7 @@ class EmbeddedEngine(EngineWeights):
         if dec == OFF or rows < 1:
             return WarmUpReport()
         prompt_len = max(1, min(self.rollout.rollout_max_prompt_len, 8))
-        n = min(rows, self._rows_per_chunk(self.rollout.rollout_max_prompt_len, sampling.max_new_tokens))
+        n = min(rows, self._rows_per_chunk(self.rollout.rollout_max_prompt_len, sampling.max_new_tokens, []))
         warm = dataclasses.replace(sampling, max_new_tokens=2, stop=[], stop_token_ids=[])
         self._generate_chunk([[self._pad_id] * prompt_len] * n, warm, [], [2] * n)
         stats = dec.last_stats
@@ -345,8 +345,19 @@ class EmbeddedEngine(EngineWeights):
             capture_s=float(stats.get("capture_s", 0.0)),
         )
 
-    def _rows_per_chunk(self, prompt_len: int, new_tokens: int) -> int:
-        """Rows whose KV cache, prefill activations and per-step logits fit the chunk budget."""
+    def _rows_per_chunk(self, prompt_len: int, new_tokens: int, end_ids: Sequence[int]) -> int:
+        """Rows of one ``_generate_chunk`` call.
+
+        The fast decoder (when it takes the call) sized its KV cache once, from ``--rollout-mem-fraction``: a
+        chunk is one wave of the rows that cache holds. Sizing it by the device's free memory instead would
+        split a call into a full wave and a small one whenever the trainer holds more memory at that moment:
+        a second wave of decode steps and a new CUDA graph for its batch size. For transformers ``generate``:
+        the rows whose KV cache, prefill activations and per-step logits fit the chunk budget."""
+        from tidal.rollout.fast.plug import wave_rows
+
+        wave = wave_rows(self._decoder(), end_ids)
+        if wave is not None:
+            return max(1, min(self.max_rows, wave))
         cfg = self.model.config.get_text_config()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads

@@ -39,12 +39,15 @@ class SamplingParams:
 class DecodeStats:
     """Where an engine's generate calls spent their time since it was last asked (``take_decode_stats``).
 
-    Filled by the fast decode path (``tidal.rollout.fast``): ``calls`` generate calls, ``steps`` decode steps,
+    Filled by the fast decode path (``tidal.rollout.fast``): ``calls`` generate calls, ``waves`` batches of at
+    most the decoder's rows each decoded from prefill to end (one a call unless the call held more rows than
+    the KV cache), ``steps`` decode steps,
     seconds of prefill, of decode steps and of graph captures (compiling in the captures' warm-up runs
     included; part of ``decode_s``), ``graph_captures`` new CUDA graphs and ``compactions`` of the running
     batch. All zero where generation runs elsewhere (transformers generate, an HTTP server)."""
 
     calls: int = 0
+    waves: int = 0
     steps: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -55,6 +58,7 @@ class DecodeStats:
     def add(self, stats: dict) -> None:
         """Count one generate call of the fast decoder, from its ``DecodeResult.stats``."""
         self.calls += 1
+        self.waves += int(stats.get("waves", 0))
         self.steps += int(stats.get("steps", 0))
         self.prefill_s += float(stats.get("prefill_s", 0.0))
         self.decode_s += float(stats.get("decode_s", 0.0))
@@ -69,7 +73,7 @@ class DecodeStats:
         if not any(e.calls for e in engines):
             return {}
         out: dict[str, float] = {}
-        for name in ("steps", "graph_captures", "compactions"):
+        for name in ("waves", "steps", "graph_captures", "compactions"):
             out[f"decode/{name}"] = sum(getattr(e, name) for e in engines)
         for name in ("prefill_s", "decode_s", "capture_s"):
             out[f"decode/{name}"] = max(getattr(e, name) for e in engines)

@@ -80,6 +80,14 @@ def _kernel(choice: str, device_type: str) -> str:
     return decode_attention_default(device_type) if choice == "auto" else choice
 
 
+def wave_rows(dec: FastDecoder | str, end_ids: Sequence[int]) -> int | None:
+    """Rows of one wave of ``dec`` (what its KV cache holds, planned before the first allocation) when it
+    takes a call with ``end_ids``; None when ``fast_generate_chunk`` would fall back to ``generate``."""
+    if dec == OFF or len(end_ids) > dec.max_stop_ids:
+        return None
+    return dec.rows if dec.cache is not None else int(dec.plan()["rows"])
+
+
 def fast_generate_chunk(
     dec: FastDecoder | str,
     prompts: Sequence[Sequence[int]],
