@@ -38,7 +38,7 @@ steps_table() {
   python3 - "$1" <<'PY'
 import json, sys
 keys = ("generate_s", "decode/prefill_s", "decode/decode_s", "decode/capture_s", "decode/graph_captures",
-        "decode/compactions", "decode/waves", "decode/steps", "train_s", "sync_s", "gen_tokens_per_s", "elapsed_s")
+        "decode/compactions", "decode/waves", "decode/steps", "train_s", "train_compile_s", "sync_s", "gen_tokens_per_s", "elapsed_s")
 for line in open(sys.argv[1]):
     r = json.loads(line)
     print(f"step {r['step']}: " + " ".join(f"{k}={r[k]:.3g}" for k in keys if isinstance(r.get(k), (int, float))))

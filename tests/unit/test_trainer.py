@@ -168,6 +168,7 @@ def test_train_changes_every_parameter_and_reports_finite_metrics(ray_cluster, g
     for key in ("loss", "pg_loss", "kl", "entropy", "clipfrac", "grad_norm", "lr", "tokens", "tokens_per_s", "train_s"):
         assert math.isfinite(metrics[key]), (key, metrics[key])
     assert metrics["optimizer_steps"] == 2  # 8 samples, global batch 4
+    assert metrics["train_compile_s"] == 0.0  # nothing compiles here (no --compile-layers, CPU kernels)
     assert metrics["tokens"] == sum(s.total_len for s in samples)
     assert metrics["grad_norm"] > 0 and metrics["entropy"] > 0
     # The engine log-probs came from the same initial weights: the recomputed ones must agree.
@@ -436,3 +437,20 @@ def test_one_rank_clip_equals_torchs_clip_over_dtensors():
     finally:
         if own:
             dist.destroy_process_group()
+
+
+def test_a_rollout_clock_counts_the_compiling_after_its_start():
+    """``train_compile_s`` is the difference of torch's compile-time counters since the clock started: a
+    function compiled after it counts, one compiled before does not."""
+    import torch
+
+    from tidal.compile_cache import compile_seconds
+    from tidal.trainer.step import RolloutClock
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: x * 2, backend="eager")(torch.ones(3))
+    clock = RolloutClock()
+    assert compile_seconds()[0] == clock.compiled
+    torch.compile(lambda x: x.sin() + 1, backend="eager")(torch.ones(3))
+    assert compile_seconds()[0] > clock.compiled
+    torch._dynamo.reset()

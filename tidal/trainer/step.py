@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tidal.compile_cache import compile_seconds
 from tidal.errors import UserError
 from tidal.rollout.types import Sample
 from tidal.trainer.microbatch import MicroBatch
@@ -224,9 +225,12 @@ class RolloutSums:
 
 @dataclass
 class RolloutClock:
-    """Wall-clock seconds of one rollout's phases; ``train_s`` counts from ``start``."""
+    """Wall-clock seconds of one rollout's phases; ``train_s`` counts from ``start``, ``train_compile_s`` (the
+    seconds of it spent in ``torch.compile``: a first step that compiles what the warm-up did not reach) from
+    ``compiled``."""
 
     start: float = field(default_factory=time.perf_counter)
+    compiled: float = field(default_factory=lambda: compile_seconds()[0])
     recompute_s: float = 0.0
     optimizer_s: float = 0.0
     lr: float = 0.0
@@ -259,6 +263,7 @@ def rollout_metrics(tr, sums: RolloutSums, objective, clock: RolloutClock, *, st
         "logprob_recompute_s": recompute_s,
         "logprob_recomputed": 1.0 if recomputed else 0.0,
         "optimizer_s": optimizer_s,
+        "train_compile_s": compile_seconds()[0] - clock.compiled,
         "logprob_diff": red["lp_abs_diff"] / red["lp_count"] if red["lp_count"] else 0.0,
     }
     # Without a reference model there is no KL term; 0 keeps the metric schema the same.
