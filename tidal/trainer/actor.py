@@ -63,13 +63,18 @@ from tidal.trainer.weights import iter_full_tensors, local_shard
 
 def warm_up_shapes(max_tokens: int) -> list[tuple[int, int, int]]:
     """The trainer warm-up's micro-batches as (rows, prompt tokens, response tokens): 2 rows of 48 tokens, then
-    half of ``max_tokens`` (at least 3 rows) in rows of 256 tokens where that fits three of them, else of 24.
+    half of ``max_tokens`` (at least 3 rows) in rows of 256 tokens where that fits three of them, else of 24,
+    then 4 rows of 32 tokens.
 
     Half, not all: every token of these rows is a response token, so a full-size one would need more memory
     than a real micro-batch of the same size (whose prompts carry no log-prob kernels), and its peak would come
-    on top of the engine's own warm-up. Half still runs the log-prob kernels over several chunks."""
+    on top of the engine's own warm-up. Half still runs the log-prob kernels over several chunks. The last one:
+    inductor's graph for the large one (dynamic sizes) guards on its size being large (a fusion heuristic's
+    ``896 * rows * length >= 5242880`` for the 0.5B shape), so a rollout's small last micro-batch compiled a
+    third graph in the first step (0.7 s with a warm cache, 4.9 s cold, on an H100); a small one here
+    compiles it first."""
     response = 248 if max_tokens >= 6 * 256 else 16
-    return [(2, 8, 40), (max(3, max_tokens // 2 // (8 + response)), 8, response)]
+    return [(2, 8, 40), (max(3, max_tokens // 2 // (8 + response)), 8, response), (4, 8, 24)]
 
 
 class TrainerActor(Trainer):
@@ -274,9 +279,10 @@ class TrainerActor(Trainer):
 
     def warm_up(self, recompute: bool = False) -> WarmUpReport:
         """The first rollout's compiling, done before it (``--warm-up``): the policy's training pass (forward,
-        log-probs and entropy, backward) over two micro-batches of pad tokens (``warm_up_shapes``: a small one
-        and one of half ``--max-tokens-per-gpu``), and the no-grad passes a rollout also runs (the reference's;
-        the policy's when the rollout recomputes old log-probs: ``recompute``). The second shape differs from
+        log-probs and entropy, backward) over three micro-batches of pad tokens (``warm_up_shapes``: a small
+        one, one of half ``--max-tokens-per-gpu`` and another small one), and the no-grad passes a rollout also
+        runs (the reference's; the policy's when the rollout recomputes old log-probs: ``recompute``). The
+        second shape differs from
         the first in both sizes, so the compiled layers and log-prob kernels reach the graphs with dynamic sizes
         that real micro-batches use, and it runs the log-prob kernels over several chunks. Each micro-batch goes
         through ``token_stats`` with the trainer's own kernel choices, and the gradient sync is the training
