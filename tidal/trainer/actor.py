@@ -282,9 +282,9 @@ class TrainerActor(Trainer):
         log-probs and entropy, backward) over three micro-batches of pad tokens (``warm_up_shapes``: a small
         one, one of half ``--max-tokens-per-gpu`` and another small one), and the no-grad passes a rollout also
         runs (the reference's; the policy's when the rollout recomputes old log-probs: ``recompute``). The
-        second shape differs from
-        the first in both sizes, so the compiled layers and log-prob kernels reach the graphs with dynamic sizes
-        that real micro-batches use, and it runs the log-prob kernels over several chunks. Each micro-batch goes
+        second shape differs from the first in both sizes, so the compiled layers and log-prob kernels reach the
+        graphs with dynamic sizes that real micro-batches use, and it runs the log-prob kernels over several
+        chunks. Each micro-batch goes
         through ``token_stats`` with the trainer's own kernel choices, and the gradient sync is the training
         loop's (one CUDA rank: on the last). The loss is zero and the gradients are dropped (set to None), as
         are the gathered copies and the allocator's cached blocks; weights, optimizer state and schedule are
