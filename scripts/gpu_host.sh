@@ -39,9 +39,13 @@ steps_table() {
 import json, sys
 keys = ("generate_s", "decode/prefill_s", "decode/decode_s", "decode/capture_s", "decode/graph_captures",
         "decode/compactions", "decode/waves", "decode/steps", "train_s", "train_compile_s", "sync_s", "gen_tokens_per_s", "elapsed_s")
+# With --offload: the trainer's pause and resume, each state class's seconds and GB/s.
+def memory(k):
+    return k.startswith(("memory/trainer_pause/", "memory/trainer_resume/")) and k.endswith(("_s", "/seconds", "/gbps"))
 for line in open(sys.argv[1]):
     r = json.loads(line)
-    print(f"step {r['step']}: " + " ".join(f"{k}={r[k]:.3g}" for k in keys if isinstance(r.get(k), (int, float))))
+    shown = [k for k in keys if isinstance(r.get(k), (int, float))] + sorted(k for k in r if memory(k))
+    print(f"step {r['step']}: " + " ".join(f"{k.replace('memory/trainer_', '')}={r[k]:.3g}" for k in shown))
 PY
 }
 

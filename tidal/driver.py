@@ -119,12 +119,16 @@ def _loop(s, on_step) -> dict:
         if samples:
             if offload_train:
                 with t("resume", display):
-                    s.timeline_mark("trainer resumed", trainer.call("resume").after)
+                    resumed = trainer.call("resume")  # its metrics: memory/trainer_resume/*, per state class
+                    s.timeline_mark("trainer resumed", resumed.after)
+                train_metrics.update(resumed.metrics)
             with t("train", display):
-                train_metrics = trainer.call("train", SampleBatch(samples), rollout_id)
+                train_metrics.update(trainer.call("train", SampleBatch(samples), rollout_id))
             if offload_train:
                 with t("pause", display):
-                    s.timeline_mark("trainer paused", trainer.call("pause").after)
+                    paused = trainer.call("pause")
+                    s.timeline_mark("trainer paused", paused.after)
+                train_metrics.update(paused.metrics)
         with t("sync", display):
             sync_metrics = sync_weights(s)
         metrics = {**initial, **gen_metrics, **train_metrics, **sync_metrics, **t, **s.memory_metrics()}

@@ -124,6 +124,14 @@ def test_colocated_two_ranks_paused_and_synced(ray_cluster, tmp_path):
     cfg = _run(tmp_path, "--colocate", "--offload")
     assert cfg.weight_sync.update_weight_transport == "tensor"
     assert cfg.memory.offload_train and cfg.memory.offload_rollout
+    # Each step's row says what the trainer's pause and resume moved, per state class (grads: discarded).
+    rows = [json.loads(x) for x in open(os.path.join(cfg.logging.output_dir, "metrics.jsonl"))]
+    for r in rows:
+        for op in ("pause", "resume"):
+            p = f"memory/trainer_{op}"
+            assert r[f"{p}/effective"] == 1 and r[f"{p}/total_s"] > 0, r
+            assert r[f"{p}/weights/backup_bytes"] > 0 and r[f"{p}/grads/backup_bytes"] == 0, r
+        assert r["memory/trainer_pause/optimizer/backup_bytes"] > 0, r  # AdamW's moments exist after a step
 
 
 @pytest.mark.slow
