@@ -6,6 +6,9 @@ pytest -m gpu tests/gpu/test_config_gpu.py -s
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,6 +26,22 @@ def test_detect_sees_the_gpu():
     assert env.device_memory == total
     assert env.tms_available == (importlib.util.find_spec("torch_memory_saver") is not None)
     print(env.describe())
+
+
+def test_the_driver_probe_counts_as_torch_does_without_importing_it():
+    """``Environment.detect`` in a fresh process asks the CUDA driver (``cuda_without_torch``): the devices and
+    the first one's memory that torch reports here, and torch is still not imported after it."""
+    code = (
+        "import json, sys\n"
+        "from tidal.config.environment import Environment, cuda_without_torch\n"
+        "probed = cuda_without_torch()\n"
+        "env = Environment.detect()\n"
+        "print(json.dumps([probed, env.cuda_available, env.device_count, env.device_memory, 'torch' in sys.modules]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    probed, cuda, count, memory, imported = json.loads(out.stdout.strip().splitlines()[-1])
+    expected = [torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory]
+    assert probed == expected and (cuda, count, memory) == (True, *expected) and not imported, out.stdout
 
 
 def test_default_resolves_to_cuda_without_offload():

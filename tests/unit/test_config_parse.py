@@ -218,3 +218,26 @@ def test_detect_describes_this_machine():
     env = Environment.detect()
     assert env.host_memory > 0 and env.cpu_count >= 1
     assert "detected" in env.describe()
+
+
+def test_the_driver_probe_leaves_the_question_to_torch_where_it_cannot_answer():
+    """``cuda_without_torch``: None once torch is loaded (torch is then asked, at no cost), and None on a host
+    whose torch has no CUDA kernels or no CUDA driver (this CPU host): the answer is torch's there. A fresh
+    process on such a host detects the machine without importing torch. (Its answer on a GPU host:
+    tests/gpu/test_config_gpu.py.)"""
+    import subprocess
+    import sys
+
+    import torch
+
+    from tidal.config.environment import cuda_without_torch
+
+    assert "torch" in sys.modules and cuda_without_torch() is None
+    if not torch.cuda.is_available():
+        code = (
+            "import sys\nfrom tidal.config.environment import Environment, cuda_without_torch\n"
+            "assert cuda_without_torch() is None and not Environment.detect().cuda_available\n"
+            "print('torch' in sys.modules)\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+        assert out.stdout.strip() == "False", out.stdout + out.stderr
