@@ -230,9 +230,13 @@ def test_the_driver_probe_leaves_the_question_to_torch_where_it_cannot_answer():
 
     import torch
 
-    from tidal.config.environment import cuda_without_torch
+    from tidal.config.environment import cuda_build_version, cuda_without_torch
 
     assert "torch" in sys.modules and cuda_without_torch() is None
+    # The CUDA version a torch build names in torch/version.py, against which the driver's must not be older.
+    assert cuda_build_version("__version__ = '2.11.0+cu130'\ncuda: Optional[str] = '13.0'\n") == 13000
+    assert cuda_build_version("cuda = '12.8'\n") == 12080
+    assert cuda_build_version("__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\n") is None
     if not torch.cuda.is_available():
         code = (
             "import sys\nfrom tidal.config.environment import Environment, cuda_without_torch\n"

@@ -69,29 +69,48 @@ def _has_megatron() -> bool:
 _GPU_DRIVER_PATHS = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
 
 
+def _torch_cuda_version() -> int | None:
+    """The CUDA version this torch was built for, as the driver API writes versions (13.0: 13000), read from
+    ``torch/version.py`` without importing torch; None for a build without CUDA, or when it cannot be read."""
+    spec = importlib.util.find_spec("torch")
+    for root in list(spec.submodule_search_locations or []) if spec else []:
+        try:
+            with open(os.path.join(root, "version.py")) as f:
+                return cuda_build_version(f.read())
+        except OSError:
+            continue
+    return None
+
+
+def cuda_build_version(version_py: str) -> int | None:
+    """The ``cuda = '13.0'`` line of a ``torch/version.py`` as 13000; None where it says None or is missing."""
+    m = re.search(r"^cuda\s*(?::[^=\n]*)?=\s*['\"](\d+)\.(\d+)", version_py, re.M)
+    return int(m.group(1)) * 1000 + int(m.group(2)) * 10 if m else None
+
+
 def cuda_without_torch() -> tuple[int, int] | None:
     """``(devices, bytes of device 0)`` from the CUDA driver (``libcuda``, through ctypes), as torch would count
     them (``CUDA_VISIBLE_DEVICES`` applies), or None when this cannot say and torch must be asked: torch is
-    loaded already, this torch has no CUDA kernels (``libtorch_cuda``), no CUDA driver library, or the driver
-    reports an error or no device.
+    loaded already, this torch was built without CUDA, there is no CUDA driver library, the driver is older
+    than torch's CUDA version (torch may still run on it, or refuse), or it reports an error or no device.
 
     Importing torch took 3.8 s on the H100 hosts, and ``tidal train`` resolves its configuration before it
     starts the warm process (``tidal.cluster.warm``), whose imports are the start's critical path: probed
     this way, the warm process starts at once. The driver API initialises without a CUDA context."""
     import ctypes
-    import glob
 
     if "torch" in sys.modules:
         return None
-    spec = importlib.util.find_spec("torch")
-    roots = list(spec.submodule_search_locations or []) if spec else []
-    if not any(glob.glob(os.path.join(r, "lib", "libtorch_cuda*.so*")) for r in roots):
+    built = _torch_cuda_version()
+    if built is None:
         return None
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
-        count, dev, mem = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_size_t(0)
+        version, count, dev, mem = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0), ctypes.c_size_t(0)
         ok = (
-            cuda.cuInit(0) == 0
+            cuda.cuDriverGetVersion(ctypes.byref(version)) == 0
+            and version.value >= built
+            and cuda.cuInit(0) == 0
             and cuda.cuDeviceGetCount(ctypes.byref(count)) == 0
             and count.value > 0
             and cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
