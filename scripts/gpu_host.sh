@@ -6,7 +6,7 @@
 #
 #   bash scripts/gpu_host.sh STEP ...
 #
-# Steps: env, tests, train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
+# Steps: env, tests, speed (issue 20's figures in one call), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
 # bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, bench-async-mps, profile-ipc, megatron (or its halves megatron-loop, megatron-state; megatron-2gpu: TP/PP = 2 on a two-GPU host), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); STARTUP05_RUNS, STARTUP05_ARGS, STARTUP05_TAG (startup-0.5b: its runs share one fresh compile cache, so the first is cold and the rest warm); MEM_GIB, MEM_CYCLES, MEM100_GIB
@@ -17,7 +17,12 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  # Installed once per wheelhouse (a step that runs others, such as speed, calls this script again).
+  stamp=$(ls .whl | md5sum | cut -c1-32)
+  if [ "$(cat /tmp/site/.wheelhouse 2>/dev/null)" != "$stamp" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    echo "$stamp" > /tmp/site/.wheelhouse
+  fi
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
@@ -57,6 +62,14 @@ for s in "$@"; do
     train-offload) run train-offload 120 python3 -m tidal.cli train --no-progress --offload --num-rollout 5 --output-dir "$OUT/run-offload" ;;
     startup-0.5b) TAIL=6 run startup-0.5b${STARTUP05_TAG:-} 540 python3 -m tidal.bench.startup --runs ${STARTUP05_RUNS:-2} --fresh-cache -- --preset qwen2.5-0.5b-1gpu --num-rollout 1 --rollout-batch-size 64 --rollout-max-response-len 256 ${STARTUP05_ARGS:-} ;;
     startup) TAIL=5 run startup 300 python3 -m tidal.bench.startup --runs 3 -- --num-rollout ${STARTUP_ROLLOUTS:-5} ;;
+    speed)
+      # Issue 20's figures in one call (~7 min on an H100): first steps cold and warm, the preset's loop resident and
+      # with --offload, pause/resume against a pinned copy, decode at fixed and variable lengths.
+      STARTUP05_TAG=-speed bash "$0" startup-0.5b
+      TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-speed TAIL=1 bash "$0" train-0.5b
+      TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-speed-offload TRAIN05_ARGS=--offload TAIL=1 bash "$0" train-0.5b
+      MEM_GIB=6 MEM_CYCLES=3 bash "$0" bench-memory
+      FAST_CASES=fast,fast-varlen FAST_TAG=-speed bash "$0" bench-fast ;;
     train-0.5b)
       run train-0.5b${TRAIN05_TAG:-} 200 python3 -m tidal.cli train --no-progress --preset qwen2.5-0.5b-1gpu --num-rollout ${TRAIN05_ROLLOUTS:-5} --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-0.5b${TRAIN05_TAG:-}" ${TRAIN05_ARGS:-}
       steps_table "$OUT/run-0.5b${TRAIN05_TAG:-}/metrics.jsonl" ;;
