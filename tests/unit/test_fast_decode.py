@@ -147,6 +147,37 @@ def test_compaction_and_waves_do_not_change_outputs(models):
     assert early and all(early[i][0] == waves.tokens[i] for i in early)  # indices of the call, across waves
 
 
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2"])
+def test_equal_prompts_are_prefilled_once_with_the_same_results(models, name):
+    """Rows with equal prompts (a GRPO group, and repeats that are not next to each other) share one prefill
+    row: the forward covers the distinct prompts of each chunk, and the tokens and log-probs are those of a
+    decoder that prefills every row, greedy and sampled with a seed; chunks that split a group, stored
+    prefixes and the helpers' own contract included."""
+    from tidal.rollout.fast.prefix import shared_prompts
+
+    model = models[name]
+    base = _prompts(5, seed=11)
+    prompts = [p for p in base for _ in range(3)] + [base[1], base[4], base[1]]  # 18 rows, 5 distinct
+    assert shared_prompts([[1], [2], [1], [3], [2]]) == ([0, 1, 3], [0, 1, 0, 2, 1])
+    width = max(len(p) for p in prompts)
+    for kw in (dict(), dict(prefill_tokens=7 * width), dict(prefix_cache_bytes=1 << 20)):
+        for sampling in (dict(temperature=0), dict(temperature=1.0, seed=5)):
+            shared = FastDecoder(model, max_batch=32, max_seq_len=64, **kw)
+            every = FastDecoder(model, max_batch=32, max_seq_len=64, share_prompts=False, **kw)
+            a = shared.generate(prompts, max_new_tokens=9, **sampling)
+            b = every.generate(prompts, max_new_tokens=9, **sampling)
+            assert a.tokens == b.tokens, (kw, sampling)
+            assert _max_diff(a.logprobs, b.logprobs) < 1e-5, (kw, sampling)
+            assert b.stats["prefill_rows"] == len(prompts)
+            # One chunk: 5 distinct prompts; chunks of 7 rows: 3 + 3 + 2 (rows 0-6, 7-13, 14-17).
+            assert a.stats["prefill_rows"] == (8 if "prefill_tokens" in kw else 5), (kw, a.stats["prefill_rows"])
+        if "prefix_cache_bytes" in kw:  # the next turn's prompts start with these: their stored KV is reused
+            longer = [p + [7, 8] for p in prompts]
+            again = shared.generate(longer, max_new_tokens=4, temperature=0)
+            ref = FastDecoder(model, max_batch=32, max_seq_len=64).generate(longer, max_new_tokens=4, temperature=0)
+            assert again.tokens == ref.tokens and shared.prefixes.hits > 0
+
+
 def test_row_limits_and_stop_ids(models):
     model = models["tiny"]
     prompts = _prompts(8, seed=7)

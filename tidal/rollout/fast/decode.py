@@ -9,6 +9,8 @@ model code runs every layer) and generates a batch of prompts:
 2. Prefill runs eagerly, in chunks of rows bounded by ``prefill_tokens``: one forward pass per chunk
    with a 4-D boolean mask (causal, padding excluded; a padding query sees itself so that no row of
    the softmax is empty), keys/values written straight into the cache, last-position logits only.
+   Equal prompts of a chunk (the samples of a GRPO group) go through it once; their rows copy the keys
+   and values and sample from the same logits.
 3. Decode steps feed one token per row. A step is a fixed sequence of kernels over static buffers
    (``_step``): model forward through ``fast_attention``, ``sampling.sample``, writing the token and
    its log-prob into per-row output buffers, stop-id / per-row length checks into a ``done`` flag.
@@ -56,7 +58,7 @@ from tidal.rollout.fast import attention
 from tidal.rollout.fast.flex_decode import FlexDecode
 from tidal.rollout.fast.fused import FusedDecodeForward, unsupported_reason
 from tidal.rollout.fast.graphs import GraphSet
-from tidal.rollout.fast.prefix import PrefixStore, reuse_prefixes, take_prompt
+from tidal.rollout.fast.prefix import PrefixStore, reuse_prefixes, share_rows, shared_prompts, take_prompt
 from tidal.rollout.fast.request import DecodeResult, batch_buckets, check_request, cut_at_stops
 from tidal.rollout.fast.sampling import SamplingMode, drawn_core, plain_core, sample, sampling_mode
 from tidal.rollout.fast.static_cache import StaticKVCache, kv_shape, plan_cache
@@ -88,6 +90,8 @@ class FastDecoder:
     with a per-row block mask; ``flex_kernel_options`` go to ``flex_attention`` as they are).
     ``sampler_noise="drawn"`` (compiled only) samples unfiltered rows with ``drawn_core``, its noise
     drawn inside the compiled kernel instead of written to a ``[rows, vocab]`` buffer first.
+    ``share_prompts`` prefills equal prompts of a chunk once (off: every row runs the forward; for
+    comparisons).
     """
 
     def __init__(
@@ -114,6 +118,7 @@ class FastDecoder:
         decode_attention: str = "sdpa",
         flex_kernel_options: dict | None = None,
         sampler_noise: str = "buffer",
+        share_prompts: bool = True,
     ) -> None:
         reason = attention.check_supported(model)
         if reason is not None:
@@ -142,6 +147,8 @@ class FastDecoder:
         self.check_every = max(1, check_every)
         self.prefill_tokens = max(1, prefill_tokens)
         self.compaction = compaction
+        self.share_prompts = share_prompts
+        self.prefilled_rows = 0  # rows the prefill forwards covered, this generate call (equal prompts once)
         self.pad_id = pad_id
         self.max_stop_ids = max_stop_ids
         self.region = region or contextlib.nullcontext
@@ -345,6 +352,7 @@ class FastDecoder:
         logprobs: list[list[float]] = [[] for _ in range(n)]
         stopped = [False] * n
         stats = {"waves": 0, "steps": 0, "compactions": 0, "prefill_s": 0.0, "decode_s": 0.0, "buckets": []}
+        self.prefilled_rows = 0
         captures0, capture_s0 = self.graphs.captures, self.graphs.capture_s
         stop_set = set(stops)
         stats["interrupted"] = False
@@ -383,6 +391,7 @@ class FastDecoder:
             capture_s=self.graphs.capture_s - capture_s0,
             graphs_cached=len(self.graphs.graphs),
             new_tokens=sum(len(t) for t in tokens),
+            prefill_rows=self.prefilled_rows,
             seconds=time.perf_counter() - t_start,
         )
         self.last_stats = stats
@@ -536,35 +545,46 @@ class FastDecoder:
     def _prefill(self, prompts: list[Sequence[int]], row0: int, width: int, mode: SamplingMode) -> None:
         """One eager forward over a chunk of left-padded prompts; samples each row's first token.
 
-        With stored prefixes (``tidal.rollout.fast.prefix``) the forward covers only the columns
+        Rows with equal prompts (a GRPO group's samples) are computed once (``share_prompts``): the forward
+        covers the chunk's distinct prompts, in its first rows; every row then takes its prompt's keys,
+        values and logits (``tidal.rollout.fast.prefix.share_rows``) and samples its own first token. With
+        stored prefixes (``tidal.rollout.fast.prefix``) the forward covers only the columns
         ``[from_col, width)`` and attends to the reused columns before them in the cache.
         """
         dev = self.device
         m = len(prompts)
-        from_col = self._reuse_prefixes(prompts, row0, width)
-        ids = torch.full((m, width - from_col), self.pad_id, dtype=torch.long)
-        for i, p in enumerate(prompts):
+        firsts, owner = shared_prompts(prompts) if self.share_prompts else (list(range(m)), list(range(m)))
+        distinct = [prompts[i] for i in firsts]
+        d = len(distinct)
+        from_col = self._reuse_prefixes(distinct, row0, width)
+        ids = torch.full((d, width - from_col), self.pad_id, dtype=torch.long)
+        for i, p in enumerate(distinct):
             tail = list(p)[max(0, from_col - (width - len(p))) :]
             ids[i, ids.shape[1] - len(tail) :] = torch.as_tensor(tail, dtype=torch.long)
         ids = ids.to(dev)
-        start = self.s_start[row0 : row0 + m]
+        lens = torch.as_tensor([len(p) for p in distinct], dtype=torch.long).to(dev)
+        start = width - lens  # each distinct prompt's first column (its rows' s_start)
         col = self.s_cols[:width]
         q, k = col[from_col:, None], col[None, :]
         real = k[None] >= start[:, None, None]
         mask = ((real & (k <= q)[None]) | (k == q)[None]).unsqueeze(1)  # [m, 1, width - from_col, width]
         pos = (col[None, from_col:] - start[:, None]).clamp(min=0)
-        ctx = attention.AttnContext(cache=self.cache, decode=False, rows=m, row0=row0, prefill_from=from_col)
+        ctx = attention.AttnContext(cache=self.cache, decode=False, rows=d, row0=row0, prefill_from=from_col)
         with attention.active(self.model, ctx):
             logits = self.model(
                 input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=1
-            ).logits
-        tok, lp = sample(logits[:, -1], mode, self.s_temp, self.s_top_p, self._gen)
+            ).logits[:, -1]
+        if self.prefixes is not None:
+            for k, p in enumerate(distinct):
+                self.prefixes.put(p, take_prompt(self.cache, row0 + k, width - len(p), width))
+        if d < m:
+            share_rows(self.cache, row0, owner, width)
+            logits = logits[torch.as_tensor(owner, dtype=torch.long, device=dev)]
+        self.prefilled_rows += d
+        tok, lp = sample(logits, mode, self.s_temp, self.s_top_p, self._gen)
         self.s_tok[row0 : row0 + m] = tok
         self.s_out_tok[row0 : row0 + m, 0] = tok
         self.s_out_lp[row0 : row0 + m, 0] = lp
-        if self.prefixes is not None:
-            for i, p in enumerate(prompts):
-                self.prefixes.put(p, take_prompt(self.cache, row0 + i, width - len(p), width))
 
     def _reuse_prefixes(self, prompts: list[Sequence[int]], row0: int, width: int) -> int:
         """Copy each row's stored prefix KV into its cache row; returns the chunk's first column to compute."""

@@ -15,6 +15,10 @@ holds at most ``budget_bytes``: entries already used by a later request are drop
 trajectory has stored a longer one), then the oldest. A request whose stored prefix is its
 whole prompt reuses all but the last token (a forward pass needs at least one).
 
+Within one prefill chunk, rows whose prompts are equal (the samples of one GRPO group) share one row of
+the forward pass: ``shared_prompts`` finds each row's distinct prompt, the forward covers only those, and
+``share_rows`` copies their keys and values to the rows that asked for the same prompt.
+
 ``prefill_plan`` is the per-chunk arithmetic: a chunk of left-padded rows runs one forward pass
 over the columns ``[from_col, width)``; rows whose stored prefix covers fewer columns recompute
 the difference, rows without one prefill whole (the chunk's ``from_col`` is the smallest cover).
@@ -142,3 +146,27 @@ def reuse_prefixes(store: PrefixStore, cache, prompts: Sequence[Sequence[int]], 
 def take_prompt(cache, row: int, start: int, width: int) -> torch.Tensor:
     """A copy of cache row ``row``'s prompt KV, columns ``[start, width)``: ``[layers, 2, kv_heads, len, dim]``."""
     return cache.buf[:, :, row, :, start:width].clone()
+
+
+def shared_prompts(prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """(first row of each distinct prompt, in order; each row's index into that list). A distinct prompt's
+    index is never past the row that first asks for it (``share_rows`` relies on it)."""
+    index: dict[tuple[int, ...], int] = {}
+    firsts, owner = [], []
+    for row, p in enumerate(prompts):
+        key = tuple(p)
+        if key not in index:
+            index[key] = len(firsts)
+            firsts.append(row)
+        owner.append(index[key])
+    return firsts, owner
+
+
+def share_rows(cache, row0: int, owner: Sequence[int], width: int) -> None:
+    """Cache rows ``row0 + i`` (columns ``[0, width)``) take the keys and values of row ``row0 + owner[i]``: the
+    forward wrote distinct prompt ``k`` into row ``row0 + k``. A layer at a time (each one's gather is a copy
+    of the chunk's rows of that layer only), so the chunk's own rows may be read and written in one go."""
+    src = torch.as_tensor([row0 + k for k in owner], dtype=torch.long, device=cache.buf.device)
+    rows = slice(row0, row0 + len(owner))
+    for layer in cache.buf:
+        layer[:, rows, :, :width] = layer[:, src, :, :width]
