@@ -69,7 +69,7 @@ for s in "$@"; do
       TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-speed TAIL=1 bash "$0" train-0.5b
       TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-speed-offload TRAIN05_ARGS=--offload TAIL=1 bash "$0" train-0.5b
       MEM_GIB=6 MEM_CYCLES=3 bash "$0" bench-memory
-      FAST_CASES=fast,fast-varlen FAST_TAG=-speed bash "$0" bench-fast ;;
+      FAST_CASES=fast,fast-prefill,fast-varlen FAST_TAG=-speed bash "$0" bench-fast ;;
     train-0.5b)
       run train-0.5b${TRAIN05_TAG:-} 200 python3 -m tidal.cli train --no-progress --preset qwen2.5-0.5b-1gpu --num-rollout ${TRAIN05_ROLLOUTS:-5} --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-0.5b${TRAIN05_TAG:-}" ${TRAIN05_ARGS:-}
       steps_table "$OUT/run-0.5b${TRAIN05_TAG:-}/metrics.jsonl" ;;
@@ -78,7 +78,7 @@ for s in "$@"; do
     bench-sync-disk) TAIL=20 run bench-sync-disk 420 python3 -m tidal.bench.weight_sync --model ${SYNC_MODELS:-qwen3-4b-shape} --modes delta --transports tensor,disk --sources backup --disk-dir /var/tmp ${SYNC_ARGS:-} ;;
     bench-codec-disk) TAIL=20 run bench-codec-disk 420 bash -c 'for e in overwrite xor; do python3 -m tidal.bench.delta_codec --format both --encoding $e --reps 3 --disk-dir /var/tmp || exit 1; done' ;;
     bench-rollout) TAIL=${TAIL:-12} run bench-rollout${ROLLOUT_TAG:-} 240 python3 -m tidal.bench.rollout --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 ${ROLLOUT_ARGS:-} ;;
-    bench-fast) TAIL=20 run bench-fast${FAST_TAG:-} 300 python3 -m tidal.rollout.fast.bench --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 --varlen-min 16 --varlen-max 1024 --skip-hf-varlen --cases ${FAST_CASES:-fast,fast-eager,fast-tms,fast-varlen,fast-varlen-nocompact} ${FAST_ARGS:-} ;;
+    bench-fast) TAIL=20 run bench-fast${FAST_TAG:-} 300 python3 -m tidal.rollout.fast.bench --shape qwen2.5-0.5b-shape --prompts 64 --samples 8 --prompt-len 64 --new-tokens 256 --varlen-min 16 --varlen-max 1024 --skip-hf-varlen --cases ${FAST_CASES:-fast,fast-eager,fast-tms,fast-prefill,fast-varlen,fast-varlen-nocompact} ${FAST_ARGS:-} ;;
     bench-memory-preload) run bench-memory-preload 200 python3 -m tidal.bench.memory --gib ${MEM_GIB:-16} --cycles ${MEM_CYCLES:-5} --hook-mode preload --policies release,retain ;;
     bench-memory-100) run bench-memory-100 240 python3 -m tidal.bench.memory --gib ${MEM100_GIB:-4} --cycles 100 --policies retain ;;
     bench-trainer) TAIL=${TAIL:-45} run bench-trainer${TRAINER_TAG:-} 300 python3 -m tidal.bench.trainer --device cuda --model qwen2.5-0.5b-shape --samples 512 --prompt-len 32 --response-len 256 --max-tokens-per-gpu 8192 ${TRAINER_ARGS:---profile} ;;

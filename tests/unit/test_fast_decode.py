@@ -508,3 +508,17 @@ def test_sampling_bench_reports_each_core_against_its_floor(capsys):
     plain = rows[1]
     assert plain["tokens_equal"] is True and plain["logprob_max_abs_diff"] < 1e-5
     assert plain["ms"] > 0 and 0 < plain["floor_ms"] and plain["copy_gbps"] > 0
+
+
+def test_fast_bench_runs_its_cpu_cases(capsys):
+    """``python -m tidal.rollout.fast.bench`` on the CPU: the fixed-length case with its log-prob checks, and the
+    prefill case, whose shared prefill covers one row per distinct prompt, next to its limit."""
+    from tidal.rollout.fast import bench
+
+    bench.main(["--device", "cpu", "--cases", "fast,fast-prefill", "--prompts", "3", "--samples", "4",
+                "--prompt-len", "8", "--new-tokens", "4", "--skip-hf", "--fp32-rows", "0"])  # fmt: skip
+    rows = {r["case"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert rows["fast"]["logprob_max_abs_diff"] < 1e-4 and rows["fast"]["tokens"] == 12 * 4
+    pre = rows["fast-prefill"]
+    assert (pre["rows"], pre["prefill_rows_shared"], pre["speedup_limit"]) == (12, 3, 4)
+    assert pre["prefill_s_shared"] > 0 and pre["prefill_s_every_row"] > 0 and pre["speedup"] > 0

@@ -24,6 +24,9 @@ runs the same cases). One JSON line per configuration:
   each row's end. ``fast-varlen-compiled``: the same with the compiled step, as the engine decodes on
   CUDA by default (CUDA only). Their ``hf_generate_tokens_per_s`` runs ``generate`` to the longest limit (it
   has no per-row limit) and counts the same useful tokens.
+- ``fast-prefill``: the prefill alone (one new token a row), with the batch's equal prompts prefilled once
+  (the decoder's default) and with every row prefilled (``share_prompts=False``): ``prefill_s`` of each,
+  their ratio, next to its limit, the rows per distinct prompt (``--samples``).
 - ``fast-recapture``: after ``release()`` (what a memory backend that moves buffers forces), the
   next call's capture time (``capture_s``) against a warm call: the price of recapturing graphs.
 
@@ -191,6 +194,7 @@ class _Run:
             max_batch=len(self.prompts),
             max_seq_len=args.prompt_len + max(args.new_tokens, args.varlen_max),
             mem_fraction=args.mem_fraction,
+            mem_bytes=int(args.mem_gib * 2**30) if args.mem_gib else None,
             pad_id=self.pad,
             kv_block=args.kv_block,
             fused=args.fused,
@@ -270,8 +274,37 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
             run.emit(_error_line("fast-tms", exc))
         finally:
             _free(device)
+    if "fast-prefill" in wanted:
+        try:
+            run.emit(_prefill_case(run))
+        except Exception as exc:
+            run.emit(_error_line("fast-prefill", exc))
+        finally:
+            _free(device)
     _varlen_cases(run, wanted)
     return run.lines
+
+
+def _prefill_case(run: _Run) -> dict:
+    """Prefill with equal prompts shared and with every row prefilled (a warm call each, one new token)."""
+    one = dict(max_new_tokens=1, temperature=1.0, seed=run.args.seed)
+    seconds, rows = {}, {}
+    for share in (False, True):
+        dec = run.decoder(cuda_graphs=False, share_prompts=share)
+        _timed(dec, run.prompts, **one)
+        res, _, _ = _timed(dec, run.prompts, **one)
+        seconds[share], rows[share] = res.stats["prefill_s"], res.stats["prefill_rows"]
+        del dec
+        run.empty_cache()
+    return {
+        "case": "fast-prefill",
+        "rows": len(run.prompts),
+        "prefill_rows_shared": rows[True],
+        "prefill_s_shared": round(seconds[True], 4),
+        "prefill_s_every_row": round(seconds[False], 4),
+        "speedup": round(seconds[False] / max(seconds[True], 1e-9), 2),
+        "speedup_limit": run.args.samples,
+    }
 
 
 def _flex_option_sets(texts: list[str] | None) -> list[dict | None]:
@@ -452,6 +485,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--skip-hf", action="store_true", help="skip generate on the fixed-length batch (runs comparing settings)"
     )
     p.add_argument("--mem-fraction", type=float, default=0.45, help="device memory the engine may hold at its peak")
+    p.add_argument(
+        "--mem-gib", type=float, default=None, help="cache and workspace budget in GiB instead (on CPU: 1 by default)"
+    )
     p.add_argument("--kv-block", type=int, default=256, help="attention length granularity of decode steps")
     p.add_argument("--fused", action="store_true", help="stacked q/k/v and gate/up matmuls (tidal.rollout.fast.fused)")
     p.add_argument("--decode-attention", choices=("sdpa", "flex"), default="sdpa", help="decode-step attention kernel")
@@ -464,7 +500,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp32-rows", type=int, default=64, help="rows checked against an fp32 teacher-forced pass")
     p.add_argument(
         "--cases",
-        default="fast,fast-eager,fast-compiled,fast-tms,fast-varlen,fast-varlen-nocompact,fast-varlen-compiled",
+        default="fast,fast-eager,fast-compiled,fast-tms,fast-prefill,fast-varlen,fast-varlen-nocompact,fast-varlen-compiled",
         help="comma-separated cases to run (fast-recapture comes with fast)",
     )
     p.add_argument("--seed", type=int, default=1234)
