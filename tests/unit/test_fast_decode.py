@@ -480,6 +480,7 @@ def test_decoder_totals_add_up_its_calls_and_reset_when_taken(models):
     assert (got.calls, got.waves, got.steps) == (2, 2, a.stats["steps"] + b.stats["steps"])
     assert got.compactions == a.stats["compactions"] + b.stats["compactions"] >= 1
     assert got.decode_s == pytest.approx(a.stats["decode_s"] + b.stats["decode_s"])
+    assert got.call_s == pytest.approx(a.stats["seconds"] + b.stats["seconds"]) and got.call_s >= got.decode_s
     assert got.prefill_s > 0 and got.graph_captures == 0
     assert dec.take_totals() == DecodeStats()
     other = DecodeStats(calls=1, waves=2, steps=3, prefill_s=9.0, decode_s=0.5, compactions=2)

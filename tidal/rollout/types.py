@@ -43,13 +43,16 @@ class DecodeStats:
     most the decoder's rows each decoded from prefill to end (one a call unless the call held more rows than
     the KV cache), ``steps`` decode steps,
     seconds of prefill, of decode steps and of graph captures (compiling in the captures' warm-up runs
-    included; part of ``decode_s``), ``graph_captures`` new CUDA graphs and ``compactions`` of the running
+    included; part of ``decode_s``), of whole decoder calls (``call_s``: prefill, decode steps, and the
+    results brought to the host and cut at their stops; a rollout's ``generate_s`` beyond it is the engine's
+    own handling of the samples, Ray and the driver), ``graph_captures`` new CUDA graphs and ``compactions`` of the running
     batch. All zero where generation runs elsewhere (transformers generate, an HTTP server)."""
 
     calls: int = 0
     waves: int = 0
     steps: int = 0
     prefill_s: float = 0.0
+    call_s: float = 0.0
     decode_s: float = 0.0
     capture_s: float = 0.0
     graph_captures: int = 0
@@ -61,6 +64,7 @@ class DecodeStats:
         self.waves += int(stats.get("waves", 0))
         self.steps += int(stats.get("steps", 0))
         self.prefill_s += float(stats.get("prefill_s", 0.0))
+        self.call_s += float(stats.get("seconds", 0.0))
         self.decode_s += float(stats.get("decode_s", 0.0))
         self.capture_s += float(stats.get("capture_s", 0.0))
         self.graph_captures += int(stats.get("graph_captures", 0))
@@ -75,7 +79,7 @@ class DecodeStats:
         out: dict[str, float] = {}
         for name in ("waves", "steps", "graph_captures", "compactions"):
             out[f"decode/{name}"] = sum(getattr(e, name) for e in engines)
-        for name in ("prefill_s", "decode_s", "capture_s"):
+        for name in ("prefill_s", "decode_s", "capture_s", "call_s"):
             out[f"decode/{name}"] = max(getattr(e, name) for e in engines)
         return out
 
