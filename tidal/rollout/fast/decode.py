@@ -38,7 +38,7 @@ that frees and re-allocates them in place changes their addresses: the graphs no
 signature) and are recaptured; one that keeps addresses (torch_memory_saver) keeps the graphs.
 Contents are never trusted across calls: the cache is zeroed at the start of every ``generate``.
 
-Size: about 600 lines, because the wave loop, the step, compaction and the buffers they
+Size: about 700 lines, because the wave loop, the step, compaction and the buffers they
 share are one state machine over the same static tensors; the parts that stand alone (attention,
 graphs, cache plan, sampling, prefixes, fused projections, flex attention) are their own modules.
 """
