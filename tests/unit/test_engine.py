@@ -457,6 +457,9 @@ def test_rollout_benchmark_reports_both_paths_on_cpu(capsys):
         assert r["rows"] == 4 and r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["hf_generate_tokens_per_s"] > 0
         assert r["logprob_max_abs_diff"] < 1e-4, r
         assert r["compiled"] is False and r["peak_gpu_bytes"] == 0
+        # The hardware's limit beside the figure, measured in the same run.
+        assert r["matmul_tflops"] > 0 and r["copy_gbps"] > 0 and r["decode_floor_tokens_per_s"] > 0
+        assert r["decode_floor_bound"] in ("memory", "compute") and r["floor_fraction"] > 0
 
 
 def test_profile_categories_of_cuda_kernel_names():

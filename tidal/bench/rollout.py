@@ -12,6 +12,10 @@ engine's generation step: ``fast`` = ``tidal.rollout.fast``, ``generate`` = tran
 - ``logprob_max_abs_diff`` / ``logprob_mean_abs_diff``: the engine's log-probs against a
   teacher-forced forward pass over prompt + response (what the trainer recomputes);
 - ``peak_gpu_bytes``: peak allocated device memory during the engine's generate (0 on CPU);
+- ``decode_floor_tokens_per_s``: the limit of the hardware (``tidal.bench.roofline``): the least time the
+  batch's prefill and decode steps take at the matmul peak and copy bandwidth measured in the same run
+  (``matmul_tflops``, ``copy_gbps``), whether its steps are bound by bytes or FLOPs (``decode_floor_bound``),
+  and ``floor_fraction``, the engine's share of it;
 - ``compiled``: whether the fast path ran its compiled decode step (the CUDA default; ``--no-compile``
   turns it off);
 - with ``--with-cb``, ``cb_generate_batch_tokens_per_s``: transformers continuous batching on the
@@ -28,11 +32,13 @@ measured is the cost per token and the agreement of the log-probs.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
 import torch
 
+from tidal.bench import roofline
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig
 from tidal.profiling import profiled
 from tidal.rollout.embedded import EmbeddedEngine
@@ -123,6 +129,27 @@ def _timed(fn, repeats: int) -> tuple[object, float]:
         if seconds < best:
             best, out = seconds, res
     return out, best
+
+
+@functools.cache
+def _hardware(device: str, dtype: torch.dtype) -> tuple[float, float]:
+    """(matmul TFLOP/s in the model's dtype, copy GB/s) of this device, measured once per process."""
+    dev = torch.device(device)
+    return roofline.matmul_tflops(dev, dtype), roofline.copy_gbps(dev)
+
+
+def _floor(engine: EmbeddedEngine, args: argparse.Namespace, out: list[Sample], tokens_per_s: float) -> dict:
+    tflops, gbps = _hardware(str(engine.device), engine.dtype)
+    shape = roofline.Shape.of(engine.model)
+    lens = [len(s.response_ids) for s in out]
+    floor = roofline.decode_floor(shape, args.prompt_len, lens, args.prompts, tflops, gbps)
+    return {
+        "matmul_tflops": round(tflops, 2),
+        "copy_gbps": round(gbps, 1),
+        "decode_floor_tokens_per_s": round(floor["floor_tokens_per_s"], 1),
+        "decode_floor_bound": floor["bound"],
+        "floor_fraction": round(tokens_per_s / floor["floor_tokens_per_s"], 3) if floor["floor_tokens_per_s"] else None,
+    }
 
 
 def _compiled(engine: EmbeddedEngine) -> bool:
@@ -219,6 +246,7 @@ def run(args: argparse.Namespace, shape: str, path: str) -> dict:
         # The kernel the decoder runs: flex falls back to SDPA where it cannot run the model.
         "decode_attention": getattr(getattr(engine, "_fast_decoder", None), "decode_attention", args.decode_attention),
     }
+    result.update(_floor(engine, args, out, tokens / seconds))
     if args.profile:
         _, summary = profiled(engine_generate_fresh(engine, args, sampling), engine.device.type, f"rollout {path}")
         result["profile"] = summary.as_dict()

@@ -18,6 +18,9 @@ One rank in this process (a 1-rank FSDP2 group; the code path of every rank). Pr
                              recompute), same run
     train_vs_limit           ratio; the trainer runs two forwards per micro-batch (recompute + train)
                              so ~0.6-0.7 means its own overhead is small
+    matmul_tflops            the hardware's limit: a square matmul in the compute dtype, same run
+    train_floor_s            one training pass's FLOPs (``tidal.bench.roofline.train_flops``) at that peak
+    train_peak_fraction      train_floor_s / train_s: the share of the measured peak the train call reached
     pause_s / resume_s       trainer pause/resume (weights + AdamW state) with offload on
     pause_gbps / resume_gbps backed-up bytes / seconds
     copy_gbps                the limit: a large host memcpy (CPU) or pinned D2H copy (CUDA)
@@ -51,6 +54,7 @@ import time
 
 import torch
 
+from tidal.bench import roofline
 from tidal.profiling import profiled
 
 
@@ -271,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         syncs, sync_sites = _host_syncs(lambda: later.append(actor.train(batch, 3)))
     limit = _limit_tokens_per_s(actor, samples)
+    tflops = roofline.matmul_tflops(torch.device(args.device), actor.compute_dtype)
+    floor_s = roofline.train_flops(roofline.Shape.of(actor.model), [(args.prompt_len, args.response_len)] * len(batch))
+    floor_s /= tflops * 1e12
 
     p = actor.pause().metrics
     kept = p["memory/trainer_pause/weights/backup_bytes"] + p["memory/trainer_pause/optimizer/backup_bytes"]
@@ -298,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         "train_tokens_per_s": round(m["tokens_per_s"], 1),
         "limit_tokens_per_s": round(limit, 1),
         "train_vs_limit": round(m["tokens_per_s"] / limit, 3),
+        "matmul_tflops": round(tflops, 2),
+        "train_floor_s": round(floor_s, 4),
+        "train_peak_fraction": round(floor_s / m["train_s"], 3),
         "logprob_recompute_s": round(m["logprob_recompute_s"], 3),
         "logprob_recomputed": bool(m["logprob_recomputed"]),
         "optimizer_s": round(m["optimizer_s"], 3),
