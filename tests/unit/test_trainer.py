@@ -370,8 +370,9 @@ def test_adamw_fused_and_foreach_take_the_same_steps():
 
 
 def test_shard_adamw_updates_dtensors_through_their_shards_bit_for_bit():
-    """ShardAdamW's steps after the first run on the DTensors' local shards: parameters and moments equal
-    torch's AdamW over the same DTensors bit for bit, fused and foreach (a one-rank gloo mesh here)."""
+    """ShardAdamW's steps, the first (which creates the moments) included, run on the DTensors' local shards:
+    parameters, moments and step counters equal torch's AdamW over the same DTensors bit for bit, after each
+    step, fused and foreach (a one-rank gloo mesh here)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -395,15 +396,20 @@ def test_shard_adamw_updates_dtensors_through_their_shards_bit_for_bit():
             for cls in (torch.optim.AdamW, ShardAdamW):
                 params = [torch.nn.Parameter(dt(s.clone())) for s in start]
                 opt = cls(params, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), **{impl: True})
+                seen = []
                 for step in grads:
                     for p, gr in zip(params, step):
                         p.grad = dt(gr.clone())
                     opt.step()
-                moments = [opt.state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq")]
-                assert all(isinstance(m, type(params[0].data)) for m in moments)  # still DTensors
-                runs.append([t.full_tensor() for t in (*params, *moments)] + [opt.state[params[0]]["step"]])
+                    moments = [opt.state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq")]
+                    assert all(isinstance(m, type(params[0].data)) for m in moments)  # DTensors, as torch's
+                    counters = [opt.state[p]["step"] for p in params]
+                    seen += [t.full_tensor() for t in (*params, *moments)] + [(c.device, c.dtype) for c in counters]
+                    seen += [c.clone() for c in counters]
+                runs.append(seen)
             assert not torch.equal(runs[0][0], start[0])
-            assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True)), impl
+            for a, b in zip(*runs, strict=True):
+                assert torch.equal(a, b) if torch.is_tensor(a) else a == b, impl
     finally:
         if own:
             dist.destroy_process_group()
