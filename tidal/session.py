@@ -91,7 +91,8 @@ class Session:
             # First the warm process that imports the actors' modules once (a local cluster), then the tokenizer,
             # prompts and the agent loop, read beside Ray's start (transformers takes seconds to import on a small
             # host); a bad dataset still stops everything before the run folder or an actor exists.
-            start_warm(cfg.cluster.ray_address, env, warm)
+            if start_warm(cfg.cluster.ray_address, env, warm):
+                self.mark_startup("startup_warm_s")  # its imports are the start's critical path: the sooner the better
             # While the inputs' thread imports (holding the GIL for most of seconds), ray.init on this thread
             # waits for the GIL after each of its many short waits: up to the switch interval each time.
             switch = sys.getswitchinterval()

@@ -56,7 +56,10 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
     assert proc.returncode == 143, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     last = _lines(err)[-1]
-    done = [json.loads(x)["step"] for x in metrics.read_text().splitlines()][-1]
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    done = rows[-1]["step"]
+    # A fresh process on a local cluster: the warm process started before Ray did (step 0 says when).
+    assert 0 < rows[0]["startup_warm_s"] < rows[0]["startup_ray_s"], rows[0]
     assert last == f"tidal: SIGTERM: checkpoint of rollout {done} in {ck}; continue with --load {ck}", err[-2000:]
     found = find_loadable(str(ck))
     assert found.path == str(ck / f"iter_{done:07d}") and found.skipped == []
