@@ -72,19 +72,26 @@ def test_compiled_step_matches_uncompiled():
     limits = torch.randint(1, 40, (30,), generator=torch.Generator().manual_seed(9)).tolist()
     plain = FastDecoder(model, max_batch=32, max_seq_len=96, kv_block=32, check_every=2)
     compiled = FastDecoder(model, max_batch=32, max_seq_len=96, kv_block=32, check_every=2, compile=True)
-    t0 = time.perf_counter()
-    res = compiled.generate(prompts, max_new_tokens=limits, temperature=0)
-    print(f"[compiled] first call {time.perf_counter() - t0:.1f} s (compilation included)")
-    _show("compiled greedy", res)
-    ref = plain.generate(prompts, max_new_tokens=limits, temperature=0)
+    res = _matches_uncompiled(compiled, plain, model, prompts, limits, "compiled")
     assert res.stats["compiled"], res.stats["compile_fallback_reason"]
     assert res.stats["cuda_graphs"], res.stats["fallback_reason"]
+
+
+def _matches_uncompiled(dec, plain, model, prompts, limits, tag: str):
+    """``dec``'s greedy tokens and log-probs equal ``plain``'s (log-probs within 1e-4), and its sampled
+    log-probs those of a teacher-forced pass; returns the greedy result for the caller's own checks."""
+    t0 = time.perf_counter()
+    res = dec.generate(prompts, max_new_tokens=limits, temperature=0)
+    print(f"[{tag}] first call {time.perf_counter() - t0:.1f} s (compilation included)")
+    _show(f"{tag} greedy", res)
+    ref = plain.generate(prompts, max_new_tokens=limits, temperature=0)
     assert res.tokens == ref.tokens
     assert _max_diff(res.logprobs, ref.logprobs) < 1e-4
-    sampled = compiled.generate(prompts, max_new_tokens=limits, temperature=0.8, seed=3)
+    sampled = dec.generate(prompts, max_new_tokens=limits, temperature=0.8, seed=3)
     diff = _max_diff(sampled.logprobs, teacher_forced_logprobs(model, prompts, sampled.tokens))
-    print(f"[compiled sampling] logprob max abs diff {diff:.3e}")
+    print(f"[{tag} sampling] logprob max abs diff {diff:.3e}")
     assert diff < 1e-4
+    return res
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen2"])
@@ -97,17 +104,9 @@ def test_compiled_fused_pieces_match_uncompiled_under_graphs(name):
     plain = FastDecoder(model, max_batch=32, max_seq_len=96, kv_block=32, check_every=2)
     fused = FastDecoder(model, max_batch=32, max_seq_len=96, kv_block=32, check_every=2, compile=True, fused=True)
     assert fused._compiled_forward is None and fused._fused.compiled
-    res = fused.generate(prompts, max_new_tokens=limits, temperature=0)
-    _show("fused compiled greedy", res)
-    ref = plain.generate(prompts, max_new_tokens=limits, temperature=0)
+    res = _matches_uncompiled(fused, plain, model, prompts, limits, "fused compiled")
     assert res.stats["compiled"] and res.stats["fused"], res.stats["compile_fallback_reason"]
     assert res.stats["cuda_graphs"] and res.stats["compactions"] >= 1, res.stats
-    assert res.tokens == ref.tokens
-    assert _max_diff(res.logprobs, ref.logprobs) < 1e-4
-    sampled = fused.generate(prompts, max_new_tokens=limits, temperature=0.8, seed=3)
-    diff = _max_diff(sampled.logprobs, teacher_forced_logprobs(model, prompts, sampled.tokens))
-    print(f"[fused compiled sampling] logprob max abs diff {diff:.3e}")
-    assert diff < 1e-4
 
 
 def test_noise_drawn_inside_the_compiled_sampler_under_graphs():
