@@ -148,7 +148,6 @@ class FastDecoder:
         self.prefill_tokens = max(1, prefill_tokens)
         self.compaction = compaction
         self.share_prompts = share_prompts
-        self.prefilled_rows = 0  # rows the prefill forwards covered, this generate call (equal prompts once)
         self.pad_id = pad_id
         self.max_stop_ids = max_stop_ids
         self.region = region or contextlib.nullcontext
@@ -351,8 +350,9 @@ class FastDecoder:
         tokens: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         stopped = [False] * n
-        stats = {"waves": 0, "steps": 0, "compactions": 0, "prefill_s": 0.0, "decode_s": 0.0, "buckets": []}
-        self.prefilled_rows = 0
+        # prefill_rows: rows the prefill forwards covered (equal prompts of a chunk once).
+        stats = {"waves": 0, "steps": 0, "compactions": 0, "prefill_s": 0.0, "decode_s": 0.0, "prefill_rows": 0}
+        stats["buckets"] = []
         captures0, capture_s0 = self.graphs.captures, self.graphs.capture_s
         stop_set = set(stops)
         stats["interrupted"] = False
@@ -391,7 +391,6 @@ class FastDecoder:
             capture_s=self.graphs.capture_s - capture_s0,
             graphs_cached=len(self.graphs.graphs),
             new_tokens=sum(len(t) for t in tokens),
-            prefill_rows=self.prefilled_rows,
             seconds=time.perf_counter() - t_start,
         )
         self.last_stats = stats
@@ -481,7 +480,7 @@ class FastDecoder:
         t0 = time.perf_counter()
         chunk = max(1, self.prefill_tokens // width)
         for r0 in range(0, n, chunk):
-            self._prefill(prompts[r0 : r0 + chunk], r0, width, mode)
+            stats["prefill_rows"] += self._prefill(prompts[r0 : r0 + chunk], r0, width, mode)
         self.s_pos[:n] = lens.to(dev)
         self.s_cpos.fill_(width)
         self.s_step.fill_(1)
@@ -542,8 +541,9 @@ class FastDecoder:
         pick = torch.tensor(rows, dtype=torch.long, device=self.device)
         report(rows, self.s_out_tok[pick, :columns].tolist(), self.s_out_lp[pick, :columns].tolist())
 
-    def _prefill(self, prompts: list[Sequence[int]], row0: int, width: int, mode: SamplingMode) -> None:
-        """One eager forward over a chunk of left-padded prompts; samples each row's first token.
+    def _prefill(self, prompts: list[Sequence[int]], row0: int, width: int, mode: SamplingMode) -> int:
+        """One eager forward over a chunk of left-padded prompts; samples each row's first token. Returns the
+        rows the forward covered.
 
         Rows with equal prompts (a GRPO group's samples) are computed once (``share_prompts``): the forward
         covers the chunk's distinct prompts, in its first rows; every row then takes its prompt's keys,
@@ -567,7 +567,7 @@ class FastDecoder:
         col = self.s_cols[:width]
         q, k = col[from_col:, None], col[None, :]
         real = k[None] >= start[:, None, None]
-        mask = ((real & (k <= q)[None]) | (k == q)[None]).unsqueeze(1)  # [m, 1, width - from_col, width]
+        mask = ((real & (k <= q)[None]) | (k == q)[None]).unsqueeze(1)  # [d, 1, width - from_col, width]
         pos = (col[None, from_col:] - start[:, None]).clamp(min=0)
         ctx = attention.AttnContext(cache=self.cache, decode=False, rows=d, row0=row0, prefill_from=from_col)
         with attention.active(self.model, ctx):
@@ -580,11 +580,11 @@ class FastDecoder:
         if d < m:
             share_rows(self.cache, row0, owner, width)
             logits = logits[torch.as_tensor(owner, dtype=torch.long, device=dev)]
-        self.prefilled_rows += d
         tok, lp = sample(logits, mode, self.s_temp, self.s_top_p, self._gen)
         self.s_tok[row0 : row0 + m] = tok
         self.s_out_tok[row0 : row0 + m, 0] = tok
         self.s_out_lp[row0 : row0 + m, 0] = lp
+        return d
 
     def _reuse_prefixes(self, prompts: list[Sequence[int]], row0: int, width: int) -> int:
         """Copy each row's stored prefix KV into its cache row; returns the chunk's first column to compute."""

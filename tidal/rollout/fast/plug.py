@@ -80,10 +80,15 @@ def _kernel(choice: str, device_type: str) -> str:
     return decode_attention_default(device_type) if choice == "auto" else choice
 
 
+def _takes(dec: FastDecoder | str, end_ids: Sequence[int]) -> bool:
+    """Whether ``dec`` decodes a call with ``end_ids`` (else transformers ``generate`` does)."""
+    return dec != OFF and len(end_ids) <= dec.max_stop_ids
+
+
 def wave_rows(dec: FastDecoder | str, end_ids: Sequence[int]) -> int | None:
     """Rows of one wave of ``dec`` (what its KV cache holds, planned before the first allocation) when it
     takes a call with ``end_ids``; None when ``fast_generate_chunk`` would fall back to ``generate``."""
-    if dec == OFF or len(end_ids) > dec.max_stop_ids:
+    if not _takes(dec, end_ids):
         return None
     return dec.rows if dec.cache is not None else int(dec.plan()["rows"])
 
@@ -102,7 +107,7 @@ def fast_generate_chunk(
     ``limits``: new tokens per row (default ``sampling.max_new_tokens`` for each); ``should_stop``:
     asked at the decoder's host syncs, True cuts the call short; ``on_rows_done``: rows that ended, handed
     on at those syncs (``FastDecoder.generate``)."""
-    if dec == OFF or len(end_ids) > dec.max_stop_ids:
+    if not _takes(dec, end_ids):
         return None
     # No seed: the engine has seeded torch for this call (CPU: the decoder draws its seed from it;
     # CUDA: the default generator the graphs use is the one torch.manual_seed set).
