@@ -79,13 +79,12 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int | None = None
     return 2 * n**3 / _best_seconds(lambda: a @ b, device, iters) / 1e12
 
 
-def copy_gbps(device: torch.device, nbytes: int | None = None, iters: int = 5) -> float:
-    """The best of ``iters`` copies of ``nbytes`` (1 GiB on CUDA, 256 MiB elsewhere): bytes read and written per
-    second, in GB/s."""
-    nbytes = nbytes or (1 << 30 if device.type == "cuda" else 1 << 28)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), device, iters) / 1e9
+def copy_gbps(device: torch.device, nbytes: int | None = None) -> float:
+    """The device's copy bandwidth (``tidal.bench.sampling.copy_gbps``: bytes read and written per second, in
+    GB/s) over ``nbytes`` (1 GiB on CUDA, 256 MiB elsewhere)."""
+    from tidal.bench.sampling import copy_gbps as measured
+
+    return measured(device, nbytes or (1 << 30 if device.type == "cuda" else 1 << 28))
 
 
 def decode_floor(
