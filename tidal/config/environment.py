@@ -151,15 +151,16 @@ class Environment:
         import psutil
 
         cuda, count, mem = False, 0, 0
-        probed = cuda_without_torch() if gpu_driver_present() else None
-        if probed is not None:
-            cuda, (count, mem) = True, probed
-        elif gpu_driver_present():
-            import torch
+        if gpu_driver_present():
+            probed = cuda_without_torch()
+            if probed is not None:
+                cuda, (count, mem) = True, probed
+            else:
+                import torch
 
-            cuda = torch.cuda.is_available()
-            count = torch.cuda.device_count() if cuda else 0
-            mem = torch.cuda.get_device_properties(0).total_memory if count else 0
+                cuda = torch.cuda.is_available()
+                count = torch.cuda.device_count() if cuda else 0
+                mem = torch.cuda.get_device_properties(0).total_memory if count else 0
         return cls(
             cuda_available=cuda,
             device_count=count,
