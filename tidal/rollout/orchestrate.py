@@ -184,8 +184,8 @@ def generate_rollout(s, rollout_id: int) -> tuple[list[Sample], dict]:
 
 def decode_metrics(s) -> dict:
     """The ``decode/*`` metrics of everything the engines generated since the last ask (``DecodeStats``):
-    decode steps, prefill, decode and graph-capture seconds, new graphs and compactions; none without the
-    fast decode path."""
+    waves, decode steps, seconds of prefill, decode steps, graph captures and whole decoder calls, new graphs
+    and compactions; none without the fast decode path."""
     return DecodeStats.metrics(s.engines.call("take_decode_stats"))
 
 

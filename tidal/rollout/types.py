@@ -41,12 +41,12 @@ class DecodeStats:
 
     Filled by the fast decode path (``tidal.rollout.fast``): ``calls`` generate calls, ``waves`` batches of at
     most the decoder's rows each decoded from prefill to end (one a call unless the call held more rows than
-    the KV cache), ``steps`` decode steps,
-    seconds of prefill, of decode steps and of graph captures (compiling in the captures' warm-up runs
-    included; part of ``decode_s``), of whole decoder calls (``call_s``: prefill, decode steps, and the
-    results brought to the host and cut at their stops; a rollout's ``generate_s`` beyond it is the engine's
-    own handling of the samples, Ray and the driver), ``graph_captures`` new CUDA graphs and ``compactions`` of the running
-    batch. All zero where generation runs elsewhere (transformers generate, an HTTP server)."""
+    the KV cache), ``steps`` decode steps, seconds of prefill, of decode steps and of graph captures
+    (compiling in the captures' warm-up runs included; part of ``decode_s``), of whole decoder calls
+    (``call_s``: prefill, decode steps, and the results brought to the host and cut at their stops; a
+    rollout's ``generate_s`` beyond it is the engine's own handling of the samples, Ray and the driver),
+    ``graph_captures`` new CUDA graphs and ``compactions`` of the running batch. All zero where generation
+    runs elsewhere (transformers generate, an HTTP server)."""
 
     calls: int = 0
     waves: int = 0
