@@ -277,9 +277,9 @@ def test_one_step_rollout_uses_its_own_logprobs_and_matches_a_recompute(ray_clus
 
 def test_a_warm_up_changes_neither_the_state_nor_the_next_update(ray_cluster):
     """``--warm-up``: the trainer's passes over dummy micro-batches (training pass, the reference's and the
-    recompute's no-grad passes, one rank's gradient sync toggled) leave the weights, AdamW state and
-    schedule as they were, and the rollout trained after it makes exactly the update one trained without
-    it makes."""
+    recompute's no-grad passes, one rank's gradient sync toggled, clipping and an AdamW step at a rate of
+    zero) leave the weights as they were and only add AdamW's zero moments, and the rollout trained after
+    it makes exactly the update (weights, moments, step counts, loss, rate) one trained without it makes."""
     ray = ray_cluster
     samples = with_engine_logprobs(make_samples(12))
     after = {}
@@ -290,7 +290,11 @@ def test_a_warm_up_changes_neither_the_state_nor_the_next_update(ray_cluster):
                 before = call(ray, actors, "state_checksums")[0]
                 (report,) = call(ray, actors, "warm_up", True)  # 8 samples, 4 a step: old log-probs recomputed
                 assert report.warmed == ["trainer"] and report.seconds > 0
-                assert call(ray, actors, "state_checksums")[0] == before
+                warmed = call(ray, actors, "state_checksums")[0]
+                # The weights bit for bit; AdamW's moments now exist (created as its first step would).
+                assert {k: v for k, v in warmed.items() if not k.startswith("optim/")} == before
+                assert not any(k.startswith("optim/") for k in before)
+                assert sum(k.startswith("optim/") for k in warmed) == 2 * len(before)
             metrics = call(ray, actors, "train", samples, 0)[0]
             assert metrics["optimizer_steps"] == 2 and metrics["kl"] >= 0
             after[warm] = (call(ray, actors, "state_checksums")[0], metrics["loss"], metrics["lr"])
@@ -372,7 +376,8 @@ def test_adamw_fused_and_foreach_take_the_same_steps():
 def test_shard_adamw_updates_dtensors_through_their_shards_bit_for_bit():
     """ShardAdamW's steps, the first (which creates the moments) included, run on the DTensors' local shards:
     parameters, moments and step counters equal torch's AdamW over the same DTensors bit for bit, after each
-    step, fused and foreach (a one-rank gloo mesh here)."""
+    step, fused and foreach (a one-rank gloo mesh here); so do they after ``warm_up`` (a step at a rate of
+    zero over zero gradients), which leaves the parameters as they were."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -393,9 +398,16 @@ def test_shard_adamw_updates_dtensors_through_their_shards_bit_for_bit():
         grads = [[torch.randn(s.shape, generator=g) for s in start] for _ in range(3)]
         for impl in ("fused", "foreach"):
             runs = []
-            for cls in (torch.optim.AdamW, ShardAdamW):
+            for cls, warm in ((torch.optim.AdamW, False), (ShardAdamW, False), (ShardAdamW, True)):
                 params = [torch.nn.Parameter(dt(s.clone())) for s in start]
                 opt = cls(params, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), **{impl: True})
+                if warm:  # the trainer's warm-up: zero gradients, a step at a rate of zero, counters reset
+                    for p in params:
+                        p.grad = dt(torch.zeros_like(p.full_tensor()))
+                    opt.warm_up()
+                    assert all(torch.equal(p.full_tensor(), s) for p, s in zip(params, start))
+                    assert all(float(opt.state[p]["step"]) == 0 for p in params)
+                    assert opt.param_groups[0]["lr"] == 1e-2
                 seen = []
                 for step in grads:
                     for p, gr in zip(params, step):
@@ -408,8 +420,9 @@ def test_shard_adamw_updates_dtensors_through_their_shards_bit_for_bit():
                     seen += [c.clone() for c in counters]
                 runs.append(seen)
             assert not torch.equal(runs[0][0], start[0])
-            for a, b in zip(*runs, strict=True):
-                assert torch.equal(a, b) if torch.is_tensor(a) else a == b, impl
+            for other in runs[1:]:
+                for a, b in zip(runs[0], other, strict=True):
+                    assert torch.equal(a, b) if torch.is_tensor(a) else a == b, impl
     finally:
         if own:
             dist.destroy_process_group()

@@ -286,9 +286,12 @@ class TrainerActor(Trainer):
         graphs with dynamic sizes that real micro-batches use, and it runs the log-prob kernels over several
         chunks. Each micro-batch goes
         through ``token_stats`` with the trainer's own kernel choices, and the gradient sync is the training
-        loop's (one CUDA rank: on the last). The loss is zero and the gradients are dropped (set to None), as
-        are the gathered copies and the allocator's cached blocks; weights, optimizer state and schedule are
-        untouched. Every rank runs it at once (FSDP2's collectives). The critic is not warmed."""
+        loop's (one CUDA rank: on the last). The loss is zero; its zero gradients go through the clipping and an
+        AdamW step at a learning rate of zero (``_warm_up_step``: the first step's one-time work, its moments
+        created as that step would) and are then dropped (set to None), as are the gathered copies and the
+        allocator's cached blocks; weights, moments (zero), step counts and schedule are as before, and the
+        first real step makes the update it would have made. Every rank runs it at once (FSDP2's collectives).
+        The critic is not warmed."""
         start = WarmUpReport.start()
         self.residency.require_active("warm up")
         kw = self._stats_kw
@@ -313,6 +316,7 @@ class TrainerActor(Trainer):
             with self.memory.region(StateClass.GRADS):
                 (logprobs.float().sum() * 0.0 + ent.float().sum() * 0.0).backward()
             del logprobs, ent, mb
+        self._warm_up_step()
         reshard(self._models)
         self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
@@ -322,6 +326,18 @@ class TrainerActor(Trainer):
             # reserve more beside them (an 80 GB card ran out of memory on the 0.5B preset): hand them back.
             torch.cuda.empty_cache()
         return WarmUpReport.since(start, warmed=["trainer"])
+
+    def _warm_up_step(self) -> None:
+        """The optimizer step's first-call work over the warm-up's zero gradients: the gradient clipping (over
+        DTensors, each operation's sharding worked out once) and AdamW's ``warm_up`` (moments created and moved
+        into OPTIMIZER as the first step would, its kernels run at a learning rate of zero). Both leave the
+        weights bit for bit as they were. An optimizer without ``warm_up`` (torch's own) is left to its first
+        step."""
+        clip = clip_one_rank if self.one_rank_fsdp else torch.nn.utils.clip_grad_norm_
+        clip(self.params, max_norm=self.cfg.clip_grad if self.cfg.clip_grad > 0 else float("inf"))
+        if hasattr(self.optimizer, "warm_up"):
+            self.optimizer.warm_up()
+            self.optimizer_home.adopt(self._optimizer_tensors())
 
     def _old_logprobs(
         self, steps: list[MicroBatches], sums: RolloutSums, objective: RolloutObjective, *, recompute: bool

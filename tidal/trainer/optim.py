@@ -94,6 +94,25 @@ class ShardAdamW(torch.optim.AdamW):
             )
         return None
 
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """The first step's one-time work done ahead of it, changing nothing: the moments created as that step
+        would (``_init_state``), then one step at a learning rate of zero over the present gradients, which must
+        be zero (the trainer's warm-up passes: a loss times zero), so that its kernels and allocations are in
+        place; the step counters are set back to zero after it. With zero gradients and moments every term
+        of AdamW's update is zero and the decoupled decay multiplies by exactly one, so the parameters and the
+        moments come out bit for bit as they went in, and the next step is the first one's."""
+        rates = [g["lr"] for g in self.param_groups]
+        for g in self.param_groups:
+            g["lr"] = g["lr"] * 0
+        try:
+            self.step()
+        finally:
+            for g, lr in zip(self.param_groups, rates, strict=True):
+                g["lr"] = lr
+        for state in self.state.values():
+            state["step"].zero_()
+
     def _init_state(self, p: torch.Tensor, group: dict) -> None:
         """``p``'s moments and step counter as torch's AdamW creates them at its first step (its lazy state
         initialisation): zeros like the parameter (a DTensor for a DTensor), the counter on the device with
