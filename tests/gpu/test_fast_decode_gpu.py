@@ -109,16 +109,18 @@ def test_compiled_fused_pieces_match_uncompiled_under_graphs(name):
     assert res.stats["cuda_graphs"] and res.stats["compactions"] >= 1, res.stats
 
 
-def test_noise_drawn_inside_the_compiled_sampler_under_graphs():
-    """--rollout-sampler-noise drawn: the compiled step's sampler draws its noise in its kernel. Under CUDA
-    graphs every replay draws anew (two steps, two seeds differ), a seed repeats its tokens, the sampled
-    log-probs match a teacher-forced pass, and the tokens follow the model (not greedy, not uniform)."""
+@pytest.mark.parametrize("noise", ["drawn", "blocks"])
+def test_noise_drawn_inside_the_compiled_sampler_under_graphs(noise):
+    """--rollout-sampler-noise drawn: the compiled step's sampler draws its noise in its kernel; blocks: it
+    samples a block of words, then a word of it (two small noise tensors). Under CUDA graphs every replay
+    draws anew (two steps, two seeds differ), a seed repeats its tokens, the sampled log-probs match a
+    teacher-forced pass, and the tokens follow the model (not greedy, not uniform)."""
     model = _model("tiny-qwen2", torch.float32)
     prompts = _prompts(24, seed=5)
-    dec = FastDecoder(model, max_batch=32, max_seq_len=96, kv_block=32, compile=True, sampler_noise="drawn")
-    assert dec._drawn_sampler is not None
+    dec = FastDecoder(model, max_batch=32, max_seq_len=96, kv_block=32, compile=True, sampler_noise=noise)
+    assert (dec._drawn_sampler if noise == "drawn" else dec._blocked_sampler) is not None
     a = dec.generate(prompts, max_new_tokens=32, temperature=1.0, seed=11)
-    _show("drawn noise", a)
+    _show(f"{noise} noise", a)
     assert a.stats["compiled"] and a.stats["cuda_graphs"], (
         a.stats["compile_fallback_reason"],
         a.stats["fallback_reason"],
@@ -131,7 +133,7 @@ def test_noise_drawn_inside_the_compiled_sampler_under_graphs():
     steps_differ = sum(len(set(r)) > 1 for r in a.tokens)
     diff = _max_diff(a.logprobs, teacher_forced_logprobs(model, prompts, a.tokens))
     print(
-        f"[drawn] rows equal: same seed {same_seed}/24, other seed {other_seed}/24; rows with >1 distinct token "
+        f"[{noise}] rows equal: same seed {same_seed}/24, other seed {other_seed}/24; rows with >1 distinct token "
         f"{steps_differ}/24; logprob vs teacher-forced {diff:.3e}"
     )
     assert same_seed == 24 and other_seed < 4 and steps_differ >= 20
@@ -229,6 +231,46 @@ def test_torch_memory_saver_keeps_graphs_valid():
     assert pause.classes[0].bytes >= dec.cache.nbytes
     assert res.stats["graph_captures"] == 0  # same virtual addresses: the graphs replay as they are
     assert res.tokens == first.tokens
+
+
+def test_compiled_blocked_sampler_draws_softmax_at_qwens_vocabulary_under_a_graph():
+    """blocked_core compiled and replayed from a CUDA graph over Qwen's 151,936 words (1,187 blocks of 128): the
+    words' frequencies over ~100k draws follow softmax(logits / T), with most of the mass on words in different
+    blocks (the last block included) and the rest spread over the vocabulary; raw log-probs as log_softmax."""
+    from tidal.rollout.fast.sampling import blocked_core, sample, sampling_mode, vocab_block
+
+    vocab, rows, temperature = 151936, 4096, 0.7
+    assert vocab_block(vocab) == 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    row = torch.randn(vocab, device="cuda", generator=gen)
+    heavy = torch.tensor([5, 700, 131, 90_000, 151_935], device="cuda")
+    row[heavy] += torch.tensor([9.0, 8.5, 8.0, 9.5, 8.8], device="cuda")
+    logits = row.to(torch.bfloat16).expand(rows, vocab).contiguous()
+    t = torch.full((1,), temperature, device="cuda")
+    core = torch.compile(blocked_core, dynamic=True)
+    mode = sampling_mode(temperature, 1.0, 0, vocab)
+
+    def step():
+        return sample(logits, mode, t, t, blocked=core)
+
+    for _ in range(2):
+        step()  # compiled before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tokens, logprobs = step()
+    counts = torch.zeros(vocab, dtype=torch.float64, device="cuda")
+    calls = 25
+    for _ in range(calls):
+        graph.replay()
+        counts += torch.bincount(tokens, minlength=vocab).double()
+    freq = counts / (calls * rows)
+    expected = torch.softmax(logits[0].float() / temperature, dim=-1).double()
+    print(f"[blocks] heavy words {freq[heavy].tolist()} expected {expected[heavy].tolist()}")
+    assert (freq[heavy] - expected[heavy]).abs().max() < 0.01
+    assert abs(freq.sum() - freq[heavy].sum() - (1 - expected[heavy].sum())) < 0.01
+    raw = torch.log_softmax(logits[0].float(), dim=-1)
+    assert torch.allclose(logprobs, raw[tokens], atol=1e-4)
 
 
 def test_qwen05b_shape_throughput_and_memory():

@@ -15,7 +15,7 @@ from tidal.memory.portable import PortableBackend
 from tidal.model import build_model, resolve_model
 from tidal.model.load import ModelSpec
 from tidal.rollout.fast import FastDecoder, batch_buckets, sample, sampling_mode
-from tidal.rollout.fast.sampling import drawn_core, plain_core
+from tidal.rollout.fast.sampling import blocked_core, drawn_core, plain_core, vocab_block
 from tidal.rollout.fast.static_cache import kv_shape, prefill_workspace_bytes, workspace_bytes_per_row
 from tidal.rollout.generate import left_pad, teacher_forced_logprobs
 
@@ -273,6 +273,59 @@ def test_noise_drawn_inside_the_core_samples_the_same_distribution(temperature):
     assert set(top2.tolist()) <= set(logits.topk(2).indices.tolist())
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_blocked_sampling_draws_softmax_in_two_stages(temperature):
+    """blocked_core (--rollout-sampler-noise blocks): a block of words by its mass, then a word of it, samples
+    softmax(logits / T) exactly, whatever the block a word sits in (three blocks of 32 here, one holding most
+    of the mass), with the raw log-probs. Greedy rows and filters keep their own paths."""
+    vocab, rows = 96, 120000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 1.5
+    logits[40:44] += 3.0  # most of the mass in the second block
+    t = torch.tensor([temperature])
+    mode = sampling_mode(temperature, 1.0, 0, vocab)
+    gen = torch.Generator().manual_seed(4)
+    tokens, logprobs = sample(logits.expand(rows, vocab), mode, t, t, gen, blocked=blocked_core)
+    freq = torch.bincount(tokens, minlength=vocab).double() / rows
+    expected = _warped_probs(logits, temperature, 0, 1.0).double()
+    assert (freq - expected).abs().max() < 0.006, (freq - expected).abs().max()
+    blocks = freq.view(3, 32).sum(1), expected.view(3, 32).sum(1)
+    assert (blocks[0] - blocks[1]).abs().max() < 0.006, blocks
+    assert torch.allclose(logprobs, torch.log_softmax(logits, dim=-1)[tokens], atol=1e-5)
+    never = lambda *a: pytest.fail("blocked_core used outside unfiltered sampling")  # noqa: E731
+    greedy, _ = sample(logits.expand(3, vocab), sampling_mode(0.0, 1.0, 0, vocab), t, t, blocked=never)
+    assert greedy.tolist() == [int(logits.argmax())] * 3
+    top2, _ = sample(
+        logits.expand(50, vocab), sampling_mode(1.0, 1.0, 2, vocab), t, t, torch.Generator(), blocked=never
+    )
+    assert set(top2.tolist()) <= set(logits.topk(2).indices.tolist())
+
+
+def test_vocab_blocks():
+    assert [vocab_block(v) for v in (151936, 128256, 152064, 96, 64, 50257, 40)] == [128, 256, 256, 32, 64, 0, 0]
+
+
+def test_decoder_samples_with_blocks_or_says_why_not(models):
+    """A decoder with sampler_noise="blocks" (uncompiled on the CPU) samples through blocked_core: the
+    log-probs are the model's, a seed repeats its tokens, another seed and greedy differ; a vocabulary
+    no block divides keeps the buffer and names the reason."""
+    model = models["tiny-qwen2"]
+    prompts = _prompts(9, seed=2)
+    dec = FastDecoder(model, max_batch=16, max_seq_len=64, sampler_noise="blocks")
+    a = dec.generate(prompts, max_new_tokens=10, temperature=0.8, seed=3)
+    assert a.stats["sampler_noise"] == "blocks" and a.stats["sampler_fallback_reason"] is None
+    assert _max_diff(a.logprobs, teacher_forced_logprobs(model, prompts, a.tokens)) < 1e-5
+    assert a.tokens == dec.generate(prompts, max_new_tokens=10, temperature=0.8, seed=3).tokens
+    assert a.tokens != dec.generate(prompts, max_new_tokens=10, temperature=0.8, seed=4).tokens
+    assert a.tokens != dec.generate(prompts, max_new_tokens=10, temperature=0).tokens
+    odd = build_model(ModelSpec(name="tiny-40", arch="qwen3", config_kwargs={**QWEN3.config_kwargs, "vocab_size": 40}))
+    res = FastDecoder(odd.eval(), max_batch=4, max_seq_len=32, sampler_noise="blocks").generate(
+        [[1, 2, 3]], max_new_tokens=4, temperature=1.0, seed=0
+    )
+    assert res.stats["sampler_noise"] == "buffer" and "(40)" in res.stats["sampler_fallback_reason"]
+    with pytest.raises(UserError, match="choose buffer, drawn or blocks"):
+        FastDecoder(model, max_batch=4, max_seq_len=32, sampler_noise="gumbel")
+
+
 def test_sampling_modes():
     assert sampling_mode(0.0, 0.5, 3, 100).greedy
     assert sampling_mode(1.0, 1.0, 100, 100).top_k == 0  # k >= vocab is no filter
@@ -505,7 +558,7 @@ def test_sampling_bench_reports_each_core_against_its_floor(capsys):
 
     bench.main(["--device", "cpu", "--rows", "8", "--vocab", "64", "--iters", "1", "--copy-mib", "4"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["variant"] for r in rows] == ["eager", "plain"]
+    assert [r["variant"] for r in rows] == ["eager", "plain", "blocks"]
     plain = rows[1]
     assert plain["tokens_equal"] is True and plain["logprob_max_abs_diff"] < 1e-5
     assert plain["ms"] > 0 and 0 < plain["floor_ms"] and plain["copy_gbps"] > 0

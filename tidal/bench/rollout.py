@@ -239,9 +239,9 @@ def run(args: argparse.Namespace, shape: str, path: str) -> dict:
         "completed_frac": round(sum(s.status == "completed" for s in out) / len(out), 3),
         "compiled": _compiled(engine),
         "fused": bool(getattr(getattr(engine, "_fast_decoder", None), "_fused", None)),
-        "sampler_noise": "drawn"
-        if getattr(getattr(engine, "_fast_decoder", None), "_drawn_sampler", None)
-        else "buffer",
+        "sampler_noise": engine._fast_decoder._sampler_noise()
+        if getattr(engine, "_fast_decoder", None) is not None
+        else None,
         "kv_block": args.kv_block,
         # The kernel the decoder runs: flex falls back to SDPA where it cannot run the model.
         "decode_attention": getattr(getattr(engine, "_fast_decoder", None), "decode_attention", args.decode_attention),
@@ -280,8 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--sampler-noise",
         default="buffer",
-        choices=("buffer", "drawn"),
-        help="the compiled sampler's noise: a buffer, or drawn inside its kernel (--rollout-sampler-noise)",
+        choices=("buffer", "drawn", "blocks"),
+        help="the sampler's noise: a buffer, drawn inside its kernel, or per block and word (--rollout-sampler-noise)",
     )
     p.add_argument(
         "--kv-block", type=int, default=256, help="attention-length step of decode graphs (--rollout-kv-block)"

@@ -9,8 +9,11 @@ device-to-device copy bandwidth measured in the same run: logits read, fp32 nois
 Variants: ``eager`` (``sample`` without a fused core: fused log-softmax, then the Gumbel argmax),
 ``plain`` (``plain_core`` uncompiled), ``compiled`` (``torch.compile(plain_core, dynamic=True)``, the
 decode step's fused sampler), ``compiled-static`` (the same with ``dynamic=False``, which would
-compile once per batch bucket) and ``compiled-drawn`` (``drawn_core`` compiled: the noise drawn
-inside the kernel, so the floor is the logits read alone).
+compile once per batch bucket), ``compiled-drawn`` (``drawn_core`` compiled: the noise drawn
+inside the kernel, so the floor is the logits read alone) and ``blocks`` / ``compiled-blocks``
+(``blocked_core`` through ``sample``: a block of words, then a word of it, with ``rows x (V/B + B)`` noise
+drawn per call; its floor too is the logits read once). The variants that draw their own noise make other
+draws than the reference's: ``tokens_equal`` is null for them (the unit tests compare distributions).
 
 Measured on an H200 (512 x 151,936): eager 1.13 ms, compiled 0.44 ms, compiled-static 0.37 ms, floor
 0.18 ms; a variant that split each row's reductions into 64 pieces (more programs per row) was slower,
@@ -25,7 +28,7 @@ import json
 
 import torch
 
-from tidal.rollout.fast.sampling import drawn_core, plain_core, sample, sampling_mode
+from tidal.rollout.fast.sampling import blocked_core, drawn_core, plain_core, sample, sampling_mode
 
 
 def _timed(fn, iters: int, device: torch.device) -> float:
@@ -57,6 +60,10 @@ def copy_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms / 1000) / 1e9
 
 
+# Variants that read a [rows, vocab] fp32 noise buffer besides the logits (the others read the logits alone).
+_BUFFERED = ("eager", "plain", "compiled", "compiled-static")
+
+
 def variants(vocab: int, device: torch.device, names: list[str]) -> dict:
     """The sampler callables ``(logits, noise) -> (tokens, logprobs)`` to compare."""
     temp = torch.ones(1, device=device)
@@ -68,6 +75,9 @@ def variants(vocab: int, device: torch.device, names: list[str]) -> dict:
         "compiled-static": lambda: functools.partial(_core, torch.compile(plain_core, dynamic=False), temp),
         # noise drawn inside the compiled kernel: no fp32 [rows, vocab] noise written and read
         "compiled-drawn": lambda: functools.partial(_drawn, torch.compile(drawn_core, dynamic=True), temp),
+        # two stages, a block then a word of it: rows x (V/B + B) noise drawn, the logits read about once
+        "blocks": lambda: functools.partial(_blocked, blocked_core, temp),
+        "compiled-blocks": lambda: functools.partial(_blocked, torch.compile(blocked_core, dynamic=True), temp),
     }
     unknown = [n for n in names if n not in table]
     if unknown:
@@ -83,6 +93,10 @@ def _core(core, temp: torch.Tensor, logits: torch.Tensor, noise: torch.Tensor):
 
 def _drawn(core, temp: torch.Tensor, logits: torch.Tensor, noise: torch.Tensor):
     return core(logits, temp, False)
+
+
+def _blocked(core, temp: torch.Tensor, logits: torch.Tensor, noise: torch.Tensor):
+    return sample(logits, sampling_mode(1.0, 1.0, 0, logits.shape[1]), temp, temp, blocked=core)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,7 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     names = (
         args.variants
-        or ("eager,plain,compiled,compiled-static,compiled-drawn" if device.type == "cuda" else "eager,plain")
+        or (
+            "eager,plain,compiled,compiled-static,compiled-drawn,compiled-blocks"
+            if device.type == "cuda"
+            else "eager,plain,blocks"
+        )
     ).split(",")
     gen = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(args.rows, args.vocab, device=device, generator=gen).mul_(3).to(torch.bfloat16)
@@ -111,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     moved = logit_bytes + 2 * noise.numel() * 4
     ref_tokens, ref_lp = plain_core(logits, noise, torch.ones(1, device=device), False, False)
     for name, fn in variants(args.vocab, device, names).items():
-        if name in ("eager", "compiled-drawn"):
+        if name in ("eager", "compiled-drawn", "blocks", "compiled-blocks"):
             tokens, lp = ref_tokens, ref_lp  # they draw their own noise: compared by distribution in the tests
             equal, diff = None, None
         else:
@@ -123,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
             rows=args.rows,
             vocab=args.vocab,
             ms=_sig(ms),
-            floor_ms=_sig((logit_bytes if name == "compiled-drawn" else moved) / (gbps * 1e9) * 1000),
+            floor_ms=_sig((moved if name in _BUFFERED else logit_bytes) / (gbps * 1e9) * 1000),
             copy_gbps=round(gbps, 1),
             tokens_equal=equal,
             logprob_max_abs_diff=diff,

@@ -305,9 +305,10 @@ class RolloutConfig:
     rollout_sampler_noise: str = opt(
         "buffer",
         "The compiled decode step's sampling noise for unfiltered sampling: buffer (an fp32 [rows, vocab] tensor "
-        "drawn, then read by the fused sampler) or drawn (inside the sampler's kernel, nothing written; other "
-        "draws than buffer's for the same seed).",
-        choices=("buffer", "drawn"),
+        "drawn, then read by the fused sampler), drawn (inside the sampler's kernel, nothing written) or blocks "
+        "(two exact stages, a block of 32-256 words by its mass, then a word of it: rows x (vocab/block + "
+        "block) draws; compiled or not). drawn and blocks make other draws than buffer's for the same seed.",
+        choices=("buffer", "drawn", "blocks"),
     )
     rollout_fused_decode: bool = opt(
         False,

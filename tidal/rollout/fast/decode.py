@@ -60,7 +60,15 @@ from tidal.rollout.fast.fused import FusedDecodeForward, unsupported_reason
 from tidal.rollout.fast.graphs import GraphSet
 from tidal.rollout.fast.prefix import PrefixStore, reuse_prefixes, share_rows, shared_prompts, take_prompt
 from tidal.rollout.fast.request import DecodeResult, batch_buckets, check_request, cut_at_stops
-from tidal.rollout.fast.sampling import SamplingMode, drawn_core, plain_core, sample, sampling_mode
+from tidal.rollout.fast.sampling import (
+    SamplingMode,
+    blocked_core,
+    drawn_core,
+    plain_core,
+    sample,
+    sampling_mode,
+    vocab_block,
+)
 from tidal.rollout.fast.static_cache import StaticKVCache, kv_shape, plan_cache
 from tidal.rollout.types import DecodeStats
 
@@ -89,7 +97,10 @@ class FastDecoder:
     ``"sdpa"`` (SDPA over the bucketed length with an additive mask) or ``"flex"`` (FlexAttention
     with a per-row block mask; ``flex_kernel_options`` go to ``flex_attention`` as they are).
     ``sampler_noise="drawn"`` (compiled only) samples unfiltered rows with ``drawn_core``, its noise
-    drawn inside the compiled kernel instead of written to a ``[rows, vocab]`` buffer first.
+    drawn inside the compiled kernel instead of written to a ``[rows, vocab]`` buffer first;
+    ``sampler_noise="blocks"`` (compiled or not) with ``blocked_core``, a block of words and then a word
+    of it, so the noise is ``rows x (V/B + B)`` draws (a vocabulary no power of two from 32 to 256
+    divides keeps the buffer; ``sampler_fallback_reason`` says so).
     ``share_prompts`` prefills equal prompts of a chunk once (off: every row runs the forward; for
     comparisons).
     """
@@ -130,8 +141,10 @@ class FastDecoder:
         for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("kv_block", kv_block)):
             if value < 1:
                 raise UserError(f"fast decode {name}={value}: must be at least 1")
-        if sampler_noise not in ("buffer", "drawn"):
-            raise UserError(f"sampler noise {sampler_noise!r}: choose buffer or drawn (--rollout-sampler-noise)")
+        if sampler_noise not in ("buffer", "drawn", "blocks"):
+            raise UserError(
+                f"sampler noise {sampler_noise!r}: choose buffer, drawn or blocks (--rollout-sampler-noise)"
+            )
         if decode_attention not in ("sdpa", "flex"):
             raise UserError(f"decode attention {decode_attention!r}: choose sdpa or flex (--rollout-decode-attention)")
         self.model = model
@@ -167,6 +180,15 @@ class FastDecoder:
         self._compiled_forward = None
         self._fused_sampler = None
         self._drawn_sampler = None  # compiled drawn_core (--rollout-sampler-noise drawn)
+        self._blocked_sampler = None  # blocked_core, compiled with the step (--rollout-sampler-noise blocks)
+        self.sampler_fallback_reason: str | None = None
+        if sampler_noise == "blocks":
+            vocab = int(self.config.vocab_size)
+            if vocab_block(vocab):
+                self._blocked_sampler = blocked_core
+            else:
+                self.sampler_fallback_reason = f"no block of 32-256 words divides the vocabulary ({vocab})"
+                log.info("fast decode: sampler noise blocks off (%s)", self.sampler_fallback_reason)
         self._fused: FusedDecodeForward | None = None
         self.fused_fallback_reason: str | None = None
         if fused:
@@ -182,6 +204,8 @@ class FastDecoder:
             self._fused_sampler = torch.compile(plain_core, dynamic=True)
             if sampler_noise == "drawn":
                 self._drawn_sampler = torch.compile(drawn_core, dynamic=True)
+            if self._blocked_sampler is not None:
+                self._blocked_sampler = torch.compile(blocked_core, dynamic=True)
         if not cuda_graphs and self.graphs.enabled:
             self.graphs.enabled = False
             self.graphs.fallback_reason = "turned off"
@@ -385,6 +409,8 @@ class FastDecoder:
             compile_fallback_reason=self.compile_fallback_reason,
             fused=self._fused is not None,
             fused_fallback_reason=self.fused_fallback_reason,
+            sampler_noise=self._sampler_noise(),
+            sampler_fallback_reason=self.sampler_fallback_reason,
             decode_attention=self.decode_attention,
             flex_fallback_reason=self.flex_fallback_reason,
             graph_captures=self.graphs.captures - captures0,
@@ -605,7 +631,14 @@ class FastDecoder:
         with attention.active(self.model, ctx):
             logits = self._logits(self.s_tok[:bs, None], mask, self.s_pos[:bs, None])
         tok, lp = sample(
-            logits, mode, self.s_temp, self.s_top_p, self._gen, fused=self._fused_sampler, drawn=self._drawn_sampler
+            logits,
+            mode,
+            self.s_temp,
+            self.s_top_p,
+            self._gen,
+            fused=self._fused_sampler,
+            drawn=self._drawn_sampler,
+            blocked=self._blocked_sampler,
         )
         where = (self.s_rowmap[:bs], self.s_step.expand(bs))
         self.s_out_tok.index_put_(where, tok)
@@ -658,6 +691,12 @@ class FastDecoder:
                 self._disable_compile(exc)
         return self._forward_logits(ids, mask, pos)
 
+    def _sampler_noise(self) -> str:
+        """The unfiltered sampler's noise in effect: blocks, drawn or buffer."""
+        if self._blocked_sampler is not None:
+            return "blocks"
+        return "drawn" if self._drawn_sampler is not None else "buffer"
+
     def _disable_compile(self, exc: Exception) -> None:
         first = str(exc).splitlines()[0] if str(exc) else ""
         self.compile_fallback_reason = f"{type(exc).__name__}: {first}"
@@ -667,6 +706,8 @@ class FastDecoder:
             self._fused.set_compiled(False)
         self._fused_sampler = None
         self._drawn_sampler = None
+        if self._blocked_sampler is not None:
+            self._blocked_sampler = blocked_core
 
     def _compact(self, active: torch.Tensor, bs: int, upto: int) -> None:
         """Move the running slots ``active`` to the front; slots ``[len(active), bs)`` become empty."""

@@ -23,7 +23,7 @@ Settings, read from the engine's ``RolloutConfig`` when it has them (defaults ot
     rollout_compile       bool   CUDA   torch.compile the decode step (attention stays eager); on with CUDA
     rollout_prefix_cache_mb int  0      prompt KV kept between calls for multi-turn requests (tidal.rollout.fast.prefix)
     rollout_fused_decode  bool   False  stacked q/k/v and gate/up matmuls in decode steps (tidal.rollout.fast.fused)
-    rollout_sampler_noise str    buffer compiled unfiltered sampling's noise: a buffer, or drawn inside the kernel
+    rollout_sampler_noise str    buffer unfiltered sampling's noise: a buffer, drawn inside the kernel, or blocks (two stages)
     rollout_decode_attention str auto   decode attention kernel: sdpa, or flex (tidal.rollout.fast.flex_decode); auto: flex with CUDA
 """
 
