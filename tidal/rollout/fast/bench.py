@@ -163,6 +163,7 @@ def _line(case: str, args, dec: FastDecoder, res, seconds: float, peak: int, hf_
         "graph_captures": stats.get("graph_captures"),
         "buckets": stats.get("buckets"),
         "fused": stats.get("fused"),
+        "sampler_noise": stats.get("sampler_noise"),
         "kv_block": dec.kv_block,
         "decode_attention": dec.decode_attention,
         "flex_kernel_options": dec._flex.kernel_options if dec._flex is not None else None,
@@ -199,6 +200,7 @@ class _Run:
             kv_block=args.kv_block,
             fused=args.fused,
             decode_attention=args.decode_attention,
+            sampler_noise=args.sampler_noise,
         )
         opts.update(kw)
         return FastDecoder(self.model, **opts)
@@ -491,6 +493,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-block", type=int, default=256, help="attention length granularity of decode steps")
     p.add_argument("--fused", action="store_true", help="stacked q/k/v and gate/up matmuls (tidal.rollout.fast.fused)")
     p.add_argument("--decode-attention", choices=("sdpa", "flex"), default="sdpa", help="decode-step attention kernel")
+    p.add_argument(
+        "--sampler-noise",
+        choices=("buffer", "drawn", "blocks"),
+        default="buffer",
+        help="unfiltered sampling's noise (--rollout-sampler-noise; drawn only with the compiled step)",
+    )
     p.add_argument(
         "--flex-kernel-options",
         action="append",
