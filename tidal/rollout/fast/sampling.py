@@ -80,6 +80,17 @@ def vocab_block(vocab: int, largest: int = 256, smallest: int = 32) -> int:
     return 0
 
 
+def _static_width(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors``, their second dimension (the vocabulary, a block, a count of blocks) marked static for
+    ``torch.compile``: a core compiled with ``dynamic=True`` then keeps only the rows symbolic, so the
+    reductions over a block of 128 words are compiled for that size (one read of each block, constant
+    indexing) instead of a loop over a symbolic length. Marking is an attribute on the tensor; eager calls
+    ignore it."""
+    for t in tensors:
+        torch._dynamo.mark_static(t, 1)
+    return tensors
+
+
 def _exp_noise(shape: tuple[int, ...], device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
     noise = torch.empty(shape, dtype=torch.float32, device=device)
     noise.exponential_(generator=generator)
@@ -118,12 +129,12 @@ def sample(
         b = vocab_block(vocab)
         outer = _exp_noise((rows, vocab // b), logits.device, generator)
         inner = _exp_noise((rows, b), logits.device, generator)
-        return blocked(logits, outer, inner, temperature, mode.scaled)
+        return blocked(*_static_width(logits, outer, inner), temperature, mode.scaled)
     if drawn is not None and unfiltered:
-        return drawn(logits, temperature, mode.scaled)
+        return drawn(*_static_width(logits), temperature, mode.scaled)
     if fused is not None and not mode.top_k and not mode.top_p:
-        noise = None if mode.greedy else _exp_noise(tuple(logits.shape), logits.device, generator)
-        return fused(logits, noise, temperature, mode.greedy, mode.scaled)
+        noise = None if mode.greedy else _static_width(_exp_noise(tuple(logits.shape), logits.device, generator))[0]
+        return fused(_static_width(logits)[0], noise, temperature, mode.greedy, mode.scaled)
     # One fused kernel for the fp32 log-probs; sampling reuses them (a per-row shift of the logits,
     # which changes neither the argmax, nor top-k, nor softmax), so there is no second softmax.
     logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
