@@ -69,13 +69,17 @@ for s in "$@"; do
       TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-speed TAIL=1 bash "$0" train-0.5b
       TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-speed-offload TRAIN05_ARGS=--offload TAIL=1 bash "$0" train-0.5b
       MEM_GIB=6 MEM_CYCLES=3 bash "$0" bench-memory
-      FAST_CASES=fast,fast-prefill,fast-varlen FAST_TAG=-speed bash "$0" bench-fast ;;
+      FAST_CASES=fast-prefill FAST_TAG=-speed bash "$0" bench-fast
+      # Variable lengths as the preset's engine decodes them: compiled, fused, flex, sampling in two stages.
+      FAST_CASES=fast-varlen-compiled FAST_ARGS="--fused --decode-attention flex --sampler-noise blocks --skip-hf" FAST_TAG=-speed-varlen bash "$0" bench-fast ;;
     speed-decode)
       # The decode step's options side by side on one machine (~4 min): the model's forward, the fused step (the
-      # 0.5B preset's), and the fused step with the sampler's noise drawn in its kernel.
-      ROLLOUT_TAG=-forward ROLLOUT_ARGS="--paths fast" bash "$0" bench-rollout
+      # 0.5B preset's) with the sampler's noise per block and word (the CUDA default), in a buffer, and drawn in
+      # its kernel.
+      ROLLOUT_TAG=-forward ROLLOUT_ARGS="--paths fast --skip-hf" bash "$0" bench-rollout
       ROLLOUT_TAG=-fused ROLLOUT_ARGS="--paths fast --fused" bash "$0" bench-rollout
-      ROLLOUT_TAG=-fused-drawn ROLLOUT_ARGS="--paths fast --fused --sampler-noise drawn" bash "$0" bench-rollout ;;
+      ROLLOUT_TAG=-fused-buffer ROLLOUT_ARGS="--paths fast --fused --skip-hf --sampler-noise buffer" bash "$0" bench-rollout
+      ROLLOUT_TAG=-fused-drawn ROLLOUT_ARGS="--paths fast --fused --skip-hf --sampler-noise drawn" bash "$0" bench-rollout ;;
     train-0.5b)
       run train-0.5b${TRAIN05_TAG:-} 200 python3 -m tidal.cli train --no-progress --preset qwen2.5-0.5b-1gpu --num-rollout ${TRAIN05_ROLLOUTS:-5} --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-0.5b${TRAIN05_TAG:-}" ${TRAIN05_ARGS:-}
       steps_table "$OUT/run-0.5b${TRAIN05_TAG:-}/metrics.jsonl" ;;

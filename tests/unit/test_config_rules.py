@@ -208,6 +208,23 @@ def test_rule_decode_attention(argv, env, expect):
 @pytest.mark.parametrize(
     "argv, env, expect",
     [
+        ([], CPU, {"rollout_sampler_noise": "buffer"}),
+        (TINY_GPU, GPU1, {"rollout_sampler_noise": "blocks"}),
+        (TINY_GPU + ["--rollout-sampler-noise", "buffer"], GPU1, {"rollout_sampler_noise": "buffer"}),
+        (TINY_GPU + ["--rollout-sampler-noise", "drawn"], GPU1, {"rollout_sampler_noise": "drawn"}),
+        (["--rollout-sampler-noise", "blocks"], CPU, {"rollout_sampler_noise": "blocks"}),
+        (["--rollout-sampler-noise", "drawn"], CPU, "drawn draws inside the compiled sampler"),
+        (TINY_GPU + ["--rollout-sampler-noise", "drawn", "--no-rollout-compile"], GPU1, "turn --rollout-compile on"),
+        (["--rollout-sampler-noise", "gumbel"], CPU, "gumbel"),
+    ],
+)
+def test_rule_sampler_noise(argv, env, expect):
+    check(argv, env, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, env, expect",
+    [
         ([], CPU, {"param_dtype": "fp32"}),
         (TINY_GPU, GPU1, {"param_dtype": "bf16"}),
         (TINY_GPU + ["--param-dtype", "fp32"], GPU1, {"param_dtype": "fp32"}),

@@ -240,7 +240,7 @@ def run(args: argparse.Namespace, shape: str, path: str) -> dict:
         "compiled": _compiled(engine),
         "fused": bool(getattr(getattr(engine, "_fast_decoder", None), "_fused", None)),
         "sampler_noise": engine._fast_decoder._sampler_noise()
-        if getattr(engine, "_fast_decoder", None) is not None
+        if hasattr(getattr(engine, "_fast_decoder", None), "_sampler_noise")
         else None,
         "kv_block": args.kv_block,
         # The kernel the decoder runs: flex falls back to SDPA where it cannot run the model.
@@ -279,9 +279,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fused", action="store_true", help="stacked q/k/v and gate/up matmuls (--rollout-fused-decode)")
     p.add_argument(
         "--sampler-noise",
-        default="buffer",
-        choices=("buffer", "drawn", "blocks"),
-        help="the sampler's noise: a buffer, drawn inside its kernel, or per block and word (--rollout-sampler-noise)",
+        default="auto",
+        choices=("auto", "buffer", "drawn", "blocks"),
+        help="the sampler's noise: a buffer, drawn inside its kernel, or per block and word (--rollout-sampler-noise; "
+        "auto: blocks with CUDA)",
     )
     p.add_argument(
         "--kv-block", type=int, default=256, help="attention-length step of decode graphs (--rollout-kv-block)"

@@ -303,12 +303,13 @@ class RolloutConfig:
         None, "torch.compile the decode step (attention stays eager); default: on with CUDA, off on CPU."
     )
     rollout_sampler_noise: str = opt(
-        "buffer",
-        "The compiled decode step's sampling noise for unfiltered sampling: buffer (an fp32 [rows, vocab] tensor "
-        "drawn, then read by the fused sampler), drawn (inside the sampler's kernel, nothing written) or blocks "
-        "(two exact stages, a block of 32-256 words by its mass, then a word of it: rows x (vocab/block + "
-        "block) draws; compiled or not). drawn and blocks make other draws than buffer's for the same seed.",
-        choices=("buffer", "drawn", "blocks"),
+        "auto",
+        "The fast decode path's noise for unfiltered sampling: buffer (an fp32 [rows, vocab] tensor drawn, then "
+        "read by the sampler), drawn (inside the compiled sampler's kernel, nothing written) or blocks (two exact "
+        "stages, a block of 32-256 words by its mass, then a word of it: rows x (vocab/block + block) draws; "
+        "compiled or not). drawn and blocks make other draws than buffer's for the same seed; auto: blocks with "
+        "CUDA, buffer on CPU.",
+        choices=("auto", "buffer", "drawn", "blocks"),
     )
     rollout_fused_decode: bool = opt(
         False,
@@ -369,6 +370,12 @@ def decode_attention_default(device: str) -> str:
     """``--rollout-decode-attention auto``: flex with CUDA (compiled kernel), sdpa elsewhere (flex runs its
     eager reference there)."""
     return "flex" if device == "cuda" else "sdpa"
+
+
+def sampler_noise_default(device: str) -> str:
+    """``--rollout-sampler-noise auto``: blocks with CUDA (the sampler's noise a step: rows x (V/B + B) draws
+    instead of rows x V); buffer on CPU, which keeps its default run's draws."""
+    return "blocks" if device == "cuda" else "buffer"
 
 
 def trained_logits_only_default(device: str) -> bool:

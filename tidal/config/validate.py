@@ -40,6 +40,7 @@ from tidal.config.schema import (
     decode_attention_default,
     init_on_device_default,
     rollout_compile_default,
+    sampler_noise_default,
     trained_logits_only_default,
 )
 from tidal.dtypes import default_dtype_name, short_name
@@ -193,6 +194,23 @@ def _decode_attention(ctx: Context) -> None:
         raise ConfigError(
             "--rollout-decode-attention flex needs --rollout-fast-decode (transformers generate has its own "
             "attention); turn fast decode on or drop --rollout-decode-attention"
+        )
+
+
+@rule(
+    "sampler-noise",
+    "`--rollout-sampler-noise auto` is blocks with CUDA and buffer on CPU (whose default run keeps its draws); "
+    "drawn draws inside the compiled sampler: it needs the compiled step.",
+)
+def _sampler_noise(ctx: Context) -> None:
+    r = ctx.cfg.rollout
+    device = ctx.cfg.cluster.device
+    if r.rollout_sampler_noise == "auto":
+        ctx.derive("rollout_sampler_noise", sampler_noise_default(device), "sampler-noise", f"auto on {device}")
+    elif r.rollout_sampler_noise == "drawn" and not r.rollout_compile:
+        raise ConfigError(
+            "--rollout-sampler-noise drawn draws inside the compiled sampler, and the decode step is not compiled; "
+            "turn --rollout-compile on or choose --rollout-sampler-noise blocks or buffer"
         )
 
 
@@ -512,6 +530,7 @@ def unresolved_fields(cfg: TidalConfig) -> list[str]:
         "update_weight_transport", "global_batch_size", "eps_clip_high", "output_dir",
         "rollout_compile", "use_critic", "offload_host_memory", "rollout_prefix_cache_mb",
         "disable_grad_buffers_cpu_backup", "init_on_device", "rollout_decode_attention", "trained_logits_only",
+        "rollout_sampler_noise",
         "warm_up",
     }  # fmt: skip
     out = []

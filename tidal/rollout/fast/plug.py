@@ -23,7 +23,7 @@ Settings, read from the engine's ``RolloutConfig`` when it has them (defaults ot
     rollout_compile       bool   CUDA   torch.compile the decode step (attention stays eager); on with CUDA
     rollout_prefix_cache_mb int  0      prompt KV kept between calls for multi-turn requests (tidal.rollout.fast.prefix)
     rollout_fused_decode  bool   False  stacked q/k/v and gate/up matmuls in decode steps (tidal.rollout.fast.fused)
-    rollout_sampler_noise str    buffer unfiltered sampling's noise: a buffer, drawn inside the kernel, or blocks (two stages)
+    rollout_sampler_noise str    auto   unfiltered sampling's noise: buffer, drawn inside the kernel, or blocks (two stages); auto: blocks with CUDA
     rollout_decode_attention str auto   decode attention kernel: sdpa, or flex (tidal.rollout.fast.flex_decode); auto: flex with CUDA
 """
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from tidal.config.schema import decode_attention_default, rollout_compile_default
+from tidal.config.schema import decode_attention_default, rollout_compile_default, sampler_noise_default
 from tidal.errors import UserError
 from tidal.memory.base import StateClass
 from tidal.rollout.fast.decode import FastDecoder
@@ -65,7 +65,8 @@ def build_decoder(model, cfg, *, device_type: str, pad_id: int, backend, name: s
             region=lambda: backend.region(StateClass.KV_CACHE),
             prefix_cache_bytes=int(getattr(cfg, "rollout_prefix_cache_mb", None) or 0) << 20,
             fused=bool(getattr(cfg, "rollout_fused_decode", False)),
-            sampler_noise=getattr(cfg, "rollout_sampler_noise", "buffer"),
+            # auto (a config built in code, not resolved): the resolved default, blocks with CUDA.
+            sampler_noise=_noise(getattr(cfg, "rollout_sampler_noise", "auto"), device_type),
             # auto (a config built in code, not resolved): the resolved default, flex with CUDA.
             decode_attention=_kernel(getattr(cfg, "rollout_decode_attention", "auto"), device_type),
         )
@@ -78,6 +79,10 @@ def build_decoder(model, cfg, *, device_type: str, pad_id: int, backend, name: s
 
 def _kernel(choice: str, device_type: str) -> str:
     return decode_attention_default(device_type) if choice == "auto" else choice
+
+
+def _noise(choice: str, device_type: str) -> str:
+    return sampler_noise_default(device_type) if choice == "auto" else choice
 
 
 def _takes(dec: FastDecoder | str, end_ids: Sequence[int]) -> bool:
