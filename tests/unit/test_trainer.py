@@ -418,6 +418,12 @@ def test_shard_adamw_updates_dtensors_through_their_shards_bit_for_bit():
                     counters = [opt.state[p]["step"] for p in params]
                     seen += [t.full_tensor() for t in (*params, *moments)] + [(c.device, c.dtype) for c in counters]
                     seen += [c.clone() for c in counters]
+                if warm:  # once there is state, warm_up leaves it alone
+                    before = [t.full_tensor().clone() for p in params for t in opt.state[p].values() if t.dim()]
+                    opt.warm_up()
+                    after = [t.full_tensor() for p in params for t in opt.state[p].values() if t.dim()]
+                    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+                    assert all(float(opt.state[p]["step"]) == len(grads) for p in params)
                 runs.append(seen)
             assert not torch.equal(runs[0][0], start[0])
             for other in runs[1:]:

@@ -101,7 +101,11 @@ class ShardAdamW(torch.optim.AdamW):
         be zero (the trainer's warm-up passes: a loss times zero), so that its kernels and allocations are in
         place; the step counters are set back to zero after it. With zero gradients and moments every term
         of AdamW's update is zero and the decoupled decay multiplies by exactly one, so the parameters and the
-        moments come out bit for bit as they went in, and the next step is the first one's."""
+        moments come out bit for bit as they went in, and the next step is the first one's. Once any state
+        exists (a step was taken, or a checkpoint loaded) it does nothing: a step at rate zero would decay
+        the moments."""
+        if any(self.state.get(p) for g in self.param_groups for p in g["params"]):
+            return
         rates = [g["lr"] for g in self.param_groups]
         for g in self.param_groups:
             g["lr"] = g["lr"] * 0
