@@ -34,6 +34,7 @@ smallest prefix of the sorted distribution whose mass reaches ``top_p``, at leas
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -85,9 +86,12 @@ def _static_width(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     ``torch.compile``: a core compiled with ``dynamic=True`` then keeps only the rows symbolic, so the
     reductions over a block of 128 words are compiled for that size (one read of each block, constant
     indexing) instead of a loop over a symbolic length. Marking is an attribute on the tensor; eager calls
-    ignore it."""
-    for t in tensors:
-        torch._dynamo.mark_static(t, 1)
+    ignore it, and where nothing was compiled (``torch._dynamo`` not imported: ``torch.compile`` imports it)
+    nothing is marked, which spares an eager run dynamo's import (a second on a small CPU)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        for t in tensors:
+            dynamo.mark_static(t, 1)
     return tensors
 
 
