@@ -565,14 +565,24 @@ def test_sampling_bench_reports_each_core_against_its_floor(capsys):
 
 
 def test_fast_bench_runs_its_cpu_cases(capsys):
-    """``python -m tidal.rollout.fast.bench`` on the CPU: the fixed-length case with its log-prob checks, and the
-    prefill case, whose shared prefill covers one row per distinct prompt, next to its limit."""
+    """``python -m tidal.rollout.fast.bench`` on the CPU: the fixed-length case with its log-prob checks and the
+    variable-length one, each beside the hardware's floor for its batch, and the prefill case, whose shared
+    prefill covers one row per distinct prompt, next to its limit."""
+    from tidal import roofline
     from tidal.rollout.fast import bench
 
-    bench.main(["--device", "cpu", "--cases", "fast,fast-prefill", "--prompts", "3", "--samples", "4",
-                "--prompt-len", "8", "--new-tokens", "4", "--skip-hf", "--fp32-rows", "0"])  # fmt: skip
+    bench.main(["--device", "cpu", "--cases", "fast,fast-prefill,fast-varlen", "--prompts", "3", "--samples", "4",
+                "--prompt-len", "8", "--new-tokens", "4", "--varlen-min", "2", "--varlen-max", "9",
+                "--skip-hf", "--skip-hf-varlen", "--fp32-rows", "0"])  # fmt: skip
     rows = {r["case"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
     assert rows["fast"]["logprob_max_abs_diff"] < 1e-4 and rows["fast"]["tokens"] == 12 * 4
+    tflops, gbps = roofline.limits("cpu", torch.float32)  # measured once a process: the bench's own figures
+    for case in ("fast", "fast-varlen"):
+        r = rows[case]
+        assert (r["matmul_tflops"], r["copy_gbps"]) == (round(tflops, 2), round(gbps, 1)), case
+        assert r["decode_floor_tokens_per_s"] > 0
+        assert abs(r["floor_fraction"] - r["tokens_per_s"] / r["decode_floor_tokens_per_s"]) < 2e-3
+    assert rows["fast-varlen"]["decode_floor_tokens_per_s"] != rows["fast"]["decode_floor_tokens_per_s"]
     pre = rows["fast-prefill"]
     assert (pre["rows"], pre["prefill_rows_shared"], pre["speedup_limit"]) == (12, 3, 4)
     assert pre["prefill_s_shared"] > 0 and pre["prefill_s_every_row"] > 0 and pre["speedup"] > 0

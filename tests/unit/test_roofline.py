@@ -1,4 +1,4 @@
-"""The hardware limits benchmarks print beside their figures (``tidal.bench.roofline``), and the trainer bench's."""
+"""The hardware limits benchmarks print beside their figures (``tidal.roofline``), and the trainer bench's."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tidal.bench import roofline
+from tidal import roofline
 from tidal.model import build_model, resolve_model
 
 

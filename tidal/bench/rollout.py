@@ -12,7 +12,7 @@ engine's generation step: ``fast`` = ``tidal.rollout.fast``, ``generate`` = tran
 - ``logprob_max_abs_diff`` / ``logprob_mean_abs_diff``: the engine's log-probs against a
   teacher-forced forward pass over prompt + response (what the trainer recomputes);
 - ``peak_gpu_bytes``: peak allocated device memory during the engine's generate (0 on CPU);
-- ``decode_floor_tokens_per_s``: the limit of the hardware (``tidal.bench.roofline``): the least time the
+- ``decode_floor_tokens_per_s``: the limit of the hardware (``tidal.roofline``): the least time the
   batch's prefill and decode steps take at the matmul peak and copy bandwidth measured in the same run
   (``matmul_tflops``, ``copy_gbps``), whether its steps are bound by bytes or FLOPs (``decode_floor_bound``),
   and ``floor_fraction``, the engine's share of it;
@@ -32,13 +32,12 @@ measured is the cost per token and the agreement of the log-probs.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import time
 
 import torch
 
-from tidal.bench import roofline
+from tidal import roofline
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig
 from tidal.profiling import profiled
 from tidal.rollout.embedded import EmbeddedEngine
@@ -131,15 +130,8 @@ def _timed(fn, repeats: int) -> tuple[object, float]:
     return out, best
 
 
-@functools.cache
-def _hardware(device: str, dtype: torch.dtype) -> tuple[float, float]:
-    """(matmul TFLOP/s in the model's dtype, copy GB/s) of this device, measured once per process."""
-    dev = torch.device(device)
-    return roofline.matmul_tflops(dev, dtype), roofline.copy_gbps(dev)
-
-
 def _floor(engine: EmbeddedEngine, args: argparse.Namespace, out: list[Sample], tokens_per_s: float) -> dict:
-    tflops, gbps = _hardware(str(engine.device), engine.dtype)
+    tflops, gbps = roofline.limits(str(engine.device), engine.dtype)
     shape = roofline.Shape.of(engine.model)
     lens = [len(s.response_ids) for s in out]
     floor = roofline.decode_floor(shape, args.prompt_len, lens, args.prompts, tflops, gbps)

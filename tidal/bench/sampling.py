@@ -28,6 +28,7 @@ import json
 
 import torch
 
+from tidal import roofline
 from tidal.rollout.fast.sampling import blocked_core, drawn_core, plain_core, sample, sampling_mode
 
 
@@ -50,14 +51,6 @@ def _timed(fn, iters: int, device: torch.device) -> float:
     for _ in range(iters):
         fn()
     return (time.perf_counter() - t0) * 1000 / iters
-
-
-def copy_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second, in GB/s)."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    ms = _timed(lambda: dst.copy_(src), 10, device)
-    return 2 * nbytes / (ms / 1000) / 1e9
 
 
 # Variants that read a [rows, vocab] fp32 noise buffer besides the logits (the others read the logits alone).
@@ -124,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(args.rows, args.vocab, device=device, generator=gen).mul_(3).to(torch.bfloat16)
     noise = torch.empty(args.rows, args.vocab, device=device).exponential_(generator=gen)
-    gbps = copy_gbps(device, args.copy_mib << 20)
+    gbps = roofline.copy_gbps(device, args.copy_mib << 20)
     logit_bytes = logits.numel() * logits.element_size()
     moved = logit_bytes + 2 * noise.numel() * 4
     ref_tokens, ref_lp = plain_core(logits, noise, torch.ones(1, device=device), False, False)

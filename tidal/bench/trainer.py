@@ -19,7 +19,7 @@ One rank in this process (a 1-rank FSDP2 group; the code path of every rank). Pr
     train_vs_limit           ratio; the trainer runs two forwards per micro-batch (recompute + train)
                              so ~0.6-0.7 means its own overhead is small
     matmul_tflops            the hardware's limit: a square matmul in the compute dtype, same run
-    train_floor_s            one training pass's FLOPs (``tidal.bench.roofline.train_flops``) at that peak
+    train_floor_s            one training pass's FLOPs (``tidal.roofline.train_flops``) at that peak
     train_peak_fraction      train_floor_s / train_s: the share of the measured peak the train call reached
     pause_s / resume_s       trainer pause/resume (weights + AdamW state) with offload on
     pause_gbps / resume_gbps backed-up bytes / seconds
@@ -54,7 +54,7 @@ import time
 
 import torch
 
-from tidal.bench import roofline
+from tidal import roofline
 from tidal.profiling import profiled
 
 

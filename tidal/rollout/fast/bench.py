@@ -2,8 +2,8 @@
 
 Run: ``python -m tidal.rollout.fast.bench`` (CPU default: tiny preset) or, on the GPU host,
 ``python -m tidal.rollout.fast.bench --shape qwen2.5-0.5b-shape --prompts 64 --samples 8
---prompt-len 64 --new-tokens 256 --varlen-max 1024`` (``python -m tidal.bench.rollout --fast``
-runs the same cases). One JSON line per configuration:
+--prompt-len 64 --new-tokens 256 --varlen-max 1024`` (``tidal bench rollout`` times the engine around the same
+decoder, with the hardware's floor beside it). One JSON line per configuration:
 
 - ``fast``: CUDA graphs on (where there is CUDA), fixed lengths: every row generates ``new_tokens``
   at temperature 1 (no EOS). ``tokens_per_s`` / ``seconds`` are a warm call; ``cold_seconds`` is the
@@ -32,7 +32,10 @@ runs the same cases). One JSON line per configuration:
 
 A first ``environment`` line gives versions, the GPU and the weights' size. Every other line has
 ``hf_generate_tokens_per_s`` measured in the same run, ``cuda_graphs`` and
-``fallback_reason`` (why graphs are off, when they are), and the decoder's step statistics.
+``fallback_reason`` (why graphs are off, when they are), and the decoder's step statistics; each case that
+generates also has the hardware's limit beside its figure: ``decode_floor_tokens_per_s`` for its batch and
+rows' lengths (``tidal.roofline``, with ``matmul_tflops`` and ``copy_gbps`` measured once in the same run) and
+``floor_fraction``.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tidal import roofline
 from tidal.dtypes import default_dtype
 from tidal.model import build_model, resolve_model
 from tidal.rollout.fast.decode import FastDecoder
@@ -168,8 +172,24 @@ def _line(case: str, args, dec: FastDecoder, res, seconds: float, peak: int, hf_
         "decode_attention": dec.decode_attention,
         "flex_kernel_options": dec._flex.kernel_options if dec._flex is not None else None,
     }
+    line.update(_floor(args, dec, res, tokens / seconds))
     line.update(extra)
     return line
+
+
+def _floor(args, dec: FastDecoder, res, tokens_per_s: float) -> dict:
+    """The hardware's limit for this batch (``tidal.roofline``: the distinct prompts' prefill and each decode
+    step at the larger of its bytes and FLOPs, over the rows' actual lengths), measured once per run, and the
+    share of it the case reached."""
+    tflops, gbps = roofline.limits(str(dec.device), dec.dtype)
+    lens = [len(t) for t in res.tokens]
+    floor = roofline.decode_floor(roofline.Shape.of(dec.model), args.prompt_len, lens, args.prompts, tflops, gbps)
+    return {
+        "matmul_tflops": round(tflops, 2),
+        "copy_gbps": round(gbps, 1),
+        "decode_floor_tokens_per_s": round(floor["floor_tokens_per_s"], 1),
+        "floor_fraction": round(tokens_per_s / floor["floor_tokens_per_s"], 3) if floor["floor_tokens_per_s"] else None,
+    }
 
 
 @dataclass

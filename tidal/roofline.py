@@ -13,6 +13,7 @@ copy.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,12 +80,21 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int | None = None
     return 2 * n**3 / _best_seconds(lambda: a @ b, device, iters) / 1e12
 
 
-def copy_gbps(device: torch.device, nbytes: int | None = None) -> float:
-    """The device's copy bandwidth (``tidal.bench.sampling.copy_gbps``: bytes read and written per second, in
-    GB/s) over ``nbytes`` (1 GiB on CUDA, 256 MiB elsewhere)."""
-    from tidal.bench.sampling import copy_gbps as measured
+def copy_gbps(device: torch.device, nbytes: int | None = None, iters: int = 5) -> float:
+    """The device's copy bandwidth: the best of ``iters`` copies of ``nbytes`` (1 GiB on CUDA, 256 MiB elsewhere)
+    from one buffer to another, bytes read and written per second, in GB/s."""
+    nbytes = nbytes or (1 << 30 if device.type == "cuda" else 1 << 28)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), device, iters) / 1e9
 
-    return measured(device, nbytes or (1 << 30 if device.type == "cuda" else 1 << 28))
+
+@functools.cache
+def limits(device: str, dtype: torch.dtype) -> tuple[float, float]:
+    """``(matmul TFLOP/s in dtype, copy GB/s)`` of ``device``, measured once per process (a benchmark's cases
+    share them)."""
+    dev = torch.device(device)
+    return matmul_tflops(dev, dtype), copy_gbps(dev)
 
 
 def decode_floor(
