@@ -12,10 +12,15 @@ points them at a folder that lives as long as the user's home, and turns both gr
 cluster's worker environment, so it is set before any of them imports torch); ``use(path)`` applies
 it to the current process (benchmarks that compile in-process). An empty path leaves torch's
 defaults alone. A variable already set in the environment wins: the user chose it.
+
+``freeze_if_compiled(before)``: what a compiled call leaves behind (graphs, guards, caches) lives for the
+whole run; after a call that compiled it leaves the garbage collector's generations, so that a later
+``gc.collect()`` (every trainer pause runs two) does not walk it again.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 
 DEFAULT = "~/.cache/tidal/compile"
@@ -56,3 +61,16 @@ def compile_seconds() -> tuple[float, float]:
         float(sum(metrics.get("_compile.compile_inner", ()))),
         float(sum(metrics.get("OutputGraph.call_user_compiler", ()))),
     )
+
+
+def freeze_if_compiled(before: float) -> bool:
+    """When this process has compiled since ``compile_seconds()[0]`` read ``before``: collect the garbage, then
+    freeze what survived (``gc.freeze``), and return True. The survivors are mostly the compiled graphs, their
+    guards and caches, which live for the whole run; left in the collector, every later ``gc.collect()`` walks
+    them again (a trainer that compiled its layers on the 2-core CPU: 129k objects, 62-93 ms a collect,
+    against 0 frozen). A call that compiled nothing changes nothing."""
+    if compile_seconds()[0] <= before:
+        return False
+    gc.collect()
+    gc.freeze()
+    return True

@@ -464,6 +464,27 @@ def test_one_rank_clip_equals_torchs_clip_over_dtensors():
             dist.destroy_process_group()
 
 
+def test_what_a_call_compiled_leaves_the_collector():
+    """``freeze_if_compiled`` (after each train call): nothing when the call compiled nothing; after one that
+    compiled, the survivors are frozen out of the collector's generations."""
+    import gc
+
+    import torch
+
+    from tidal.compile_cache import compile_seconds, freeze_if_compiled
+
+    torch._dynamo.reset()
+    before, frozen = compile_seconds()[0], gc.get_freeze_count()
+    try:
+        assert not freeze_if_compiled(before) and gc.get_freeze_count() == frozen
+        torch.compile(lambda x: x.cos() * 3, backend="eager")(torch.ones(3))
+        assert freeze_if_compiled(before) and gc.get_freeze_count() > frozen
+        assert not freeze_if_compiled(compile_seconds()[0])
+    finally:
+        gc.unfreeze()
+        torch._dynamo.reset()
+
+
 def test_a_rollout_clock_counts_the_compiling_after_its_start():
     """``train_compile_s`` is the difference of torch's compile-time counters since the clock started: a
     function compiled after it counts, one compiled before does not."""

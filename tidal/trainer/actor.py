@@ -43,6 +43,7 @@ from collections.abc import Iterator
 
 import torch
 
+from tidal.compile_cache import compile_seconds, freeze_if_compiled
 from tidal.config.schema import trained_logits_only_default
 from tidal.dtypes import as_dtype, default_dtype_name
 from tidal.memory.base import StateClass
@@ -233,8 +234,12 @@ class TrainerActor(Trainer):
             torch.cuda.synchronize(self.device)
 
     def train(self, samples: list[Sample], rollout_id: int) -> dict:
-        """All optimizer steps of one rollout; rank 0 returns the metrics reduced over ranks."""
+        """All optimizer steps of one rollout; rank 0 returns the metrics reduced over ranks. A rollout that
+        compiled (no warm-up, or a shape it did not reach) leaves what it compiled out of the collector
+        (``freeze_if_compiled``), as the warm-up does, so that each pause's ``gc.collect`` stays short."""
+        compiled = compile_seconds()[0]
         out = self._train(samples, rollout_id)
+        freeze_if_compiled(compiled)
         snapshot = self._history.step()
         if snapshot and out:
             out["memory_snapshot"] = snapshot
