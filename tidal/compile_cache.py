@@ -15,7 +15,7 @@ defaults alone. A variable already set in the environment wins: the user chose i
 
 ``freeze_if_compiled(before)``: what a compiled call leaves behind (graphs, guards, caches) lives for the
 whole run; after a call that compiled it leaves the garbage collector's generations, so that a later
-``gc.collect()`` (every trainer pause runs two) does not walk it again.
+``gc.collect()`` (every trainer pause with offload runs one) does not walk it again.
 """
 
 from __future__ import annotations
