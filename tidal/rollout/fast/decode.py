@@ -178,17 +178,7 @@ class FastDecoder:
         # cache in place) and of the sampling core: fewer, fused kernels inside each captured graph.
         self.compile_fallback_reason: str | None = None
         self._compiled_forward = None
-        self._fused_sampler = None
-        self._drawn_sampler = None  # compiled drawn_core (--rollout-sampler-noise drawn)
-        self._blocked_sampler = None  # blocked_core, compiled with the step (--rollout-sampler-noise blocks)
-        self.sampler_fallback_reason: str | None = None
-        if sampler_noise == "blocks":
-            vocab = int(self.config.vocab_size)
-            if vocab_block(vocab):
-                self._blocked_sampler = blocked_core
-            else:
-                self.sampler_fallback_reason = f"no block of 32-256 words divides the vocabulary ({vocab})"
-                log.info("fast decode: sampler noise blocks off (%s)", self.sampler_fallback_reason)
+        self._samplers(sampler_noise, compile)
         self._fused: FusedDecodeForward | None = None
         self.fused_fallback_reason: str | None = None
         if fused:
@@ -201,11 +191,6 @@ class FastDecoder:
             attention.register()
             # The fused forward compiles its own pieces between the attention calls (one graph each).
             self._compiled_forward = torch.compile(self._forward_logits, dynamic=True) if self._fused is None else None
-            self._fused_sampler = torch.compile(plain_core, dynamic=True)
-            if sampler_noise == "drawn":
-                self._drawn_sampler = torch.compile(drawn_core, dynamic=True)
-            if self._blocked_sampler is not None:
-                self._blocked_sampler = torch.compile(blocked_core, dynamic=True)
         if not cuda_graphs and self.graphs.enabled:
             self.graphs.enabled = False
             self.graphs.fallback_reason = "turned off"
@@ -690,6 +675,23 @@ class FastDecoder:
             except Exception as exc:  # compilation problems surface on the first call: decode uncompiled
                 self._disable_compile(exc)
         return self._forward_logits(ids, mask, pos)
+
+    def _samplers(self, noise: str, compile: bool) -> None:
+        """The decode step's sampling cores for ``noise`` (``--rollout-sampler-noise``): with ``compile``, the
+        compiled ``plain_core`` (greedy and unfiltered with a noise buffer) and ``drawn_core`` for drawn;
+        ``blocked_core`` for blocks, compiled or not, where a block size divides the vocabulary (else the
+        buffer, with ``sampler_fallback_reason``)."""
+        self._fused_sampler = torch.compile(plain_core, dynamic=True) if compile else None
+        self._drawn_sampler = torch.compile(drawn_core, dynamic=True) if compile and noise == "drawn" else None
+        self._blocked_sampler = None
+        self.sampler_fallback_reason: str | None = None
+        if noise == "blocks":
+            vocab = int(self.config.vocab_size)
+            if vocab_block(vocab):
+                self._blocked_sampler = torch.compile(blocked_core, dynamic=True) if compile else blocked_core
+            else:
+                self.sampler_fallback_reason = f"no block of 32-256 words divides the vocabulary ({vocab})"
+                log.info("fast decode: sampler noise blocks off (%s)", self.sampler_fallback_reason)
 
     def _sampler_noise(self) -> str:
         """The unfiltered sampler's noise in effect: blocks, drawn or buffer."""
