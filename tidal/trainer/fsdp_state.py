@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.memory.base import StateClass
+from tidal.trainer.optim import adamw_state
 from tidal.trainer.weights import local_shard, scatter_rows
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's tensors; its "step" is a host scalar saved apart
@@ -138,14 +139,8 @@ class FSDPState:
                 if f"{name}/exp_avg" not in names:
                     continue
                 state = opt.state[p]
-                if not state:
-                    # The same state AdamW creates on its first step: a scalar step (on the device for fused
-                    # kernels, which read it there; on the host otherwise) and zero moments.
-                    fused = opt.defaults.get("fused") or opt.defaults.get("capturable")
-                    dtype = torch.float32 if fused else torch.get_default_dtype()
-                    state["step"] = torch.zeros((), dtype=dtype, device=p.device if fused else "cpu")
-                    for k in MOMENTS:
-                        state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if not state:  # the state AdamW creates on its first step, filled below
+                    state.update(adamw_state(p, opt.defaults))
                 state["step"].fill_(steps[name])
                 for k in MOMENTS:
                     local = local_shard(state[k])

@@ -41,6 +41,21 @@ def clip_one_rank(params: list, max_norm: float) -> torch.Tensor:
     return total
 
 
+def adamw_state(p: torch.Tensor, group: dict) -> dict[str, torch.Tensor]:
+    """``p``'s AdamW state as torch's AdamW creates it at its first step (its lazy state initialisation), for a
+    param group (or an optimizer's ``defaults``) ``group``: zero moments like the parameter (a DTensor for a
+    DTensor), the step counter on the device with fused or capturable kernels, else a host scalar."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    fused = bool(group.get("fused"))
+    if fused or group.get("capturable"):
+        step = torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device)
+    else:
+        step = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
+    moments = {k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in ("exp_avg", "exp_avg_sq")}
+    return {"step": step, **moments}
+
+
 class ShardAdamW(torch.optim.AdamW):
     """AdamW whose steps update FSDP2's DTensor parameters through their local shards.
 
@@ -50,7 +65,7 @@ class ShardAdamW(torch.optim.AdamW):
     model of 290 tensors, after the device has finished the backward. The first step costs far more
     there (DTensor works out each operation's sharding for every new list of tensors: 0.18 s of a 0.4 s
     first train call of the tiny model on the CPU), so it too runs on the shards, after creating the
-    moments as torch's first step does (``_init_state``: DTensors, for checkpoints and the memory backend).
+    moments as torch's first step does (``adamw_state``: DTensors, for checkpoints and the memory backend).
     Any configuration this does not cover (amsgrad, maximize, capturable, a closure) runs torch's own
     step. The state is torch's: saving, loading and ``zero_grad`` are unchanged.
     """
@@ -67,7 +82,7 @@ class ShardAdamW(torch.optim.AdamW):
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is not None and not self.state.get(p):
-                    self._init_state(p, g)
+                    self.state[p].update(adamw_state(p, g))
 
         def local(t):  # a DTensor's local shard without to_local()'s autograd wrapper, or the tensor itself
             return getattr(t, "_local_tensor", t)
@@ -97,7 +112,7 @@ class ShardAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def warm_up(self) -> None:
         """The first step's one-time work done ahead of it, changing nothing: the moments created as that step
-        would (``_init_state``), then one step at a learning rate of zero over the present gradients, which must
+        would (``adamw_state``), then one step at a learning rate of zero over the present gradients, which must
         be zero (the trainer's warm-up passes: a loss times zero), so that its kernels and allocations are in
         place; the step counters are set back to zero after it. With zero gradients and moments every term
         of AdamW's update is zero and the decoupled decay multiplies by exactly one, so the parameters and the
@@ -116,18 +131,3 @@ class ShardAdamW(torch.optim.AdamW):
                 g["lr"] = lr
         for state in self.state.values():
             state["step"].zero_()
-
-    def _init_state(self, p: torch.Tensor, group: dict) -> None:
-        """``p``'s moments and step counter as torch's AdamW creates them at its first step (its lazy state
-        initialisation): zeros like the parameter (a DTensor for a DTensor), the counter on the device with
-        fused kernels, else a host scalar."""
-        from torch.optim.optimizer import _get_scalar_dtype
-
-        state = self.state[p]
-        fused = bool(group["fused"])
-        if fused or group.get("capturable"):
-            state["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device)
-        else:
-            state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
