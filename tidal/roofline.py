@@ -142,3 +142,21 @@ def train_flops(shape: Shape, lengths: Sequence[tuple[int, int]]) -> float:
         forward += 2 * shape.body_params * n + 2 * shape.head_params * response
         forward += 2 * shape.layers * shape.attn_dim * n * n
     return 3 * forward
+
+
+def decode_figures(
+    model: torch.nn.Module, prompt_len: int, response_lens: Sequence[int], distinct_prompts: int, tokens_per_s: float
+) -> dict[str, float | str | None]:
+    """The figures a decode benchmark prints beside its ``tokens_per_s``: this device's ``limits`` for the
+    model's dtype, the batch's ``decode_floor`` over its rows' actual lengths, and the share of it reached."""
+    param = next(model.parameters())
+    tflops, gbps = limits(str(param.device), param.dtype)
+    floor = decode_floor(Shape.of(model), prompt_len, response_lens, distinct_prompts, tflops, gbps)
+    best = floor["floor_tokens_per_s"]
+    return {
+        "matmul_tflops": round(tflops, 2),
+        "copy_gbps": round(gbps, 1),
+        "decode_floor_tokens_per_s": round(best, 1),
+        "decode_floor_bound": floor["bound"],
+        "floor_fraction": round(tokens_per_s / best, 3) if best else None,
+    }

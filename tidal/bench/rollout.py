@@ -130,20 +130,6 @@ def _timed(fn, repeats: int) -> tuple[object, float]:
     return out, best
 
 
-def _floor(engine: EmbeddedEngine, args: argparse.Namespace, out: list[Sample], tokens_per_s: float) -> dict:
-    tflops, gbps = roofline.limits(str(engine.device), engine.dtype)
-    shape = roofline.Shape.of(engine.model)
-    lens = [len(s.response_ids) for s in out]
-    floor = roofline.decode_floor(shape, args.prompt_len, lens, args.prompts, tflops, gbps)
-    return {
-        "matmul_tflops": round(tflops, 2),
-        "copy_gbps": round(gbps, 1),
-        "decode_floor_tokens_per_s": round(floor["floor_tokens_per_s"], 1),
-        "decode_floor_bound": floor["bound"],
-        "floor_fraction": round(tokens_per_s / floor["floor_tokens_per_s"], 3) if floor["floor_tokens_per_s"] else None,
-    }
-
-
 def _compiled(engine: EmbeddedEngine) -> bool:
     """Whether the engine decoded through a compiled step (False for transformers generate or a fallback)."""
     dec = getattr(engine, "_fast_decoder", None)
@@ -238,7 +224,8 @@ def run(args: argparse.Namespace, shape: str, path: str) -> dict:
         # The kernel the decoder runs: flex falls back to SDPA where it cannot run the model.
         "decode_attention": getattr(getattr(engine, "_fast_decoder", None), "decode_attention", args.decode_attention),
     }
-    result.update(_floor(engine, args, out, tokens / seconds))
+    lens = [len(s.response_ids) for s in out]
+    result.update(roofline.decode_figures(engine.model, args.prompt_len, lens, args.prompts, tokens / seconds))
     if args.profile:
         _, summary = profiled(engine_generate_fresh(engine, args, sampling), engine.device.type, f"rollout {path}")
         result["profile"] = summary.as_dict()

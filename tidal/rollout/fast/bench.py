@@ -34,8 +34,8 @@ A first ``environment`` line gives versions, the GPU and the weights' size. Ever
 ``hf_generate_tokens_per_s`` measured in the same run, ``cuda_graphs`` and
 ``fallback_reason`` (why graphs are off, when they are), and the decoder's step statistics; each case that
 generates also has the hardware's limit beside its figure: ``decode_floor_tokens_per_s`` for its batch and
-rows' lengths (``tidal.roofline``, with ``matmul_tflops`` and ``copy_gbps`` measured once in the same run) and
-``floor_fraction``.
+rows' lengths and whether bytes or FLOPs bound it (``decode_floor_bound``; ``tidal.roofline``, with
+``matmul_tflops`` and ``copy_gbps`` measured once in the same run) and ``floor_fraction``.
 """
 
 from __future__ import annotations
@@ -172,24 +172,14 @@ def _line(case: str, args, dec: FastDecoder, res, seconds: float, peak: int, hf_
         "decode_attention": dec.decode_attention,
         "flex_kernel_options": dec._flex.kernel_options if dec._flex is not None else None,
     }
-    line.update(_floor(args, dec, res, tokens / seconds))
+    # The hardware's limit for this batch over the rows' actual lengths (tidal.roofline), measured once a run.
+    line.update(
+        roofline.decode_figures(
+            dec.model, args.prompt_len, [len(t) for t in res.tokens], args.prompts, tokens / seconds
+        )
+    )
     line.update(extra)
     return line
-
-
-def _floor(args, dec: FastDecoder, res, tokens_per_s: float) -> dict:
-    """The hardware's limit for this batch (``tidal.roofline``: the distinct prompts' prefill and each decode
-    step at the larger of its bytes and FLOPs, over the rows' actual lengths), measured once per run, and the
-    share of it the case reached."""
-    tflops, gbps = roofline.limits(str(dec.device), dec.dtype)
-    lens = [len(t) for t in res.tokens]
-    floor = roofline.decode_floor(roofline.Shape.of(dec.model), args.prompt_len, lens, args.prompts, tflops, gbps)
-    return {
-        "matmul_tflops": round(tflops, 2),
-        "copy_gbps": round(gbps, 1),
-        "decode_floor_tokens_per_s": round(floor["floor_tokens_per_s"], 1),
-        "floor_fraction": round(tokens_per_s / floor["floor_tokens_per_s"], 3) if floor["floor_tokens_per_s"] else None,
-    }
 
 
 @dataclass
