@@ -128,9 +128,9 @@ def sample(
     noise tensors drawn here.
     """
     unfiltered = not mode.greedy and not mode.top_k and not mode.top_p
-    if blocked is not None and unfiltered and vocab_block(logits.shape[1]):
-        rows, vocab = logits.shape
-        b = vocab_block(vocab)
+    rows, vocab = logits.shape
+    b = vocab_block(vocab) if blocked is not None and unfiltered else 0
+    if b:
         outer = _exp_noise((rows, vocab // b), logits.device, generator)
         inner = _exp_noise((rows, b), logits.device, generator)
         return blocked(*_static_width(logits, outer, inner), temperature, mode.scaled)
