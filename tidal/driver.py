@@ -93,9 +93,9 @@ def _loop(s, on_step) -> dict:
     # (an async run's, whose groups finished out of order) are honoured here too.
     s.cursor = PromptCursor(s.dataset)
     start = s.resume_from_checkpoint()
-    if offload_train:
-        s.timeline_mark("trainer init", trainer.call("pause").after)
-    row: dict = sync_weights(s, first=True)
+    if offload_train:  # optimizer state and gradients now, the weights once the sync has read them
+        s.timeline_mark("trainer init", trainer.call("pause", keep_weights=True).after)
+    row: dict = sync_weights(s, first=True, release_trainer=offload_train)
     s.mark_startup("startup_synced_s")
     if on_step is not None:
         on_step(s, start - 1, row)
@@ -125,12 +125,12 @@ def _loop(s, on_step) -> dict:
             with t("train", display):
                 train_metrics.update(trainer.call("train", SampleBatch(samples), rollout_id))
             if offload_train:
-                with t("pause", display):
-                    paused = trainer.call("pause")
-                    s.timeline_mark("trainer paused", paused.after)
+                with t("pause", display):  # the weights stay for the sync, which pauses them (sync_s)
+                    paused = trainer.call("pause", keep_weights=True)
+                    s.timeline_mark("trainer state paused", paused.after)
                 train_metrics.update(paused.metrics)
         with t("sync", display):
-            sync_metrics = sync_weights(s)
+            sync_metrics = sync_weights(s, release_trainer=offload_train and bool(samples))
         metrics = {**initial, **gen_metrics, **train_metrics, **sync_metrics, **t, **s.memory_metrics()}
         metrics["train_samples"] = len(samples)
         initial = {}

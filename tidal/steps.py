@@ -52,13 +52,19 @@ def finish_step(s, rollout_id: int, metrics: dict, t: Timer, on_step=None) -> di
     return row
 
 
-def sync_weights(s, first: bool = False) -> dict:
-    """Resume engine weights -> trainer pushes the new version -> resume engine KV cache.
+def sync_weights(s, first: bool = False, release_trainer: bool = False) -> dict:
+    """Resume engine weights -> trainer pushes the new version -> [trainer pauses its weights] -> resume engine
+    KV cache.
+
+    ``release_trainer``: the trainer is WEIGHTS_ONLY (``pause(keep_weights=True)`` after training), so the push
+    reads its weights on the device; they are paused once the engines hold them and before the engines' KV
+    cache comes back, so the device never holds the trainer's weights beside a KV cache. Its pause figures
+    (``memory/trainer_pause/...``, both stages) join the sync's metrics.
 
     An engine that dies during it is restarted and every engine resynced with the trainer's weights
     (``Session.survive_engine_death``: a new version when the trainer had not begun to push this one)."""
     cfg, trainer, engines = s.cfg, s.trainer, s.engines
-    pushing = False
+    pushing, released = False, None
     try:
         if cfg.memory.offload_rollout:
             engines.call("resume_memory", ["weights"])
@@ -67,10 +73,17 @@ def sync_weights(s, first: bool = False) -> dict:
         versions = engines.call("get_weight_version")
         if any(v != report.version for v in versions):
             raise WeightSyncError(f"engines report weight versions {versions} after syncing version {report.version}")
+        if release_trainer:
+            released = trainer.call("pause")
         if cfg.memory.offload_rollout:
             engines.call("resume_memory", ["kv_cache"])
     except Exception as e:  # noqa: BLE001 - only an engine's death is survived
         report = s.survive_engine_death(e, "syncing weights", new_version=not pushing)
+    if release_trainer and released is None:  # an engine died before: the resync read the live weights
+        released = trainer.call("pause")
     if first and cfg.weight_sync.check_weight_update_equal:
         s.check_weights_equal()
-    return report.metrics()
+    if released is None:
+        return report.metrics()
+    s.timeline_mark("trainer paused", released.after)
+    return {**report.metrics(), **released.metrics}

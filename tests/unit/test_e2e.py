@@ -132,6 +132,8 @@ def test_colocated_two_ranks_paused_and_synced(ray_cluster, tmp_path):
             assert r[f"{p}/effective"] == 1 and r[f"{p}/total_s"] > 0, r
             assert r[f"{p}/weights/backup_bytes"] > 0 and r[f"{p}/grads/backup_bytes"] == 0, r
         assert r["memory/trainer_pause/optimizer/backup_bytes"] > 0, r  # AdamW's moments exist after a step
+        # Paused in two stages around the sync: it read the live weights, not their host backups.
+        assert r["sync/from_backup"] == 0, r
 
 
 @pytest.mark.slow

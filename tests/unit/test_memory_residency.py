@@ -27,6 +27,30 @@ def test_trainer_cycle_and_illegal_orders():
     assert r.state is TrainerState.ACTIVE
 
 
+def test_trainer_two_stage_pause_and_illegal_orders():
+    """The offload loop's order: optimizer state and grads after training, the weights after the sync."""
+    r = TrainerResidency("trainer rank 0")
+    for _ in range(2):
+        assert r.pause(keep_weights=True) is TrainerState.ACTIVE
+        assert r.state is TrainerState.WEIGHTS_ONLY and not r.paused  # the weight source reads live weights
+        with pytest.raises(ResidencyError, match="pause\\(keep_weights=True\\) while already WEIGHTS_ONLY"):
+            r.pause(keep_weights=True)
+        with pytest.raises(ResidencyError, match="train while WEIGHTS_ONLY"):
+            r.require_active("train")
+        with pytest.raises(ResidencyError, match="save while WEIGHTS_ONLY"):
+            r.require_whole("save")
+        with pytest.raises(ResidencyError, match="while WEIGHTS_ONLY \\(the weights have no host backup\\)"):
+            r.require_paused("read weights from the host backup")
+        assert r.pause() is TrainerState.WEIGHTS_ONLY
+        assert r.paused
+        r.require_whole("save")
+        assert r.resume() is TrainerState.PAUSED
+    # WEIGHTS_ONLY straight back to ACTIVE (nothing generated in between).
+    r.pause(keep_weights=True)
+    assert r.resume() is TrainerState.WEIGHTS_ONLY and r.state is TrainerState.ACTIVE
+    r.require_whole("save")
+
+
 def test_engine_loop_order_is_legal():
     e = EngineResidency("engine 0")
     e.require_generate()

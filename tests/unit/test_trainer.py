@@ -106,8 +106,8 @@ def start_group(
     return actors
 
 
-def call(ray, actors, method, *args):
-    return ray.get([getattr(a, method).remote(*args) for a in actors], timeout=120)
+def call(ray, actors, method, *args, **kwargs):
+    return ray.get([getattr(a, method).remote(*args, **kwargs) for a in actors], timeout=120)
 
 
 def make_samples(seed: int, n: int = 8) -> list[Sample]:
@@ -199,6 +199,38 @@ def test_pause_resume_is_bitwise_and_weights_readable_while_paused(ray_cluster, 
     # FSDP runs over the rebuilt compute group.
     m = call(ray, group, "train", make_samples(4), 3)[0]
     assert math.isfinite(m["loss"])
+
+
+def test_two_stage_pause_reads_live_weights_then_merges_its_figures(ray_cluster, group):
+    """The offload loop's order: optimizer state and grads paused after training, the weights read live by the
+    sync, then paused; the second stage's metrics carry both stages, and the resume is bitwise."""
+    ray = ray_cluster
+    call(ray, group, "train", make_samples(6), 4)
+    state = call(ray, group, "state_checksums")[0]
+    live = call(ray, group, "weight_checksums", "float32")[0]
+    first = call(ray, group, "pause", keep_weights=True)[0].metrics
+    assert first["memory/trainer_pause/optimizer/backup_bytes"] > 0
+    assert "memory/trainer_pause/weights/bytes" not in first and "memory/trainer_pause/groups_released" not in first
+    assert call(ray, group, "weight_checksums", "float32")[0] == live  # read live: WEIGHTS_ONLY
+    with pytest.raises(ray.exceptions.RayTaskError, match="save while WEIGHTS_ONLY"):
+        call(ray, group, "save", "/nonexistent")
+    both = call(ray, group, "pause")[0].metrics
+    assert both["memory/trainer_pause/weights/backup_bytes"] > 0 and both["memory/trainer_pause/groups_released"] == 1
+    for key in ("optimizer/backup_bytes", "grads/backup_bytes", "free_transients_s"):
+        assert both[f"memory/trainer_pause/{key}"] == first[f"memory/trainer_pause/{key}"], key
+    assert both["memory/trainer_pause/total_s"] > first["memory/trainer_pause/total_s"]
+    assert both["memory/trainer_pause/seconds"] >= first["memory/trainer_pause/seconds"]
+    assert call(ray, group, "weight_checksums", "float32")[0] == live  # now from the host backups
+    resume = call(ray, group, "resume")[0].metrics
+    assert resume["memory/trainer_resume/groups_rebuilt"] == 1
+    assert resume["memory/trainer_resume/weights/backup_bytes"] > 0
+    assert call(ray, group, "state_checksums")[0] == state
+    # WEIGHTS_ONLY back to ACTIVE: only the optimizer state and grads come back, the groups were kept.
+    call(ray, group, "pause", keep_weights=True)
+    resume = call(ray, group, "resume")[0].metrics
+    assert "memory/trainer_resume/weights/bytes" not in resume and "memory/trainer_resume/groups_rebuilt" not in resume
+    assert call(ray, group, "state_checksums")[0] == state
+    assert math.isfinite(call(ray, group, "train", make_samples(7), 5)[0]["loss"])
 
 
 def test_token_outside_vocabulary_is_a_user_error(ray_cluster, group):

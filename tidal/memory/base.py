@@ -142,6 +142,20 @@ class MemoryReport:
             out[f"{prefix}/{c.state_class}/gbps"] = c.gbps
         return out
 
+    def then(self, later: MemoryReport) -> MemoryReport:
+        """This report followed by ``later`` (one pause made in two stages): every class of both, the seconds
+        summed, memory before this one and after ``later``."""
+        return MemoryReport(
+            op=self.op,
+            backend=self.backend,
+            classes=[*self.classes, *later.classes],
+            seconds=self.seconds + later.seconds,
+            host_rss_before=self.host_rss_before,
+            host_rss_after=later.host_rss_after,
+            device_used_before=self.device_used_before,
+            device_used_after=later.device_used_after,
+        )
+
 
 TensorSource = Callable[[], Iterable[torch.Tensor]]
 

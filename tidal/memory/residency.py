@@ -5,9 +5,12 @@ paused, and a weight sync into an engine whose weights are released silently los
 (the next resume hands back undefined bytes). These classes make every such order raise a
 ``ResidencyError`` that names the illegal step *before* any memory call is made.
 
-Trainer::
+Trainer (with offload the step pauses in two stages: the optimizer state and gradients after training,
+the weights once the sync has read them on the device, so the sync never reads host backups)::
 
     ACTIVE --pause()--> PAUSED --resume()--> ACTIVE
+    ACTIVE --pause(keep_weights=True)--> WEIGHTS_ONLY --pause()--> PAUSED
+    WEIGHTS_ONLY --resume()--> ACTIVE
 
 Engine (weights are resumed before the sync and the KV cache after it, so the peak during a
 sync is weights + sync buffers, not + KV cache)::
@@ -29,6 +32,7 @@ from tidal.errors import ResidencyError
 
 class TrainerState(str, Enum):
     ACTIVE = "ACTIVE"
+    WEIGHTS_ONLY = "WEIGHTS_ONLY"  # optimizer state and gradients paused, weights resident
     PAUSED = "PAUSED"
 
 
@@ -39,7 +43,7 @@ class EngineState(str, Enum):
 
 
 class TrainerResidency:
-    """ACTIVE/PAUSED of one trainer rank. Starts ACTIVE (the model was just built on the device)."""
+    """ACTIVE/WEIGHTS_ONLY/PAUSED of one trainer rank. Starts ACTIVE (the model was just built on the device)."""
 
     def __init__(self, name: str = "trainer"):
         self.name = name
@@ -48,31 +52,56 @@ class TrainerResidency:
 
     @property
     def paused(self) -> bool:
+        """Whether the weights are paused (their host backups are the only readable copy)."""
         return self.state is TrainerState.PAUSED
 
-    def pause(self) -> None:
+    def pause(self, keep_weights: bool = False) -> TrainerState:
+        """ACTIVE -> PAUSED, ACTIVE -> WEIGHTS_ONLY (``keep_weights``), or WEIGHTS_ONLY -> PAUSED; returns the
+        state it left."""
         with self._lock:
-            if self.state is TrainerState.PAUSED:
+            left = self.state
+            if left is TrainerState.PAUSED:
                 raise ResidencyError(f"{self.name}: pause() while already PAUSED (double pause); call resume() first")
-            self.state = TrainerState.PAUSED
+            if left is TrainerState.WEIGHTS_ONLY and keep_weights:
+                raise ResidencyError(
+                    f"{self.name}: pause(keep_weights=True) while already WEIGHTS_ONLY; pause() releases the weights"
+                )
+            self.state = TrainerState.WEIGHTS_ONLY if keep_weights else TrainerState.PAUSED
+            return left
 
-    def resume(self) -> None:
+    def resume(self) -> TrainerState:
+        """PAUSED or WEIGHTS_ONLY -> ACTIVE; returns the state it left."""
         with self._lock:
-            if self.state is TrainerState.ACTIVE:
+            left = self.state
+            if left is TrainerState.ACTIVE:
                 raise ResidencyError(
                     f"{self.name}: resume() of an ACTIVE trainer (nothing is paused); call pause() first"
                 )
             self.state = TrainerState.ACTIVE
+            return left
 
     def require_active(self, action: str) -> None:
-        """Raise unless the device memory is resident (train, save, forward passes)."""
+        """Raise unless all device memory is resident (train, save, forward passes)."""
         if self.state is not TrainerState.ACTIVE:
-            raise ResidencyError(f"{self.name}: {action} while PAUSED (device memory released); call resume() first")
+            raise ResidencyError(
+                f"{self.name}: {action} while {self.state.value} (device memory released); call resume() first"
+            )
+
+    def require_whole(self, action: str) -> None:
+        """Raise in WEIGHTS_ONLY, where the weights are live and the optimizer state paused: what reads both
+        (a checkpoint) reads them either all live or all from host backups."""
+        if self.state is TrainerState.WEIGHTS_ONLY:
+            raise ResidencyError(
+                f"{self.name}: {action} while WEIGHTS_ONLY (optimizer state paused, weights live); call pause() "
+                "or resume() first"
+            )
 
     def require_paused(self, action: str) -> None:
-        """Raise unless paused (reading weights from the host backup only exists while paused)."""
+        """Raise unless the weights are paused (reading them from the host backup only exists then)."""
         if self.state is not TrainerState.PAUSED:
-            raise ResidencyError(f"{self.name}: {action} while ACTIVE (there is no host backup); read live weights")
+            raise ResidencyError(
+                f"{self.name}: {action} while {self.state.value} (the weights have no host backup); read live weights"
+            )
 
 
 class EngineResidency:

@@ -46,8 +46,8 @@ from tidal.config.schema import (
 )
 from tidal.dtypes import as_dtype, default_dtype
 from tidal.errors import ConfigError, ResidencyError
-from tidal.memory.base import MemoryBackend, MemoryResult, StateClass
-from tidal.memory.residency import TrainerResidency
+from tidal.memory.base import MemoryBackend, MemoryReport, MemoryResult, StateClass
+from tidal.memory.residency import TrainerResidency, TrainerState
 from tidal.rollout.types import WarmUpReport
 from tidal.weight_sync.base import SyncReport
 
@@ -110,6 +110,8 @@ class Trainer(ABC):
         self.total_steps = total_steps
         self.offload = bool(memory.offload_train)
         self.residency = TrainerResidency(f"trainer rank {rank}")
+        # The first of a two-stage pause (its report and figures), merged into the second's metrics.
+        self._first_stage: tuple[MemoryReport, dict[str, float]] | None = None
         self.version = 0
         self.strategy = None
         self.connected = False
@@ -166,34 +168,50 @@ class Trainer(ABC):
             self.strategy.close()
 
     # ---- the same for every backend -------------------------------------------------------------------
-    def pause(self) -> MemoryResult:
-        """Release the device memory of weights, optimizer state and grads (a no-op unless offload_train): the
-        backend's transients and process groups first, then the memory backend's state classes. Memory
-        metrics on rank 0, with the figures of the report."""
-        self.residency.pause()
+    def pause(self, keep_weights: bool = False) -> MemoryResult:
+        """Release device memory (a no-op unless offload_train). From ACTIVE: the backend's transients, then the
+        optimizer state and gradients, and unless ``keep_weights`` the process groups and the weights too; from
+        WEIGHTS_ONLY (an earlier ``pause(keep_weights=True)``): the process groups and the weights. The colocated
+        loop pauses in those two stages around the weight sync, which so reads the weights where they live on
+        the device instead of from their host backups. Memory metrics on rank 0, with the figures of the
+        report; the second of two stages returns both stages' figures together (the seconds summed)."""
+        left = self.residency.pause(keep_weights)
         if not self.offload:
             return MemoryResult({f"{_PAUSE}/effective": 0})
         t0 = time.perf_counter()
-        self._free_transients()
-        t1 = time.perf_counter()
-        groups = self._release_groups()
-        report = self.memory.pause(list(STATE_CLASSES))
+        extra: dict[str, float] = {}
+        classes = [c for c in STATE_CLASSES if c is not StateClass.WEIGHTS] if left is TrainerState.ACTIVE else []
+        if left is TrainerState.ACTIVE:
+            self._free_transients()
+            extra["free_transients_s"] = time.perf_counter() - t0
+        if not keep_weights:
+            extra.update(self._release_groups())
+            classes.append(StateClass.WEIGHTS)
+        report = self.memory.pause(classes)
+        extra["total_s"] = time.perf_counter() - t0
+        if keep_weights:
+            self._first_stage = (report, dict(extra))
+        elif left is TrainerState.WEIGHTS_ONLY and self._first_stage is not None:
+            first, first_extra = self._first_stage
+            self._first_stage = None
+            report = first.then(report)
+            extra = {**first_extra, **extra, "total_s": first_extra["total_s"] + extra["total_s"]}
         out = report.metrics(_PAUSE)
-        out.update({f"{_PAUSE}/{k}": v for k, v in groups.items()})
-        out[f"{_PAUSE}/free_transients_s"] = t1 - t0
+        out.update({f"{_PAUSE}/{k}": v for k, v in extra.items()})
         out[f"{_PAUSE}/effective"] = 1
-        out[f"{_PAUSE}/total_s"] = time.perf_counter() - t0
         return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
 
     def resume(self) -> MemoryResult:
         """Bring back what ``pause`` released, bit for bit (grads start from zero at the next step), then the
-        process groups. Memory metrics on rank 0."""
-        self.residency.resume()
+        process groups when they were released. Memory metrics on rank 0."""
+        left = self.residency.resume()
         if not self.offload:
             return MemoryResult({f"{_RESUME}/effective": 0})
         t0 = time.perf_counter()
-        report = self.memory.resume(list(STATE_CLASSES))
-        groups = self._rebuild_groups()
+        self._first_stage = None
+        weights = left is TrainerState.PAUSED
+        report = self.memory.resume([c for c in STATE_CLASSES if weights or c is not StateClass.WEIGHTS])
+        groups = self._rebuild_groups() if weights else {}
         out = report.metrics(_RESUME)
         out.update({f"{_RESUME}/{k}": v for k, v in groups.items()})
         out[f"{_RESUME}/effective"] = 1
@@ -286,6 +304,7 @@ class Trainer(ABC):
         """Checksums of the fp32 master weights and optimizer tensors (rank 0): a bitwise fingerprint for tests."""
         from tidal.weight_sync.checksum import tensor_checksum
 
+        self.residency.require_whole("state_checksums")
         state = self.checkpoint_state()
         out = {name: tensor_checksum(full) for name, full in state.model_state() if full is not None}
         for name, full in state.optimizer_state():
@@ -295,6 +314,7 @@ class Trainer(ABC):
 
     def save(self, dir: str, extra: dict | None = None) -> dict:
         """Atomic checkpoint under ``dir/iter_{rollout:07d}/`` (see ``tidal.checkpoint.store``); works while paused."""
+        self.residency.require_whole("save")
         extra = dict(extra or {})
         extra.setdefault("rollout_id", self.last_rollout_id)
         extra["weight_version"] = self.version
