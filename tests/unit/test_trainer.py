@@ -233,30 +233,6 @@ def test_two_stage_pause_reads_live_weights_then_merges_its_figures(ray_cluster,
     assert math.isfinite(call(ray, group, "train", make_samples(7), 5)[0]["loss"])
 
 
-def test_late_optimizer_resume_makes_the_same_update(ray_cluster):
-    """The optimizer state comes back on a helper thread beside the next train's passes: the update equals the
-    one of a trainer that never paused, and train's metrics carry that class's resume figures."""
-    ray = ray_cluster
-    paused, resident = start_group(ray, world_size=1), start_group(ray, world_size=1, offload=False)
-    try:
-        for actors in (paused, resident):
-            call(ray, actors, "train", make_samples(8), 0)
-        call(ray, paused, "pause", keep_weights=True)
-        call(ray, paused, "pause")
-        resumed = call(ray, paused, "resume")[0].metrics
-        assert "memory/trainer_resume/optimizer/bytes" not in resumed  # still on its way
-        assert resumed["memory/trainer_resume/weights/backup_bytes"] > 0
-        m = call(ray, paused, "train", make_samples(9), 1)[0]
-        assert m["memory/trainer_resume/optimizer/backup_bytes"] > 0 and m["memory/trainer_resume/late_wait_s"] >= 0
-        call(ray, resident, "train", make_samples(9), 1)
-        assert call(ray, paused, "state_checksums")[0] == call(ray, resident, "state_checksums")[0]
-        # Nothing was left pending: the next train reports no late figures.
-        assert "memory/trainer_resume/late_wait_s" not in call(ray, paused, "train", make_samples(10), 2)[0]
-    finally:
-        for a in paused + resident:
-            ray.kill(a)
-
-
 def test_token_outside_vocabulary_is_a_user_error(ray_cluster, group):
     bad = make_samples(5)
     bad[2].response_ids = [64]  # the tiny preset's vocabulary is 64

@@ -33,7 +33,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -158,33 +157,6 @@ class MemoryReport:
         )
 
 
-class Resuming:
-    """A resume running on a helper thread (``MemoryBackend.resume_in_background``): ``wait()`` returns its
-    report, or raises what it raised."""
-
-    def __init__(self, run: Callable[[], MemoryReport] | None = None, report: MemoryReport | None = None):
-        self._report, self._error = report, None
-        self._thread = None
-        if run is not None:
-            self._thread = threading.Thread(target=self._run, args=(run,), name="tidal-resume", daemon=True)
-            self._thread.start()
-
-    def _run(self, run: Callable[[], MemoryReport]) -> None:
-        try:
-            self._report = run()
-        except BaseException as e:  # noqa: BLE001 - handed to the waiter
-            self._error = e
-
-    def wait(self) -> MemoryReport:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            raise self._error
-        assert self._report is not None
-        return self._report
-
-
 TensorSource = Callable[[], Iterable[torch.Tensor]]
 
 
@@ -220,11 +192,6 @@ class MemoryBackend(abc.ABC):
     @abc.abstractmethod
     def resume(self, classes: Sequence[StateClass]) -> MemoryReport:
         """Re-materialise these classes; backed-up ones get their contents back bit for bit."""
-
-    def resume_in_background(self, classes: Sequence[StateClass]) -> Resuming:
-        """Resume ``classes`` while the caller goes on; the caller must not touch their tensors before
-        ``wait()``. Default: at once, on the caller's thread."""
-        return Resuming(report=self.resume(classes))
 
     @abc.abstractmethod
     def host_view(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -312,21 +279,6 @@ class HostBackedBackend(MemoryBackend):
 
     def is_paused(self, state_class: StateClass) -> bool:
         return StateClass(state_class) in self._paused
-
-    def resume_in_background(self, classes: Sequence[StateClass]) -> Resuming:
-        """On a helper thread: the copies back from the host run beside the caller's work. On CUDA they overlap
-        only kernels on a stream other than the legacy default one (torch_memory_saver copies synchronously
-        on that stream), which is why the trainer trains on a stream of its own. The classes are checked
-        here, before the thread starts; a failure of the resume itself is raised by ``wait()``."""
-        classes = self._check(classes, want_paused=True, op="resume")
-        device = self.device
-
-        def run() -> MemoryReport:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            return self.resume(classes)
-
-        return Resuming(run)
 
     def _check_room(self, classes: Sequence[StateClass], needed: int, free: int) -> None:
         """Refuse a resume that needs more device memory than is free, before anything is touched."""

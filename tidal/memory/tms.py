@@ -172,9 +172,7 @@ class TmsBackend(HostBackedBackend):
             self._owner = {k: v for k, v in self._owner.items() if v is not c}
             for tag in self._tags(c):
                 self._tms.resume(tag)
-            # torch_memory_saver copies on the legacy default stream: wait for that stream alone, so that a resume
-            # on a helper thread (resume_in_background) does not also wait for the caller's kernels.
-            torch.cuda.default_stream(self.device).synchronize()
+            torch.cuda.synchronize(self.device)
             nbytes = self._class_bytes(c)
             report.classes.append(self._class_report(c, nbytes, tc))
         return self._measure_after(report, t0)

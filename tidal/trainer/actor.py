@@ -37,7 +37,6 @@ device memory), see ``tidal.trainer.weights``.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 from collections.abc import Iterator
@@ -94,10 +93,6 @@ class TrainerActor(Trainer):
         # (each micro-batch's is added to the unsharded one in fp32). Everywhere else as FSDP2 does by default.
         default = self.world_size == 1 and self.device_type == "cuda"
         self.one_rank_fsdp = default if one_rank_fsdp is None else one_rank_fsdp and self.world_size == 1
-        self._stream = None  # training's CUDA stream (_compute_stream)
-
-    # The optimizer state comes back beside the next rollout's forward and backward passes (Trainer.resume).
-    resumes_optimizer_late = True
 
     # ---- setup ------------------------------------------------------------------------------
     def init(self) -> dict:
@@ -243,11 +238,7 @@ class TrainerActor(Trainer):
         compiled (no warm-up, or a shape it did not reach) leaves what it compiled out of the collector
         (``freeze_if_compiled``), as the warm-up does, so that each pause's ``gc.collect`` stays short."""
         compiled = compile_seconds()[0]
-        with self._compute_stream():
-            out = self._train(samples, rollout_id)
-        late = self._late_metrics()  # a late resume's figures (see Trainer.resume)
-        if out:
-            out.update(late)
+        out = self._train(samples, rollout_id)
         freeze_if_compiled(compiled)
         snapshot = self._history.step()
         if snapshot and out:
@@ -308,13 +299,6 @@ class TrainerActor(Trainer):
         The critic is not warmed."""
         start = WarmUpReport.start()
         self.residency.require_active("warm up")
-        self._settle()
-        with self._compute_stream():
-            self._warm_up_passes(recompute)
-        return WarmUpReport.since(start, warmed=["trainer"])
-
-    def _warm_up_passes(self, recompute: bool) -> None:
-        """``warm_up``'s passes and optimizer step, then what they leave dropped."""
         kw = self._stats_kw
         entropy_grad = self.algo.entropy_coef != 0.0
         self.model.train()
@@ -346,26 +330,7 @@ class TrainerActor(Trainer):
             # Blocks cut for the warm-up's shapes would not fit the real micro-batches' and the first step would
             # reserve more beside them (an 80 GB card ran out of memory on the 0.5B preset): hand them back.
             torch.cuda.empty_cache()
-
-    @contextlib.contextmanager
-    def _compute_stream(self) -> Iterator[None]:
-        """Training's kernels on a CUDA stream of the trainer's own, ordered after and before the work on the
-        default stream (loads, syncs). A late resume's copies run on the legacy default stream, which a
-        non-blocking stream does not wait for: so they overlap the forward and backward passes (on an H100, 4 GiB
-        coming back beside 0.1 s of matmuls added 0.02 s to them, against 0.075 s with both on the default
-        stream). Nothing else on CPU."""
-        if self.device_type != "cuda":
-            yield
-            return
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        default = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(default)
-        try:
-            with torch.cuda.stream(self._stream):
-                yield
-        finally:
-            default.wait_stream(self._stream)
+        return WarmUpReport.since(start, warmed=["trainer"])
 
     def _warm_up_step(self) -> None:
         """The optimizer step's first-call work over the warm-up's zero gradients: the gradient clipping (over
@@ -432,7 +397,6 @@ class TrainerActor(Trainer):
         max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else float("inf")
         clip = clip_one_rank if self.one_rank_fsdp else torch.nn.utils.clip_grad_norm_
         sums.add_grad_norm(clip(self.params, max_norm=max_norm))
-        self._settle()  # the optimizer state may still be coming back (Trainer.resume)
         lr = self.schedule.apply(self.optimizer)
         t_opt = time.perf_counter()
         # Outside any region, so the step's temporaries are not backed up; the state its first step creates

@@ -46,7 +46,7 @@ from tidal.config.schema import (
 )
 from tidal.dtypes import as_dtype, default_dtype
 from tidal.errors import ConfigError, ResidencyError
-from tidal.memory.base import MemoryBackend, MemoryReport, MemoryResult, Resuming, StateClass
+from tidal.memory.base import MemoryBackend, MemoryReport, MemoryResult, StateClass
 from tidal.memory.residency import TrainerResidency, TrainerState
 from tidal.rollout.types import WarmUpReport
 from tidal.weight_sync.base import SyncReport
@@ -82,9 +82,6 @@ class Trainer(ABC):
     memory: MemoryBackend  # set by init; holds the WEIGHTS, OPTIMIZER and GRADS tensors
     # The local model folder the weights were loaded from (None for a preset), set by init.
     model_path: str | None = None
-    # Whether ``resume`` may leave the optimizer state coming back on a helper thread (the backend settles
-    # before its optimizer step and adds ``_late_metrics()`` to train's metrics; see ``resume``).
-    resumes_optimizer_late: bool = False
 
     def __init__(
         self,
@@ -115,8 +112,6 @@ class Trainer(ABC):
         self.residency = TrainerResidency(f"trainer rank {rank}")
         # The first of a two-stage pause (its report and figures), merged into the second's metrics.
         self._first_stage: tuple[MemoryReport, dict[str, float]] | None = None
-        self._resuming: Resuming | None = None  # the optimizer state coming back beside training
-        self._late: dict[str, float] = {}
         self.version = 0
         self.strategy = None
         self.connected = False
@@ -180,7 +175,6 @@ class Trainer(ABC):
         loop pauses in those two stages around the weight sync, which so reads the weights where they live on
         the device instead of from their host backups. Memory metrics on rank 0, with the figures of the
         report; the second of two stages returns both stages' figures together (the seconds summed)."""
-        self._settle()
         left = self.residency.pause(keep_weights)
         if not self.offload:
             return MemoryResult({f"{_PAUSE}/effective": 0})
@@ -209,46 +203,20 @@ class Trainer(ABC):
 
     def resume(self) -> MemoryResult:
         """Bring back what ``pause`` released, bit for bit (grads start from zero at the next step), then the
-        process groups when they were released. Memory metrics on rank 0.
-
-        A backend that ``resumes_optimizer_late`` gets its optimizer state back on a helper thread while it
-        trains (the copies overlap the forward and backward passes): it calls ``_settle()`` before its
-        optimizer step, and every other use of the state here settles first. That class's figures then come
-        with ``train``'s metrics (``memory/trainer_resume/optimizer/...``, and ``.../late_wait_s``: how long
-        the optimizer step waited for it)."""
+        process groups when they were released. Memory metrics on rank 0."""
         left = self.residency.resume()
         if not self.offload:
             return MemoryResult({f"{_RESUME}/effective": 0})
         t0 = time.perf_counter()
         self._first_stage = None
         weights = left is TrainerState.PAUSED
-        classes = [c for c in STATE_CLASSES if weights or c is not StateClass.WEIGHTS]
-        late = [StateClass.OPTIMIZER] if self.resumes_optimizer_late else []
-        report = self.memory.resume([c for c in classes if c not in late])
-        if late:
-            self._resuming = self.memory.resume_in_background(late)
+        report = self.memory.resume([c for c in STATE_CLASSES if weights or c is not StateClass.WEIGHTS])
         groups = self._rebuild_groups() if weights else {}
         out = report.metrics(_RESUME)
         out.update({f"{_RESUME}/{k}": v for k, v in groups.items()})
         out[f"{_RESUME}/effective"] = 1
         out[f"{_RESUME}/total_s"] = time.perf_counter() - t0
         return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
-
-    def _settle(self) -> None:
-        """Wait for a resume left running by ``resume`` (its figures kept for ``_late_metrics``)."""
-        if self._resuming is None:
-            return
-        pending, self._resuming = self._resuming, None
-        t0 = time.perf_counter()
-        report = pending.wait()
-        metrics = {k: v for k, v in report.metrics(_RESUME).items() if k.count("/") == 3}  # per class only
-        metrics[f"{_RESUME}/late_wait_s"] = time.perf_counter() - t0
-        self._late = metrics
-
-    def _late_metrics(self) -> dict[str, float]:
-        """The figures of the last late resume, once (rank 0 adds them to ``train``'s metrics)."""
-        out, self._late = self._late, {}
-        return out
 
     def _init_device(self) -> torch.device:
         """Where presets draw their initial weights (``self.spec``, on ``self.device``): this rank's device with
@@ -337,7 +305,6 @@ class Trainer(ABC):
         from tidal.weight_sync.checksum import tensor_checksum
 
         self.residency.require_whole("state_checksums")
-        self._settle()
         state = self.checkpoint_state()
         out = {name: tensor_checksum(full) for name, full in state.model_state() if full is not None}
         for name, full in state.optimizer_state():
@@ -348,7 +315,6 @@ class Trainer(ABC):
     def save(self, dir: str, extra: dict | None = None) -> dict:
         """Atomic checkpoint under ``dir/iter_{rollout:07d}/`` (see ``tidal.checkpoint.store``); works while paused."""
         self.residency.require_whole("save")
-        self._settle()
         extra = dict(extra or {})
         extra.setdefault("rollout_id", self.last_rollout_id)
         extra["weight_version"] = self.version
@@ -357,7 +323,6 @@ class Trainer(ABC):
     def load(self, dir: str) -> dict:
         """Resume from the newest complete checkpoint in ``dir``; returns its ``extra`` ({} when there is none)."""
         self.require_active("load")
-        self._settle()
         extra = load_checkpoint(self.checkpoint_state(), dir)
         if extra:
             self.version = int(extra.get("weight_version", self.version))
