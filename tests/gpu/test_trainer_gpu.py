@@ -110,6 +110,17 @@ def test_gpu_train_pause_resume_bitwise_and_nccl_rebuilt(ray_cluster, tmp_path):
     assert ray.get(actor.state_checksums.remote()) == state
     m2 = ray.get(actor.train.remote(_samples(1), 1))  # FSDP over the rebuilt NCCL group
     assert math.isfinite(m2["loss"])
+    # The loop's order: optimizer state and gradients paused first, the weights read live and then paused.
+    live_bf16 = ray.get(actor.weight_checksums.remote("bfloat16"))
+    trained = ray.get(actor.state_checksums.remote())
+    ray.get(actor.pause.remote(keep_weights=True))
+    assert ray.get(actor.weight_checksums.remote("bfloat16")) == live_bf16
+    both = ray.get(actor.pause.remote()).metrics
+    assert both["memory/trainer_pause/weights/backup_bytes"] > 0
+    assert both["memory/trainer_pause/optimizer/backup_bytes"] > 0
+    assert both["memory/trainer_pause/device_used_after"] < both["memory/trainer_pause/device_used_before"]
+    ray.get(actor.resume.remote())
+    assert ray.get(actor.state_checksums.remote()) == trained
     ray.kill(actor)
 
     fresh, _ = _start(ray)
