@@ -153,14 +153,18 @@ def test_equal_prompts_are_prefilled_once_with_the_same_results(models, name):
     row: the forward covers the distinct prompts of each chunk, and the tokens and log-probs are those of a
     decoder that prefills every row, greedy and sampled with a seed; chunks that split a group, stored
     prefixes and the helpers' own contract included."""
-    from tidal.rollout.fast.prefix import shared_prompts
+    from tidal.rollout.fast.prefix import prefill_chunks, shared_prompts
 
     model = models[name]
     base = _prompts(5, seed=11)
     prompts = [p for p in base for _ in range(3)] + [base[1], base[4], base[1]]  # 18 rows, 5 distinct
     assert shared_prompts([[1], [2], [1], [3], [2]]) == ([0, 1, 3], [0, 1, 0, 2, 1])
+    # A forward's budget counts distinct prompts when sharing, rows otherwise.
+    assert prefill_chunks([[1], [1], [2], [2], [3], [1]], 1, 2, share=True) == [(0, 4), (4, 6)]
+    assert prefill_chunks([[1], [1], [2], [2], [3], [1]], 1, 2, share=False) == [(0, 2), (2, 4), (4, 6)]
+    assert prefill_chunks([[1, 2, 3]], 3, 1, share=True) == [(0, 1)]  # a prompt over the budget: alone
     width = max(len(p) for p in prompts)
-    for kw in (dict(), dict(prefill_tokens=7 * width), dict(prefix_cache_bytes=1 << 20)):
+    for kw in (dict(), dict(prefill_tokens=2 * width), dict(prefix_cache_bytes=1 << 20)):
         for sampling in (dict(temperature=0), dict(temperature=1.0, seed=5)):
             shared = FastDecoder(model, max_batch=32, max_seq_len=64, **kw)
             every = FastDecoder(model, max_batch=32, max_seq_len=64, share_prompts=False, **kw)
@@ -169,8 +173,8 @@ def test_equal_prompts_are_prefilled_once_with_the_same_results(models, name):
             assert a.tokens == b.tokens, (kw, sampling)
             assert _max_diff(a.logprobs, b.logprobs) < 1e-5, (kw, sampling)
             assert b.stats["prefill_rows"] == len(prompts)
-            # One chunk: 5 distinct prompts; chunks of 7 rows: 3 + 3 + 2 (rows 0-6, 7-13, 14-17).
-            assert a.stats["prefill_rows"] == (8 if "prefill_tokens" in kw else 5), (kw, a.stats["prefill_rows"])
+            # One chunk: 5 distinct prompts; two prompts a chunk: rows 0-5, 6-11 and 12-17 (base 4 and 1 again).
+            assert a.stats["prefill_rows"] == (6 if "prefill_tokens" in kw else 5), (kw, a.stats["prefill_rows"])
         if "prefix_cache_bytes" in kw:  # the next turn's prompts start with these: their stored KV is reused
             longer = [p + [7, 8] for p in prompts]
             again = shared.generate(longer, max_new_tokens=4, temperature=0)

@@ -6,7 +6,8 @@ model code runs every layer) and generates a batch of prompts:
 1. Rows go in waves of at most ``rows`` (what the memory budget allows, ``plan_rows``). A wave is
    left-padded to its longest prompt ``W``, so every row decodes at the same cache column and one
    column index serves the batch.
-2. Prefill runs eagerly, in chunks of rows bounded by ``prefill_tokens``: one forward pass per chunk
+2. Prefill runs eagerly, in chunks of rows whose distinct prompts fill at most ``prefill_tokens``
+   (``prefix.prefill_chunks``): one forward pass per chunk
    with a 4-D boolean mask (causal, padding excluded; a padding query sees itself so that no row of
    the softmax is empty), keys/values written straight into the cache, last-position logits only.
    Equal prompts of a chunk (the samples of a GRPO group) go through it once; their rows copy the keys
@@ -58,7 +59,14 @@ from tidal.rollout.fast import attention
 from tidal.rollout.fast.flex_decode import FlexDecode
 from tidal.rollout.fast.fused import FusedDecodeForward, unsupported_reason
 from tidal.rollout.fast.graphs import GraphSet
-from tidal.rollout.fast.prefix import PrefixStore, reuse_prefixes, share_rows, shared_prompts, take_prompt
+from tidal.rollout.fast.prefix import (
+    PrefixStore,
+    prefill_chunks,
+    reuse_prefixes,
+    share_rows,
+    shared_prompts,
+    take_prompt,
+)
 from tidal.rollout.fast.request import DecodeResult, batch_buckets, check_request, cut_at_stops
 from tidal.rollout.fast.sampling import (
     SamplingMode,
@@ -489,9 +497,8 @@ class FastDecoder:
         self.cache.zero_(rows=bs, cols=min(self.max_seq_len, -(-(width + max_new) // block) * block))
 
         t0 = time.perf_counter()
-        chunk = max(1, self.prefill_tokens // width)
-        for r0 in range(0, n, chunk):
-            stats["prefill_rows"] += self._prefill(prompts[r0 : r0 + chunk], r0, width, mode)
+        for r0, r1 in prefill_chunks(prompts, width, self.prefill_tokens, self.share_prompts):
+            stats["prefill_rows"] += self._prefill(prompts[r0:r1], r0, width, mode)
         self.s_pos[:n] = lens.to(dev)
         self.s_cpos.fill_(width)
         self.s_step.fill_(1)

@@ -162,6 +162,26 @@ def shared_prompts(prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[in
     return firsts, owner
 
 
+def prefill_chunks(prompts: Sequence[Sequence[int]], width: int, tokens: int, share: bool) -> list[tuple[int, int]]:
+    """Row ranges ``[r0, r1)`` of a wave's prefill forwards, in order: each forward computes at most
+    ``tokens // width`` prompts (at least one), counting equal prompts of a range once when ``share`` (a
+    GRPO group's samples), else every row. Bounding rows instead would cut a wave of 64 groups x 8 samples of
+    ~150-token prompts into five forwards of ~13 prompts, each as slow as one of all 64 (an eager forward
+    over a few thousand tokens is bound by its kernel launches)."""
+    per = max(1, tokens // max(1, width))
+    out: list[tuple[int, int]] = []
+    r0, seen = 0, set()
+    for r, p in enumerate(prompts):
+        key = tuple(p) if share else r
+        if key not in seen and len(seen) == per:
+            out.append((r0, r))
+            r0, seen = r, set()
+        seen.add(key)
+    if len(prompts) > r0:
+        out.append((r0, len(prompts)))
+    return out
+
+
 def share_rows(cache, row0: int, owner: Sequence[int], width: int) -> None:
     """Cache rows ``row0 + i`` (columns ``[0, width)``) take the keys and values of row ``row0 + owner[i]``: the
     forward wrote distinct prompt ``k`` into row ``row0 + k``. A layer at a time (each one's gather is a copy
