@@ -165,9 +165,10 @@ def shared_prompts(prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[in
 def prefill_chunks(prompts: Sequence[Sequence[int]], width: int, tokens: int, share: bool) -> list[tuple[int, int]]:
     """Row ranges ``[r0, r1)`` of a wave's prefill forwards, in order: each forward computes at most
     ``tokens // width`` prompts (at least one), counting equal prompts of a range once when ``share`` (a
-    GRPO group's samples), else every row. Bounding rows instead would cut a wave of 64 groups x 8 samples of
-    ~150-token prompts into five forwards of ~13 prompts, each as slow as one of all 64 (an eager forward
-    over a few thousand tokens is bound by its kernel launches)."""
+    GRPO group's samples), else every row: the budget bounds the tokens a forward computes (its activations,
+    ``static_cache.prefill_workspace_bytes``), and a group's rows only copy its keys and values. Bounding rows
+    instead would split a wave of groups into forwards of an eighth of the prompts the budget allows (eight
+    samples a prompt), each bound by its kernel launches about as much as a full one."""
     per = max(1, tokens // max(1, width))
     out: list[tuple[int, int]] = []
     r0, seen = 0, set()
