@@ -6,7 +6,8 @@ memory).
 
 1. the colocated loop with ``--train-backend megatron --offload`` learns the default task, syncing
    weights the engines agree with (``logprob_diff``; delta syncs, the first checked bit for bit) from
-   the paused trainer's backups, its process groups destroyed and rebuilt around every pause;
+   the trainer's live weights (it pauses in two stages around each sync: optimizer state and gradient
+   buffers first, the weights after the push), its process groups destroyed and rebuilt around every pause;
 2. on identical weights and one batch (Qwen2.5-0.5B shape): log-probs and entropy, gradients of the
    same loss, and one training step's metrics against the FSDP2 backend (max and mean |diff|), and the
    step time of each on 64 samples of 32 + 256 tokens;
@@ -229,8 +230,8 @@ def _train_cli(tmp_path, name: str, *args: str) -> list[dict]:
 
 
 def test_megatron_loop_learns_the_default_task_with_offload(tmp_path):
-    # Delta syncs (changed bytes only) of the HF-named weights read from the paused trainer's backups; the first
-    # sync is checked bit for bit against engine weights randomised at the start.
+    # Delta syncs (changed bytes only) of the HF-named weights, read live between the pause's two stages; the
+    # first sync is checked bit for bit against engine weights randomised at the start.
     rows = _train_cli(
         tmp_path,
         "learn",
@@ -252,6 +253,7 @@ def test_megatron_loop_learns_the_default_task_with_offload(tmp_path):
     assert end - start >= 0.3, rewards
     assert max(diffs) < 0.05, diffs
     assert all(x > 0 for x in pause[1:]), "the trainer paused every step"
+    assert all(r["sync/from_backup"] == 0 for r in rows), "a step's sync read host backups"
 
 
 # ---- 2. next to FSDP2 on identical weights and batch -----------------------------------------------------
