@@ -6,7 +6,7 @@
 #
 #   bash scripts/gpu_host.sh STEP ...
 #
-# Steps: env, tests, speed (issue 20's figures in one call), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
+# Steps: env, tests, speed (issue 20's figures in one call), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
 # bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, bench-async-mps, profile-ipc, megatron (or its halves megatron-loop, megatron-state; megatron-2gpu: TP/PP = 2 on a two-GPU host), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); STARTUP05_RUNS, STARTUP05_ARGS, STARTUP05_TAG (startup-0.5b: its runs share one fresh compile cache, so the first is cold and the rest warm); MEM_GIB, MEM_CYCLES, MEM100_GIB
@@ -84,6 +84,11 @@ for s in "$@"; do
       # The preset's decode step under torch.profiler (compiled, fused, flex, two-stage sampling): the kernels of a
       # warm rollout by category, to see what bounds decode after the sampler.
       TAIL=${TAIL:-4} FAST_CASES=fast-compiled FAST_ARGS="--fused --decode-attention flex --sampler-noise blocks --skip-hf --profile fast-compiled" FAST_TAG=-profile bash "$0" bench-fast ;;
+    profile-loop)
+      # The preset's loop with rollouts 3 and 4 under torch.profiler (--profile-rollouts): each engine's generate and
+      # the trainer's train as they run beside the other actors; the summaries' lines, the traces under the run.
+      TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-profile TRAIN05_ARGS="--profile-rollouts 3 4" TAIL=1 bash "$0" train-0.5b
+      for f in "$OUT"/run-0.5b-profile/profiles/*.json; do case $f in *.trace.json) ;; *) python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['profile'], 'wall', d['wall_s'], 'device', d['total_s'], d['by_category'])" "$f" ;; esac; done ;;
     train-0.5b)
       run train-0.5b${TRAIN05_TAG:-} 200 python3 -m tidal.cli train --no-progress --preset qwen2.5-0.5b-1gpu --num-rollout ${TRAIN05_ROLLOUTS:-5} --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-0.5b${TRAIN05_TAG:-}" ${TRAIN05_ARGS:-}
       steps_table "$OUT/run-0.5b${TRAIN05_TAG:-}/metrics.jsonl" ;;

@@ -6,8 +6,9 @@ sync and the KV cache only after it, so the peak is weights + sync buffers, neve
 
     generate -> reward -> advantages                 engines AWAKE, trainer PAUSED
     release engine memory                            engines ASLEEP
-    resume trainer -> train -> pause trainer         trainer ACTIVE only here
-    resume engine weights -> sync -> resume engine KV
+    resume trainer -> train                          trainer ACTIVE only here
+    pause trainer's optimizer state and grads        trainer WEIGHTS_ONLY
+    resume engine weights -> sync (live weights) -> pause trainer's weights -> resume engine KV
     [eval] [save]
 
 Run it with ``tidal train`` (the embedded default: a tiny model on the built-in task). With
@@ -89,6 +90,7 @@ def _loop(s, on_step) -> dict:
     cfg = s.cfg
     trainer, display = s.trainer, s.display
     offload_train, offload_rollout = cfg.memory.offload_train, cfg.memory.offload_rollout
+    profiled = {int(k) for k in cfg.logging.profile_rollouts}
     # Prompts by serial, as in the async loops: a checkpoint's data position and the prompts done past it
     # (an async run's, whose groups finished out of order) are honoured here too.
     s.cursor = PromptCursor(s.dataset)
@@ -108,6 +110,8 @@ def _loop(s, on_step) -> dict:
     for rollout_id in range(start, cfg.rollout.num_rollout):
         s.check_stop(rollout_id - 1)  # the safe point: SIGTERM saves the last finished step and stops
         t = Timer()
+        if rollout_id in profiled:
+            arm_profiles(s, rollout_id)
         with t("generate", display):
             samples, gen_metrics = orchestrate.generate_rollout(s, rollout_id)
         s.cursor.finish_drawn()  # trained below, or dropped (dynamic sampling, over-sampling)
@@ -148,6 +152,8 @@ def rollout_only(s, on_step=None) -> dict:
     for rollout_id in range(s.cfg.rollout.num_rollout):
         s.check_stop(rollout_id - 1)
         t = Timer()
+        if rollout_id in {int(k) for k in s.cfg.logging.profile_rollouts}:
+            arm_profiles(s, rollout_id)
         with t("generate", s.display):
             samples, gen_metrics = orchestrate.generate_rollout(s, rollout_id)
         s.log_samples(rollout_id, samples)
@@ -155,6 +161,25 @@ def rollout_only(s, on_step=None) -> dict:
         metrics["engine_restarts"], s.step_restarts = s.step_restarts, 0
         row = finish_step(s, rollout_id, metrics, t, on_step)
     return row
+
+
+def arm_profiles(s, rollout_id: int) -> None:
+    """``--profile-rollouts``: the rollout's next generate on each engine and its train on trainer rank 0 run under
+    torch.profiler, each writing ``rollout<id>-<phase>[-engine<rank>].json`` (kernels by category, the top ones)
+    and ``.trace.json`` (a Chrome trace) into ``<output-dir>/profiles/`` on the actor's node."""
+    import os
+
+    from tidal.profiling import ProfileRequest
+
+    folder = os.path.join(s.cfg.logging.output_dir, "profiles")
+    answered = s.engines.call("profile_next", ProfileRequest(folder, f"rollout{rollout_id}-generate"))
+    if not all(answered):
+        engine = s.cfg.rollout.rollout_engine
+        log.info(
+            "rollout %d: engines of --rollout-engine %s are not profiled (use the server's own)", rollout_id, engine
+        )
+    if s.trainer is not None:
+        s.trainer.call("profile_next", ProfileRequest(folder, f"rollout{rollout_id}-train"))
 
 
 def release_engines(s):

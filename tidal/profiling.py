@@ -1,4 +1,4 @@
-"""torch.profiler around one measured call, for the benchmarks' ``--profile`` flags.
+"""torch.profiler around one measured call, for the benchmarks' ``--profile`` flags and a run's ``--profile-rollouts``.
 
 ``profiled(fn, device, label)`` runs ``fn`` once under ``torch.profiler`` and returns its result and
 a ``ProfileSummary``: on CUDA the device kernels (which is what a replayed CUDA graph shows: its
@@ -7,10 +7,16 @@ self time, sorted by it. ``by_category`` adds the kernels up by what their names
 (communication, attention, matrix multiplies, inductor-fused triton kernels, sampling, softmax, copies and
 indexing, reductions, the rest), so that a decode or train step's breakdown reads off one line. The table goes to
 stderr, the summary is one JSON-able dict (the benchmark prints it on stdout).
+
+``profile_call`` is the same for a training run's own calls (``--profile-rollouts``): an engine's generate
+or the trainer's train of the rollouts named, each writing its summary and a Chrome trace into the run
+directory's ``profiles/``, so that a phase is seen as it runs in the loop, beside the other actors.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -98,8 +104,12 @@ def summarize(events, label: str, wall_s: float, device: bool, top: int = 15) ->
     )
 
 
-def profiled(fn: Callable[[], Any], device: str, label: str, row_limit: int = 40) -> tuple[Any, ProfileSummary]:
-    """Run ``fn`` once under torch.profiler; print the table by self time to stderr; (result, summary)."""
+def profiled(
+    fn: Callable[[], Any], device: str, label: str, row_limit: int = 40, trace: str | None = None
+) -> tuple[Any, ProfileSummary]:
+    """Run ``fn`` once under torch.profiler; print the table by self time to stderr (``row_limit`` 0: no table);
+    (result, summary). ``trace``: also write the Chrome trace there (atomically), a timeline of every operator
+    and kernel, where the device's idle gaps show."""
     import time
 
     import torch
@@ -115,6 +125,31 @@ def profiled(fn: Callable[[], Any], device: str, label: str, row_limit: int = 40
         wall = time.perf_counter() - t0
     averages = prof.key_averages()
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    print(f"--- torch.profiler: {label} (sorted by {key}) ---", file=sys.stderr)
-    print(averages.table(sort_by=key, row_limit=row_limit), file=sys.stderr)
+    if row_limit:
+        print(f"--- torch.profiler: {label} (sorted by {key}) ---", file=sys.stderr)
+        print(averages.table(sort_by=key, row_limit=row_limit), file=sys.stderr)
+    if trace is not None:
+        tmp = f"{trace}.tmp-{os.getpid()}"
+        prof.export_chrome_trace(tmp)
+        os.replace(tmp, trace)
     return out, summarize(averages, label, wall, cuda)
+
+
+@dataclass(frozen=True)
+class ProfileRequest:
+    """Profile an actor's next call of one phase (``--profile-rollouts``): its files go to ``dir`` as
+    ``<label>.json`` (the ``ProfileSummary``) and ``<label>.trace.json`` (the Chrome trace)."""
+
+    dir: str
+    label: str  # e.g. "rollout3-generate-engine0"
+
+
+def profile_call(request: ProfileRequest, fn: Callable[[], Any], device: str) -> Any:
+    """``fn`` under torch.profiler, its summary and trace written as ``request`` says; returns ``fn``'s result."""
+    from tidal.atomic import write_text_atomic
+
+    os.makedirs(request.dir, exist_ok=True)
+    base = os.path.join(request.dir, request.label)
+    out, summary = profiled(fn, device, request.label, row_limit=0, trace=f"{base}.trace.json")
+    write_text_atomic(f"{base}.json", json.dumps(summary.as_dict(), indent=1) + "\n")
+    return out

@@ -820,6 +820,20 @@ def test_rule_output_dir():
 @pytest.mark.parametrize(
     "argv, env, expect",
     [
+        (["--profile-rollouts", "0", "3", "--num-rollout", "4"], CPU, {"profile_rollouts": ["0", "3"]}),
+        (["--profile-rollouts", "4", "--num-rollout", "4"], CPU, "this run's rollouts are 0-3 (--num-rollout 4)"),
+        (["--profile-rollouts", "two"], CPU, "--profile-rollouts 'two': not a rollout id"),
+        (["--profile-rollouts", "-1"], CPU, "not a rollout id"),
+        (["--profile-rollouts", "1", "--async", "one-step"], CPU, "not --async one-step's"),
+    ],
+)
+def test_rule_profile_rollouts(argv, env, expect):
+    check(argv, env, expect)
+
+
+@pytest.mark.parametrize(
+    "argv, env, expect",
+    [
         (["--record-memory-history"], CPU, "--record-memory-history needs CUDA"),
         (
             TINY_GPU + ["--record-memory-history", "--output-dir", "/tmp/r"],

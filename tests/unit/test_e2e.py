@@ -121,7 +121,7 @@ def test_debug_rollout_only_generates_and_scores_without_a_trainer(ray_cluster, 
 
 @pytest.mark.slow
 def test_colocated_two_ranks_paused_and_synced(ray_cluster, tmp_path):
-    cfg = _run(tmp_path, "--colocate", "--offload")
+    cfg = _run(tmp_path, "--colocate", "--offload", "--profile-rollouts", "1")
     assert cfg.weight_sync.update_weight_transport == "tensor"
     assert cfg.memory.offload_train and cfg.memory.offload_rollout
     # Each step's row says what the trainer's pause and resume moved, per state class (grads: discarded).
@@ -134,6 +134,18 @@ def test_colocated_two_ranks_paused_and_synced(ray_cluster, tmp_path):
         assert r["memory/trainer_pause/optimizer/backup_bytes"] > 0, r  # AdamW's moments exist after a step
         # Paused in two stages around the sync: it read the live weights, not their host backups.
         assert r["sync/from_backup"] == 0, r
+    # --profile-rollouts 1: rollout 1's generate on every engine and its train on trainer rank 0, profiled.
+    folder = os.path.join(cfg.logging.output_dir, "profiles")
+    names = sorted(os.listdir(folder))
+    engines = cfg.cluster.rollout_num_gpus // cfg.cluster.rollout_num_gpus_per_engine
+    want = [f"rollout1-generate-engine{i}" for i in range(engines)] + ["rollout1-train"]
+    assert names == sorted(n + ext for n in want for ext in (".json", ".trace.json")), names
+    for n in want:
+        summary = json.load(open(os.path.join(folder, n + ".json")))
+        assert summary["profile"] == n and summary["clock"] == "cpu" and summary["launches"] > 0, summary
+        assert summary["total_s"] > 0 and sum(summary["by_category"].values()) > 0, summary
+        trace = json.load(open(os.path.join(folder, n + ".trace.json")))
+        assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"]), n
 
 
 @pytest.mark.slow

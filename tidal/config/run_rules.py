@@ -125,6 +125,27 @@ def warm_process(ctx: Context) -> None:
         )
 
 
+def profile_rollouts(ctx: Context) -> None:
+    ids = ctx.cfg.logging.profile_rollouts
+    if not ids:
+        return
+    n = ctx.cfg.rollout.num_rollout
+    for v in ids:
+        if not str(v).isdigit():
+            raise ConfigError(
+                f"--profile-rollouts {v!r}: not a rollout id; give whole numbers, e.g. --profile-rollouts 2 3"
+            )
+        if int(v) >= n:
+            raise ConfigError(
+                f"--profile-rollouts {v}: this run's rollouts are 0-{n - 1} (--num-rollout {n}); pick one of them"
+            )
+    if ctx.cfg.rollout.async_mode != "off":
+        raise ConfigError(
+            f"--profile-rollouts profiles the synchronous loop's calls, not --async {ctx.cfg.rollout.async_mode}'s; "
+            "drop one of them"
+        )
+
+
 def memory_history(ctx: Context) -> None:
     m = ctx.cfg.memory
     if not m.record_memory_history:

@@ -485,6 +485,11 @@ class LoggingConfig:
     log_samples: int = opt(4, "Samples per rollout written to samples.jsonl in the run directory (0: none).", min=0)
     show_samples: bool = opt(False, "Print one sample per rollout on the console (prompt, response, label, reward).")
     log_level: str = opt("info", "Log verbosity.", choices=("debug", "info", "warning", "error"))
+    profile_rollouts: list = opt(
+        [],
+        "Rollout ids whose generate (each embedded engine's first call of the rollout) and train (trainer rank 0) "
+        "run under torch.profiler: a kernel summary and a Chrome trace of each in <output-dir>/profiles/.",
+    )
 
 
 @dataclass

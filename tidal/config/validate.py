@@ -505,6 +505,12 @@ rule(
 )(run_rules.warm_process)
 
 rule(
+    "profile-rollouts",
+    "`--profile-rollouts` takes ids of this run's rollouts (0 to `--num-rollout` - 1), in the synchronous loop only "
+    "(refused with `--async`).",
+)(run_rules.profile_rollouts)
+
+rule(
     "memory-history",
     "`--record-memory-history` needs CUDA; its snapshots go to `--memory-snapshot-dir` (default <output-dir>/memory-snapshots), "
     "which is only used with it.",

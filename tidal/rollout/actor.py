@@ -20,6 +20,7 @@ import ray
 import torch
 
 from tidal.memory.base import MemoryFigures
+from tidal.profiling import ProfileRequest, profile_call
 from tidal.rollout.engine import (
     TAGS,
     BucketHeader,
@@ -69,6 +70,7 @@ class EngineActor(RolloutEngine):
     """One rollout engine (built from ``RolloutEngine``'s arguments)."""
 
     engine: EmbeddedEngine | None = None  # built by init()
+    _profile: ProfileRequest | None = None  # the next generate's (profile_next)
 
     def init(self) -> dict:
         """Build the model and the memory backend; returns sizes for the driver's log."""
@@ -108,12 +110,20 @@ class EngineActor(RolloutEngine):
         return self.engine
 
     def generate(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
-        out = self._engine().generate(samples, sampling)
+        engine, request, self._profile = self._engine(), self._profile, None
+        if request is None:
+            out = engine.generate(samples, sampling)
+        else:
+            out = profile_call(request, lambda: engine.generate(samples, sampling), str(engine.device))
         self._history.step()
         return SampleBatch(out)  # one object on the wire (tidal.rollout.types)
 
     def warm_up(self, rows: int, sampling: SamplingParams) -> WarmUpReport:
         return self._engine().warm_up(rows, sampling)
+
+    def profile_next(self, request: ProfileRequest) -> bool:
+        self._profile = ProfileRequest(request.dir, f"{request.label}-engine{self.engine_rank}")
+        return True
 
     def take_decode_stats(self) -> DecodeStats:
         return self._engine().take_decode_stats()

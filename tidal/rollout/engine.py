@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, TrainerConfig, WeightSyncConfig
 from tidal.memory.base import MemoryFigures
+from tidal.profiling import ProfileRequest
 from tidal.rollout.types import DecodeStats, Sample, SamplingParams, WarmUpReport
 from tidal.weight_sync.bucket import BucketHeader  # the weight-bucket message (``Bucket.header`` builds it)
 from tidal.weight_sync.local_checkpoint import PullResult
@@ -181,6 +182,11 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def randomize_weights(self, seed: int) -> None:
         """Fill every weight with random values (before the first sync of an equality check)."""
+
+    def profile_next(self, request: ProfileRequest) -> bool:
+        """Run the next ``generate`` under torch.profiler, its files as ``request`` says (``--profile-rollouts``);
+        False where this engine cannot (a server in another process: use its own profiler)."""
+        return False
 
 
 def update_result(stats: dict, engine_version: int) -> WeightUpdateResult:

@@ -238,7 +238,7 @@ class TrainerActor(Trainer):
         compiled (no warm-up, or a shape it did not reach) leaves what it compiled out of the collector
         (``freeze_if_compiled``), as the warm-up does, so that each pause's ``gc.collect`` stays short."""
         compiled = compile_seconds()[0]
-        out = self._train(samples, rollout_id)
+        out = self._profiled(lambda: self._train(samples, rollout_id))
         freeze_if_compiled(compiled)
         snapshot = self._history.step()
         if snapshot and out:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -48,6 +48,7 @@ from tidal.dtypes import as_dtype, default_dtype
 from tidal.errors import ConfigError, ResidencyError
 from tidal.memory.base import MemoryBackend, MemoryReport, MemoryResult, StateClass
 from tidal.memory.residency import TrainerResidency, TrainerState
+from tidal.profiling import ProfileRequest, profile_call
 from tidal.rollout.types import WarmUpReport
 from tidal.weight_sync.base import SyncReport
 
@@ -112,6 +113,7 @@ class Trainer(ABC):
         self.residency = TrainerResidency(f"trainer rank {rank}")
         # The first of a two-stage pause (its report and figures), merged into the second's metrics.
         self._first_stage: tuple[MemoryReport, dict[str, float]] | None = None
+        self._profile: ProfileRequest | None = None  # the next train's (profile_next)
         self.version = 0
         self.strategy = None
         self.connected = False
@@ -217,6 +219,19 @@ class Trainer(ABC):
         out[f"{_RESUME}/effective"] = 1
         out[f"{_RESUME}/total_s"] = time.perf_counter() - t0
         return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
+
+    def profile_next(self, request: ProfileRequest) -> None:
+        """Run the next ``train`` under torch.profiler on rank 0, its files as ``request`` says
+        (``--profile-rollouts``); call on all ranks."""
+        if self.rank == 0:
+            self._profile = request
+
+    def _profiled(self, fn: Callable[[], dict]) -> dict:
+        """``fn()`` (a backend's train), under torch.profiler when ``profile_next`` asked for it."""
+        request, self._profile = self._profile, None
+        if request is None:
+            return fn()
+        return profile_call(request, fn, self.device_type)
 
     def _init_device(self) -> torch.device:
         """Where presets draw their initial weights (``self.spec``, on ``self.device``): this rank's device with

@@ -255,7 +255,7 @@ class MegatronTrainer(Trainer):
         """All optimizer steps of one rollout; rank 0 returns the metrics reduced over ranks."""
         from tidal.trainer.megatron.step import train_rollout
 
-        out = train_rollout(self, samples, rollout_id)
+        out = self._profiled(lambda: train_rollout(self, samples, rollout_id))
         snapshot = self._history.step()
         if snapshot and out:
             out["memory_snapshot"] = snapshot
