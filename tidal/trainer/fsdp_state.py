@@ -21,10 +21,8 @@ import torch
 import torch.distributed as dist
 
 from tidal.memory.base import StateClass
-from tidal.trainer.optim import adamw_state
+from tidal.trainer.optim import MOMENTS, adamw_state
 from tidal.trainer.weights import local_shard, scatter_rows
-
-MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's tensors; its "step" is a host scalar saved apart
 
 Gather = Callable[[list[tuple[str, torch.Tensor]], torch.dtype | None], Iterator[tuple[str, torch.Tensor | None]]]
 

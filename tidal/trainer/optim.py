@@ -41,6 +41,9 @@ def clip_one_rank(params: list, max_norm: float) -> torch.Tensor:
     return total
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter tensors; its "step" counter is kept apart
+
+
 def adamw_state(p: torch.Tensor, group: dict) -> dict[str, torch.Tensor]:
     """``p``'s AdamW state as torch's AdamW creates it at its first step (its lazy state initialisation), for a
     param group (or an optimizer's ``defaults``) ``group``: zero moments like the parameter (a DTensor for a
@@ -52,7 +55,7 @@ def adamw_state(p: torch.Tensor, group: dict) -> dict[str, torch.Tensor]:
         step = torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device)
     else:
         step = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
-    moments = {k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in ("exp_avg", "exp_avg_sq")}
+    moments = {k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in MOMENTS}
     return {"step": step, **moments}
 
 

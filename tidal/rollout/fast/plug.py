@@ -30,7 +30,7 @@ Settings, read from the engine's ``RolloutConfig`` when it has them (defaults ot
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tidal.config.schema import decode_attention_default, rollout_compile_default, sampler_noise_default
 from tidal.errors import UserError
@@ -65,10 +65,10 @@ def build_decoder(model, cfg, *, device_type: str, pad_id: int, backend, name: s
             region=lambda: backend.region(StateClass.KV_CACHE),
             prefix_cache_bytes=int(getattr(cfg, "rollout_prefix_cache_mb", None) or 0) << 20,
             fused=bool(getattr(cfg, "rollout_fused_decode", False)),
-            # auto (a config built in code, not resolved): the resolved default, blocks with CUDA.
-            sampler_noise=_noise(getattr(cfg, "rollout_sampler_noise", "auto"), device_type),
-            # auto (a config built in code, not resolved): the resolved default, flex with CUDA.
-            decode_attention=_kernel(getattr(cfg, "rollout_decode_attention", "auto"), device_type),
+            sampler_noise=_auto(getattr(cfg, "rollout_sampler_noise", "auto"), sampler_noise_default, device_type),
+            decode_attention=_auto(
+                getattr(cfg, "rollout_decode_attention", "auto"), decode_attention_default, device_type
+            ),
         )
     except UserError as exc:
         log.warning("%s: transformers generate instead of fast decode (%s)", name, exc)
@@ -77,12 +77,9 @@ def build_decoder(model, cfg, *, device_type: str, pad_id: int, backend, name: s
     return dec
 
 
-def _kernel(choice: str, device_type: str) -> str:
-    return decode_attention_default(device_type) if choice == "auto" else choice
-
-
-def _noise(choice: str, device_type: str) -> str:
-    return sampler_noise_default(device_type) if choice == "auto" else choice
+def _auto(choice: str, default: Callable[[str], str], device_type: str) -> str:
+    """A setting of a config built in code, not resolved: ``auto`` is the resolved default for the device."""
+    return default(device_type) if choice == "auto" else choice
 
 
 def _takes(dec: FastDecoder | str, end_ids: Sequence[int]) -> bool:

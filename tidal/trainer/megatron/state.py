@@ -24,8 +24,7 @@ import torch.distributed as dist
 from tidal.memory.base import StateClass
 from tidal.trainer.megatron.mapping import to_megatron
 from tidal.trainer.megatron.model import load_hf, stage_parameters
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
+from tidal.trainer.optim import MOMENTS
 
 
 class MegatronState:
