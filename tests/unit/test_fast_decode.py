@@ -88,6 +88,35 @@ def test_greedy_equals_transformers_generate(models, name):
     assert _max_diff(res.logprobs, teacher_forced_logprobs(model, prompts, res.tokens)) < 1e-5
 
 
+def test_prefill_leaves_out_cudnn_attention_and_decode_does_not(models):
+    # cuDNN's SDPA builds a graph per new shape (tens of ms); a prefill's width changes with every batch's
+    # longest prompt, so the prefill's attention runs without it. The flags are global, so a CPU run sees them.
+    model = models["tiny"]
+    seen: list[tuple[int, bool, bool]] = []
+
+    def hook(module, args, kwargs, out):
+        seen.append(
+            (
+                kwargs["hidden_states"].shape[1],
+                torch.backends.cuda.cudnn_sdp_enabled(),
+                torch.backends.cuda.mem_efficient_sdp_enabled(),
+            )
+        )
+
+    handle = model.model.layers[0].self_attn.register_forward_hook(hook, with_kwargs=True)
+    try:
+        prompts = _prompts(6, seed=3, lo=5, hi=9)
+        FastDecoder(model, max_batch=8, max_seq_len=32, check_every=2).generate(
+            prompts, max_new_tokens=3, temperature=0
+        )
+    finally:
+        handle.remove()
+    width = max(len(p) for p in prompts)
+    assert [s for s in seen if s[0] == width] == [(width, False, True)]  # the prefill
+    assert [s[1:] for s in seen if s[0] == 1] == [(True, True)] * 2  # both decode steps: cuDNN allowed
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_sampled_logprobs_match_teacher_forced(models, name):
     model = models[name]

@@ -8,7 +8,8 @@ calls the model without a transformers cache. The function then owns the KV cach
 - prefill (``ctx.decode`` false): writes the prompt's keys/values into cache rows
   ``[ctx.row0, ctx.row0 + rows)``, columns ``[ctx.prefill_from, width)``, and attends with
   transformers' own SDPA function over the 4-D mask the decoder built (over the cache's columns
-  ``[0, width)`` when an earlier part of the prompt was reused from ``tidal.rollout.fast.prefix``);
+  ``[0, width)`` when an earlier part of the prompt was reused from ``tidal.rollout.fast.prefix``),
+  with cuDNN's kernel left out (``prefill_kernels``: it would build a graph for every new width);
 - decode: writes the one new key/value of every row at cache column ``ctx.cpos`` (a device tensor,
   so a captured graph reads the current column at replay) and attends over the first
   ``ctx.kv_len`` columns of the batch's rows. Grouped-query heads are folded into the query
@@ -31,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -117,6 +119,18 @@ def register() -> None:
         # Mask creation for this name (used only if a 2-D mask ever reaches it) is SDPA's.
         AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
         _registered = True
+
+
+# The prefill's SDPA kernels, cuDNN's left out: cuDNN builds an execution graph for every new shape (tens of
+# milliseconds on the host, the device idle meanwhile) and a prefill's width is the batch's longest prompt, new
+# at almost every rollout. The memory-efficient kernel takes the 4-D mask with no per-shape set-up (flash, first
+# in the list, takes none: it serves a maskless call); math is the fallback everywhere.
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def prefill_kernels() -> contextlib.AbstractContextManager:
+    """The SDPA kernels a prefill forward may use (``PREFILL_BACKENDS``); the decode step's are not limited."""
+    return sdpa_kernel(PREFILL_BACKENDS)
 
 
 @contextlib.contextmanager

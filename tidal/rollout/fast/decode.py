@@ -497,46 +497,48 @@ class FastDecoder:
         self.cache.zero_(rows=bs, cols=min(self.max_seq_len, -(-(width + max_new) // block) * block))
 
         t0 = time.perf_counter()
-        for r0, r1 in prefill_chunks(prompts, width, self.prefill_tokens, self.share_prompts):
-            stats["prefill_rows"] += self._prefill(prompts[r0:r1], r0, width, mode)
-        self.s_pos[:n] = lens.to(dev)
-        self.s_cpos.fill_(width)
-        self.s_step.fill_(1)
-        # A row can end on its first token (a stop id, or a limit of 1).
-        first = self.s_out_tok[:n, 0]
-        self.s_done[:n] |= (first[:, None] == self.s_stop[None, :]).any(-1) | (self.s_limit[:n] <= 1)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        with torch.profiler.record_function("tidal.prefill"):  # a label in --profile traces; free otherwise
+            for r0, r1 in prefill_chunks(prompts, width, self.prefill_tokens, self.share_prompts):
+                stats["prefill_rows"] += self._prefill(prompts[r0:r1], r0, width, mode)
+            self.s_pos[:n] = lens.to(dev)
+            self.s_cpos.fill_(width)
+            self.s_step.fill_(1)
+            # A row can end on its first token (a stop id, or a limit of 1).
+            first = self.s_out_tok[:n, 0]
+            self.s_done[:n] |= (first[:, None] == self.s_stop[None, :]).any(-1) | (self.s_limit[:n] <= 1)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
         t1 = time.perf_counter()
         stats["prefill_s"] += t1 - t0
 
         steps, columns, reported = 0, max_new, set()
-        for t in range(1, max_new):
-            if (t - 1) % self.check_every == 0:
-                active = torch.nonzero(~self.s_done[:bs]).squeeze(1)
-                left = int(active.numel())  # the loop's one host sync, every check_every steps
-                if report is not None and n - left > len(reported):
-                    self._report_ended(bs, n, t, reported, report)
-                if left == 0:
-                    break
-                if should_stop is not None and should_stop():
-                    columns = t  # columns [0, t) hold the tokens sampled so far
-                    stats["interrupted"] = True
-                    break
-                smaller = self._bucket(left)
-                if self.compaction and smaller < bs:
-                    self._compact(active, smaller, upto=width + t - 1)
-                    stats["compactions"] += 1
-                    bs = smaller
-            column = width + t - 1
-            kv_len = self._kv_len(column)
-            key = (bs, kv_len, mode)
-            if (bs, kv_len, mode.name) not in stats["buckets"]:
-                stats["buckets"].append((bs, kv_len, mode.name))
-            self.graphs.run(key, lambda b=bs, k=kv_len: self._step(b, k, mode), self._state())
-            steps += 1
-        out_tok = self.s_out_tok[:n, :columns].cpu()
-        out_lp = self.s_out_lp[:n, :columns].cpu()
+        with torch.profiler.record_function("tidal.decode"):
+            for t in range(1, max_new):
+                if (t - 1) % self.check_every == 0:
+                    active = torch.nonzero(~self.s_done[:bs]).squeeze(1)
+                    left = int(active.numel())  # the loop's one host sync, every check_every steps
+                    if report is not None and n - left > len(reported):
+                        self._report_ended(bs, n, t, reported, report)
+                    if left == 0:
+                        break
+                    if should_stop is not None and should_stop():
+                        columns = t  # columns [0, t) hold the tokens sampled so far
+                        stats["interrupted"] = True
+                        break
+                    smaller = self._bucket(left)
+                    if self.compaction and smaller < bs:
+                        self._compact(active, smaller, upto=width + t - 1)
+                        stats["compactions"] += 1
+                        bs = smaller
+                column = width + t - 1
+                kv_len = self._kv_len(column)
+                key = (bs, kv_len, mode)
+                if (bs, kv_len, mode.name) not in stats["buckets"]:
+                    stats["buckets"].append((bs, kv_len, mode.name))
+                self.graphs.run(key, lambda b=bs, k=kv_len: self._step(b, k, mode), self._state())
+                steps += 1
+            out_tok = self.s_out_tok[:n, :columns].cpu()
+            out_lp = self.s_out_lp[:n, :columns].cpu()
         stats["decode_s"] += time.perf_counter() - t1
         stats["steps"] += steps
         return out_tok, out_lp
@@ -588,7 +590,7 @@ class FastDecoder:
         mask = ((real & (k <= q)[None]) | (k == q)[None]).unsqueeze(1)  # [d, 1, width - from_col, width]
         pos = (col[None, from_col:] - start[:, None]).clamp(min=0)
         ctx = attention.AttnContext(cache=self.cache, decode=False, rows=d, row0=row0, prefill_from=from_col)
-        with attention.active(self.model, ctx):
+        with attention.active(self.model, ctx), attention.prefill_kernels():
             logits = self.model(
                 input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=1
             ).logits[:, -1]
