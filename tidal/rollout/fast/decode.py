@@ -166,7 +166,6 @@ class FastDecoder:
         self.mem_bytes = mem_bytes
         self.kv_block = kv_block
         self.check_every = max(1, check_every)
-        self._host_count: torch.Tensor | None = None  # pinned: the running count read by the host (CUDA)
         self.prefill_tokens = max(1, prefill_tokens)
         self.compaction = compaction
         self.share_prompts = share_prompts
@@ -515,9 +514,22 @@ class FastDecoder:
         steps, columns, reported = 0, max_new, set()
         with torch.profiler.record_function("tidal.decode"):
             for t in range(1, max_new):
-                # The loop's one host sync, every check_every steps: the running count is queued before step t
-                # and read once step t is queued too, so the device runs step t while the host decides.
-                running = self._queue_running_count(bs) if (t - 1) % self.check_every == 0 else None
+                if (t - 1) % self.check_every == 0:
+                    active = torch.nonzero(~self.s_done[:bs]).squeeze(1)
+                    left = int(active.numel())  # the loop's one host sync, every check_every steps
+                    if report is not None and n - left > len(reported):
+                        self._report_ended(bs, n, t, reported, report)
+                    if left == 0:
+                        break
+                    if should_stop is not None and should_stop():
+                        columns = t  # columns [0, t) hold the tokens sampled so far
+                        stats["interrupted"] = True
+                        break
+                    smaller = self._bucket(left)
+                    if self.compaction and smaller < bs:
+                        self._compact(active, smaller, upto=width + t - 1)
+                        stats["compactions"] += 1
+                        bs = smaller
                 column = width + t - 1
                 kv_len = self._kv_len(column)
                 key = (bs, kv_len, mode)
@@ -525,49 +537,11 @@ class FastDecoder:
                     stats["buckets"].append((bs, kv_len, mode.name))
                 self.graphs.run(key, lambda b=bs, k=kv_len: self._step(b, k, mode), self._state())
                 steps += 1
-                if running is None:
-                    continue
-                left = running()  # slots running before step t (none start again, so an upper bound after it)
-                if report is not None and n - left > len(reported):
-                    self._report_ended(bs, n, t + 1, reported, report)  # reads after step t: t + 1 columns
-                if left == 0:
-                    break
-                if should_stop is not None and should_stop():
-                    columns = t  # columns [0, t) as before step t; its token is dropped (sampled again later)
-                    stats["interrupted"] = True
-                    break
-                if self.compaction and self._bucket(left) < bs:
-                    active = torch.nonzero(~self.s_done[:bs]).squeeze(1)  # after step t
-                    if active.numel() == 0:
-                        break
-                    smaller = self._bucket(int(active.numel()))
-                    self._compact(active, smaller, upto=width + t)
-                    stats["compactions"] += 1
-                    bs = smaller
             out_tok = self.s_out_tok[:n, :columns].cpu()
             out_lp = self.s_out_lp[:n, :columns].cpu()
         stats["decode_s"] += time.perf_counter() - t1
         stats["steps"] += steps
         return out_tok, out_lp
-
-    def _queue_running_count(self, bs: int) -> Callable[[], int]:
-        """Queue the count of running slots in ``[0, bs)`` for the host, as it stands now in stream order;
-        returns the function that reads it (waiting for the count, not for work queued after it)."""
-        count = (~self.s_done[:bs]).sum()
-        if self.device.type != "cuda":
-            return lambda: int(count)
-        if self._host_count is None:
-            self._host_count = torch.empty(1, dtype=torch.long, pin_memory=True)
-        host = self._host_count
-        host.copy_(count.view(1), non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-
-        def read() -> int:
-            ready.synchronize()
-            return int(host[0])
-
-        return read
 
     def _kv_len(self, column: int) -> int:
         """The static KV length of a step writing ``column``: the next ``kv_block`` multiple, or the whole
