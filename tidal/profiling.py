@@ -10,7 +10,10 @@ stderr, the summary is one JSON-able dict (the benchmark prints it on stdout).
 
 ``profile_call`` is the same for a training run's own calls (``--profile-rollouts``): an engine's generate
 or the trainer's train of the rollouts named, each writing its summary and a Chrome trace into the run
-directory's ``profiles/``, so that a phase is seen as it runs in the loop, beside the other actors.
+directory's ``profiles/``, so that a phase is seen as it runs in the loop, beside the other actors. Its
+summary adds ``phases``: per ``record_function`` label of tidal's own (``tidal.prefill``, ``tidal.decode``), the
+wall, the device's busy time inside it and the longest operators, read back from the trace
+(``trace_phases``), so a phase that waits on the host says so, and on what, without opening the trace.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class ProfileSummary:
     launches: int
     by_category: dict[str, float] = field(default_factory=dict)
     top: list[tuple[str, float, int]] = field(default_factory=list)  # (name, seconds, calls)
+    phases: dict[str, dict] = field(default_factory=dict)  # per ``tidal.*`` label of the trace (``trace_phases``)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -151,5 +155,51 @@ def profile_call(request: ProfileRequest, fn: Callable[[], Any], device: str) ->
     os.makedirs(request.dir, exist_ok=True)
     base = os.path.join(request.dir, request.label)
     out, summary = profiled(fn, device, request.label, row_limit=0, trace=f"{base}.trace.json")
+    summary.phases = trace_phases(f"{base}.trace.json")
     write_text_atomic(f"{base}.json", json.dumps(summary.as_dict(), indent=1) + "\n")
     return out
+
+
+PHASE_PREFIX = "tidal."  # record_function labels of the code's own phases (the decoder's prefill and decode loop)
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def trace_phases(path: str, top: int = 3) -> dict[str, dict]:
+    """Per labelled phase of a Chrome trace (``record_function`` names starting ``PHASE_PREFIX``): its wall,
+    how much of it the device was busy (the union of kernel and copy intervals inside it), and its longest
+    operators. A phase whose device is idle most of its wall is waiting on the host: its longest operators
+    name the wait (a prefill that spent 70 ms building cuDNN's attention graph showed this way)."""
+    events = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"]
+    device = sorted(
+        ((e["ts"], e["ts"] + e.get("dur", 0)) for e in events if e.get("cat") in _DEVICE_CATS), key=lambda iv: iv[0]
+    )
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    out: dict[str, dict] = {}
+    for label in (e for e in events if e.get("name", "").startswith(PHASE_PREFIX)):
+        if label.get("cat") not in ("user_annotation", "cpu_op"):
+            continue
+        a, b = label["ts"], label["ts"] + label.get("dur", 0)
+        phase = out.setdefault(label["name"], {"calls": 0, "wall_s": 0.0, "device_busy_s": 0.0, "longest_ops": []})
+        phase["calls"] += 1
+        phase["wall_s"] += (b - a) / 1e6
+        phase["device_busy_s"] += _busy(device, a, b) / 1e6
+        inside = [o for o in ops if a <= o["ts"] and o["ts"] + o.get("dur", 0) <= b]
+        longest = sorted(inside, key=lambda o: -o.get("dur", 0))[:top]
+        phase["longest_ops"] += [[o["name"][:80], round(o.get("dur", 0) / 1e6, 6)] for o in longest]
+    for phase in out.values():
+        phase["wall_s"], phase["device_busy_s"] = round(phase["wall_s"], 6), round(phase["device_busy_s"], 6)
+        phase["longest_ops"] = sorted(phase["longest_ops"], key=lambda r: -r[1])[:top]
+    return out
+
+
+def _busy(intervals: list[tuple[float, float]], a: float, b: float) -> float:
+    """Length of the union of ``intervals`` (sorted by start) clipped to ``[a, b]``."""
+    total, end = 0.0, a
+    for lo, hi in intervals:
+        if lo >= b:
+            break
+        lo, hi = max(lo, end), min(hi, b)
+        if hi > lo:
+            total += hi - lo
+            end = hi
+    return total
