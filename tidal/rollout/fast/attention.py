@@ -9,7 +9,7 @@ calls the model without a transformers cache. The function then owns the KV cach
   ``[ctx.row0, ctx.row0 + rows)``, columns ``[ctx.prefill_from, width)``, and attends with
   transformers' own SDPA function over the 4-D mask the decoder built (over the cache's columns
   ``[0, width)`` when an earlier part of the prompt was reused from ``tidal.rollout.fast.prefix``),
-  with cuDNN's kernel left out (``prefill_kernels``: it would build a graph for every new width);
+  with cuDNN's kernel left out (``prefill_kernels``: it would build a graph for every new shape);
 - decode: writes the one new key/value of every row at cache column ``ctx.cpos`` (a device tensor,
   so a captured graph reads the current column at replay) and attends over the first
   ``ctx.kv_len`` columns of the batch's rows. Grouped-query heads are folded into the query
@@ -122,8 +122,8 @@ def register() -> None:
 
 
 # The prefill's SDPA kernels, cuDNN's left out: cuDNN builds an execution graph for every new shape (tens of
-# milliseconds on the host, the device idle meanwhile) and a prefill's width is the batch's longest prompt, new
-# at almost every rollout. The memory-efficient kernel takes the 4-D mask with no per-shape set-up (flash, first
+# milliseconds on the host, the device idle meanwhile) and a prefill's shape (the chunk's distinct prompts by
+# its longest prompt) is new at almost every rollout. The memory-efficient kernel takes the 4-D mask with no per-shape set-up (flash, first
 # in the list, takes none: it serves a maskless call); math is the fallback everywhere.
 PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
