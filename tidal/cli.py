@@ -6,7 +6,7 @@
                                  (--assume-gpus N --assume-gpu-memory 80GiB plan for a machine you are not on)
     tidal export --load CKPT --out DIR [flags]   write a Hugging Face model folder from a checkpoint
     tidal serve [flags] [--host H] [--port P] [--api-key K]   the engine as an HTTP server (SGLang's API + OpenAI's)
-    tidal bench NAME [args]      benchmarks: memory, weight-sync, delta-codec, rollout, sampling, trainer, reward-curve, serve, multiturn, async, startup
+    tidal bench NAME [args]      benchmarks: memory, weight-sync, delta-codec, rollout, sampling, attention, trainer, reward-curve, serve, multiturn, async, startup
 
 User errors (bad flags, missing files, impossible combinations) print one line and exit with code 2.
 """
@@ -29,6 +29,7 @@ BENCHES = {
     "trainer": "tidal.bench.trainer",
     "rollout": "tidal.bench.rollout",
     "sampling": "tidal.bench.sampling",
+    "attention": "tidal.bench.attention",
     "reward-curve": "tidal.bench.reward_curve",
     "serve": "tidal.bench.serve",
     "multiturn": "tidal.bench.multiturn",

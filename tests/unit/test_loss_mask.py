@@ -15,7 +15,7 @@ from tidal.rollout.orchestrate import policy_masks
 from tidal.rollout.types import Sample, Turn
 from tidal.trainer.microbatch import MicroBatch
 from tidal.trainer.objective import RolloutObjective
-from tidal.trainer.step import check_samples, token_stats
+from tidal.trainer.step import TRAIN_SDPA, check_samples, token_stats
 
 CPU = torch.device("cpu")
 
@@ -109,6 +109,13 @@ def test_logits_at_trained_positions_only_give_the_same_loss_and_gradients():
     original = masking_utils.find_packed_sequence_indices
     handle = model.lm_head.register_forward_hook(head_rows)
     masking_utils.find_packed_sequence_indices = lambda *a: checks.append(1)
+    # SDPA's kernels in the trainer's order inside its model calls (cuDNN after flash and memory-efficient: it
+    # builds a graph per new shape); the process default outside.
+    orders = []
+    attn = model.model.layers[0].self_attn.register_forward_hook(
+        lambda *_: orders.append(torch._C._get_sdp_priority_order()[:4])
+    )
+    default = torch._C._get_sdp_priority_order()
     for trained_only in (False, True):
         model.zero_grad(set_to_none=True)
         logp, ent = token_stats(model, mb, entropy=True, entropy_grad=True, compile=False, trained_only=trained_only)
@@ -119,8 +126,10 @@ def test_logits_at_trained_positions_only_give_the_same_loss_and_gradients():
         loss.backward()
         out[trained_only] = (logp, ent, loss, {n: p.grad.clone() for n, p in model.named_parameters()})
     handle.remove()
+    attn.remove()
     masking_utils.find_packed_sequence_indices = original
     assert checks == []
+    assert orders == [[int(b) for b in TRAIN_SDPA]] * 2 and torch._C._get_sdp_priority_order() == default
     assert seen == [mb.input_ids.shape, (mb.num_response_tokens,)]  # [B, T] rows, then the 5 trained ones
     (lp_all, ent_all, loss_all, g_all), (lp, ent, loss, g) = out[False], out[True]
     m = mb.mask

@@ -33,6 +33,7 @@ from tidal.algos.losses import aggregate_sum
 from tidal.algos.objectives import value_loss
 from tidal.config.schema import AlgorithmConfig, TrainerConfig
 from tidal.trainer.schedule import LRSchedule
+from tidal.trainer.step import model_call
 from tidal.trainer.weights import local_shard
 
 PREFIX = "critic."
@@ -94,7 +95,8 @@ class Critic:
 
     def values(self, input_ids: Tensor) -> Tensor:
         """Values[B, T-1] (fp32) of every position but the last, aligned with the policy's log-probs."""
-        out = self.model(input_ids=input_ids, use_cache=False).logits
+        with model_call():
+            out = self.model(input_ids=input_ids, use_cache=False).logits
         return out[:, :-1, 0].float()
 
     def loss(

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tidal.compile_cache import compile_seconds
 from tidal.errors import UserError
@@ -27,6 +28,12 @@ log = logging.getLogger(__name__)
 
 # Token-weighted loss terms summed per rollout (each micro-batch adds mean * response tokens).
 LOSS_KEYS = ("pg_loss", "kl", "entropy", "clipfrac", "ratio_mean")
+# SDPA's kernels for the trainer's model calls, in priority order: cuDNN's after flash and memory-efficient.
+# cuDNN builds an execution graph for every new shape, forward and backward: ~120 ms a new sequence length on an
+# H100 (docs/benchmarks.md, round seven), and a micro-batch's shape (its rows by its longest row) follows the
+# responses' lengths, new at almost every micro-batch of a real run. Flash runs the same causal, maskless call
+# with no per-shape set-up.
+TRAIN_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH)
 
 
 def token_stats(
@@ -59,12 +66,20 @@ def token_stats(
 
     if trained_only:
         return _trained_token_stats(model, mb, entropy, entropy_grad, compile)
-    with unpacked_rows():
+    with model_call():
         logits = model(input_ids=mb.input_ids, use_cache=False).logits
     if entropy:
         logp, ent = token_logprobs_and_entropy(logits, mb.next_ids, with_entropy_grad=entropy_grad, compile=compile)
         return logp[:, :-1], ent[:, :-1]
     return token_logprobs(logits, mb.next_ids, compile=compile)[:, :-1], None
+
+
+@contextlib.contextmanager
+def model_call() -> Iterator[None]:
+    """Where the trainer calls its model: transformers' packed-row check skipped (``unpacked_rows``) and SDPA's
+    kernels tried in ``TRAIN_SDPA``'s order (the backward runs the kernel its forward chose)."""
+    with unpacked_rows(), sdpa_kernel(list(TRAIN_SDPA), set_priority=True):
+        yield
 
 
 @contextlib.contextmanager
@@ -122,7 +137,7 @@ def _trained_token_stats(model, mb: MicroBatch, entropy: bool, entropy_grad: boo
 
     handle = model.get_output_embeddings().register_forward_pre_hook(rows_only)
     try:
-        with unpacked_rows():
+        with model_call():
             logits = model(input_ids=mb.input_ids, use_cache=False).logits
     finally:
         handle.remove()
