@@ -60,3 +60,18 @@ def test_the_trainer_bench_prints_its_share_of_the_peak(capsys):
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["matmul_tflops"] > 0 and row["train_floor_s"] > 0
     assert 0 < row["train_peak_fraction"] <= 1  # floor / train_s: the train call cannot beat the measured peak
+
+
+def test_the_trainer_bench_draws_new_response_lengths_and_sets_the_attention_order(capsys, monkeypatch):
+    from tidal.bench import trainer as bench
+    from tidal.trainer import step
+
+    monkeypatch.setattr(step, "TRAIN_SDPA", step.TRAIN_SDPA)  # the bench's cudnn-first order is undone after
+    argv = ["--samples", "6", "--prompt-len", "4", "--response-len", "12", "--response-len-min", "3"]
+    assert bench.main([*argv, "--attention-order", "cudnn-first"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    lo, hi = row["response_lens"]
+    assert 3 <= lo < hi <= 12 and row["attention_order"] == "cudnn-first"
+    assert step.TRAIN_SDPA[0] == torch.nn.attention.SDPBackend.CUDNN_ATTENTION and len(set(step.TRAIN_SDPA)) == 4
+    assert bench.main([*argv[:-1], "13"]) == 2  # a minimum above the maximum
+    assert "--response-len-min 13" in capsys.readouterr().err

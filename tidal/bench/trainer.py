@@ -37,6 +37,11 @@ One rank in this process (a 1-rank FSDP2 group; the code path of every rank). Pr
                              transfer of its metrics at the end is expected, anything per micro-batch
                              stalls the queue of kernels
 
+``--response-len-min N`` draws each response's length in ``[N, --response-len]`` anew for every call, so the
+measured call meets micro-batch shapes the warm-up did not (as a real run does at every step), and
+``--attention-order cudnn-first`` puts cuDNN's SDPA kernel before the trainer's own order
+(``tidal.trainer.step.TRAIN_SDPA``): the two side by side show what a kernel's per-shape set-up costs a train call.
+
 With ``--profile`` one more train call (after the measured one) runs under torch.profiler: a table of
 kernels by device time (operators by CPU time on the CPU) on stderr and a second JSON line,
 ``{"profile": "train", ...}``, with the total, the split by kernel category and the top kernels (``tidal.profiling``).
@@ -49,6 +54,7 @@ import json
 import os
 import random
 import socket
+import sys
 import tempfile
 import time
 
@@ -64,18 +70,20 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _samples(n: int, plen: int, rlen: int, vocab: int, seed: int = 0):
+def _samples(n: int, plen: int, rlen: int, vocab: int, seed: int = 0, rlen_min: int | None = None):
+    """``n`` samples of random tokens; responses of ``rlen`` tokens, or drawn in ``[rlen_min, rlen]`` (per seed)."""
     from tidal.rollout.types import Sample
 
     rng = random.Random(seed)
     hi = min(vocab - 1, 48) if vocab <= 64 else vocab - 1
+    lens = [rlen if rlen_min is None else rng.randint(rlen_min, rlen) for _ in range(n)]
     return [
         Sample(
             index=i,
             group=i // 4,
             prompt="",
             prompt_ids=[rng.randint(4, hi) for _ in range(plen)],
-            response_ids=[rng.randint(4, hi) for _ in range(rlen)],
+            response_ids=[rng.randint(4, hi) for _ in range(lens[i])],
             advantage=1.0 if i % 2 else -1.0,
         )
         for i in range(n)
@@ -156,6 +164,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=24)
     ap.add_argument("--response-len", type=int, default=16)
+    ap.add_argument(
+        "--response-len-min",
+        type=int,
+        default=None,
+        help="responses drawn in [this, --response-len], new lengths at every call (a real run's micro-batch shapes)",
+    )
+    ap.add_argument(
+        "--attention-order",
+        default="trainer",
+        choices=("trainer", "cudnn-first"),
+        help="SDPA's kernel order in the model calls: the trainer's (tidal.trainer.step.TRAIN_SDPA) or cuDNN's first",
+    )
     ap.add_argument("--max-tokens-per-gpu", type=int, default=4096)
     ap.add_argument(
         "--recompute-logprobs",
@@ -245,6 +265,20 @@ def main(argv: list[str] | None = None) -> int:
     from tidal.algos import logprobs
 
     args = _parse(argv)
+    if args.response_len_min is not None and not 1 <= args.response_len_min <= args.response_len:
+        print(
+            f"--response-len-min {args.response_len_min}: give 1 to --response-len ({args.response_len})",
+            file=sys.stderr,
+        )
+        return 2
+    if args.attention_order == "cudnn-first":
+        from torch.nn.attention import SDPBackend
+
+        from tidal.trainer import step
+
+        step.TRAIN_SDPA = (SDPBackend.CUDNN_ATTENTION,) + tuple(
+            b for b in step.TRAIN_SDPA if b != SDPBackend.CUDNN_ATTENTION
+        )
     if args.logprob_chunk_elems is not None:
         logprobs.COMPILED_CHUNK_ELEMS = args.logprob_chunk_elems
     logprobs.BLOCKED_FORWARD = args.logprob_forward == "blocked"
@@ -253,11 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     actor = _trainer(args)
     info = actor.init()
     vocab = actor.model.config.vocab_size
-    samples = _samples(args.samples, args.prompt_len, args.response_len, vocab)
+    samples = _samples(args.samples, args.prompt_len, args.response_len, vocab, rlen_min=args.response_len_min)
     t_first = time.perf_counter()
     first = actor.train(samples, 0)  # warm-up: allocator, optimizer state, compiling
     first_s = time.perf_counter() - t_first
-    batch = _samples(args.samples, args.prompt_len, args.response_len, vocab, seed=1)
+    batch = _samples(args.samples, args.prompt_len, args.response_len, vocab, seed=1, rlen_min=args.response_len_min)
     m = actor.train(batch, 1)
     # The measured figures at once (the full row comes at the end, after the limit, pause and save), so that a
     # run cut short by a time limit still reports them.
@@ -276,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         syncs, sync_sites = _host_syncs(lambda: later.append(actor.train(batch, 3)))
     limit = _limit_tokens_per_s(actor, samples)
     tflops = roofline.matmul_tflops(torch.device(args.device), actor.compute_dtype)
-    floor_s = roofline.train_flops(roofline.Shape.of(actor.model), [(args.prompt_len, args.response_len)] * len(batch))
+    floor_s = roofline.train_flops(
+        roofline.Shape.of(actor.model), [(len(x.prompt_ids), len(x.response_ids)) for x in batch]
+    )
     floor_s /= tflops * 1e12
 
     p = actor.pause().metrics
@@ -289,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         "params": info["num_params"],
         "tokens": m["tokens"],
         "compile_layers": args.compile_layers,
+        "response_lens": [min(len(x.response_ids) for x in batch), max(len(x.response_ids) for x in batch)],
+        "attention_order": args.attention_order,
         "adamw": "fused" if actor.optimizer.defaults.get("fused") else "foreach",
         "logprob_chunk_elems": logprobs.COMPILED_CHUNK_ELEMS,
         "logprob_forward": args.logprob_forward,
