@@ -123,8 +123,8 @@ def register() -> None:
 
 # The prefill's SDPA kernels, cuDNN's left out: cuDNN builds an execution graph for every new shape (tens of
 # milliseconds on the host, the device idle meanwhile) and a prefill's shape (the chunk's distinct prompts by
-# its longest prompt) is new at almost every rollout. The memory-efficient kernel takes the 4-D mask with no per-shape set-up (flash, first
-# in the list, takes none: it serves a maskless call); math is the fallback everywhere.
+# its longest prompt) is new at almost every rollout. The memory-efficient kernel takes the 4-D mask with no
+# per-shape set-up (flash, first in the list, takes no mask: it serves a maskless call); math is the fallback.
 PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
