@@ -261,29 +261,37 @@ def _save_figures(actor) -> tuple[dict, float, float]:
     return s, save_s, write_s
 
 
-def main(argv: list[str] | None = None) -> int:
+def _apply_knobs(args: argparse.Namespace) -> bool:
+    """Check the length range and set the module-level kernel choices the flags name; False: bad input (said)."""
     from tidal.algos import logprobs
 
-    args = _parse(argv)
     if args.response_len_min is not None and not 1 <= args.response_len_min <= args.response_len:
         print(
             f"--response-len-min {args.response_len_min}: give 1 to --response-len ({args.response_len})",
             file=sys.stderr,
         )
-        return 2
+        return False
     if args.attention_order == "cudnn-first":
         from torch.nn.attention import SDPBackend
 
         from tidal.trainer import step
 
-        step.TRAIN_SDPA = (SDPBackend.CUDNN_ATTENTION,) + tuple(
-            b for b in step.TRAIN_SDPA if b != SDPBackend.CUDNN_ATTENTION
-        )
+        cudnn = SDPBackend.CUDNN_ATTENTION
+        step.TRAIN_SDPA = (cudnn,) + tuple(b for b in step.TRAIN_SDPA if b != cudnn)
     if args.logprob_chunk_elems is not None:
         logprobs.COMPILED_CHUNK_ELEMS = args.logprob_chunk_elems
     logprobs.BLOCKED_FORWARD = args.logprob_forward == "blocked"
     logprobs.ROWWISE_BACKWARD = args.logprob_backward == "rowwise"
     logprobs.BOUNDED_ROWS = args.logprob_bounded_rows
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tidal.algos import logprobs
+
+    args = _parse(argv)
+    if not _apply_knobs(args):
+        return 2
     actor = _trainer(args)
     info = actor.init()
     vocab = actor.model.config.vocab_size
