@@ -155,7 +155,10 @@ def profile_call(request: ProfileRequest, fn: Callable[[], Any], device: str) ->
     os.makedirs(request.dir, exist_ok=True)
     base = os.path.join(request.dir, request.label)
     out, summary = profiled(fn, device, request.label, row_limit=0, trace=f"{base}.trace.json")
-    summary.phases = trace_phases(f"{base}.trace.json")
+    try:
+        summary.phases = trace_phases(f"{base}.trace.json")
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # a profile never stops the run: say why in it
+        summary.phases = {"unreadable_trace": {"error": f"{type(exc).__name__}: {exc}"[:200]}}
     write_text_atomic(f"{base}.json", json.dumps(summary.as_dict(), indent=1) + "\n")
     return out
 

@@ -56,3 +56,15 @@ def test_device_busy_is_the_union_of_kernels_clipped_to_the_phase(tmp_path):
     phase = trace_phases(str(path))["tidal.prefill"]
     assert phase["wall_s"] == 100e-6 and abs(phase["device_busy_s"] - 30e-6) < 1e-12, phase
     assert [n for n, _ in phase["longest_ops"]] == ["aten::slow", "aten::fast"]
+
+
+def test_an_unreadable_trace_leaves_the_call_and_its_summary_standing(tmp_path, monkeypatch):
+    import tidal.profiling as profiling
+
+    def broken(path, top=3):
+        raise ValueError("not a trace")
+
+    monkeypatch.setattr(profiling, "trace_phases", broken)
+    assert profile_call(ProfileRequest(str(tmp_path), "x"), lambda: 3, "cpu") == 3
+    summary = json.load(open(tmp_path / "x.json"))
+    assert summary["phases"] == {"unreadable_trace": {"error": "ValueError: not a trace"}}
