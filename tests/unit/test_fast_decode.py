@@ -619,3 +619,27 @@ def test_fast_bench_runs_its_cpu_cases(capsys):
     pre = rows["fast-prefill"]
     assert (pre["rows"], pre["prefill_rows_shared"], pre["speedup_limit"]) == (12, 3, 4)
     assert pre["prefill_s_shared"] > 0 and pre["prefill_s_every_row"] > 0 and pre["speedup"] > 0
+
+
+def test_compiled_pieces_specialised_per_batch_bucket_give_the_same_tokens(models):
+    """compile_dynamic=False (the fast bench's --compile-static): each compiled piece gets a graph per batch bucket
+    the wave visits (compaction takes it through several), past Dynamo's default recompile limit, with the same
+    greedy tokens as the uncompiled decoder."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = models["tiny-qwen2"]
+    prompts = _prompts(48, seed=9)
+    limits = [2 + i for i in range(48)]  # rows end one after another: buckets 48, 32, 24, 16, 12, 8, 4, 2, 1
+    dec = FastDecoder(model, max_batch=48, max_seq_len=64, fused=True, check_every=1, compile_dynamic=False)
+    dec._fused.set_compiled(True, backend="aot_eager")
+    res = dec.generate(prompts, max_new_tokens=limits, temperature=0)
+    ref = FastDecoder(model, max_batch=48, max_seq_len=64, check_every=1).generate(
+        prompts, max_new_tokens=limits, temperature=0
+    )
+    assert res.tokens == ref.tokens and _max_diff(res.logprobs, ref.logprobs) < 1e-5
+    buckets = {b for b, _, _ in res.stats["buckets"]}
+    assert len(buckets) > 8 and dec.compile_fallback_reason is None  # more than Dynamo's default limit
+    assert counters["stats"]["unique_graphs"] == 3 * len(buckets)  # enter, between, leave: one per bucket each
+    torch._dynamo.reset()

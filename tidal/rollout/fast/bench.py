@@ -30,6 +30,10 @@ decoder, with the hardware's floor beside it). One JSON line per configuration:
 - ``fast-recapture``: after ``release()`` (what a memory backend that moves buffers forces), the
   next call's capture time (``capture_s``) against a warm call: the price of recapturing graphs.
 
+``--compile-static`` compiles the decode step's pieces and sampler per batch bucket, each specialised to its
+size, instead of one dynamic graph for all buckets (the decoder's default): the compiled cases then say what
+the dynamic shapes cost the kernels (the ``environment`` line records which ran).
+
 A first ``environment`` line gives versions, the GPU and the weights' size. Every other line has
 ``hf_generate_tokens_per_s`` measured in the same run, ``cuda_graphs`` and
 ``fallback_reason`` (why graphs are off, when they are), and the decoder's step statistics; each case that
@@ -211,6 +215,7 @@ class _Run:
             fused=args.fused,
             decode_attention=args.decode_attention,
             sampler_noise=args.sampler_noise,
+            compile_dynamic=not args.compile_static,
         )
         opts.update(kw)
         return FastDecoder(self.model, **opts)
@@ -234,6 +239,7 @@ def _environment(run: _Run) -> dict:
         "gpu_total_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0,
         "weights_bytes": sum(p.numel() * p.element_size() for p in run.model.parameters()),
         "rows": len(run.prompts),
+        "compile_static": run.args.compile_static,
     }
 
 
@@ -514,6 +520,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         help="with flex, repeatable: JSON kernel options for flex_attention (or a list of them); each fixed case "
         "runs once per set, e.g. --flex-kernel-options {} --flex-kernel-options '{\"num_warps\":4}'",
+    )
+    p.add_argument(
+        "--compile-static",
+        action="store_true",
+        help="compiled cases: a graph per batch bucket specialised to its size (default: one dynamic graph for all)",
     )
     p.add_argument("--fp32-rows", type=int, default=64, help="rows checked against an fp32 teacher-forced pass")
     p.add_argument(

@@ -56,7 +56,7 @@ import torch
 
 from tidal.errors import UserError
 from tidal.rollout.fast import attention
-from tidal.rollout.fast.flex_decode import FlexDecode
+from tidal.rollout.fast.flex_decode import RECOMPILES, FlexDecode, recompile_limit_name
 from tidal.rollout.fast.fused import FusedDecodeForward, unsupported_reason
 from tidal.rollout.fast.graphs import GraphSet
 from tidal.rollout.fast.prefix import (
@@ -138,6 +138,7 @@ class FastDecoder:
         flex_kernel_options: dict | None = None,
         sampler_noise: str = "buffer",
         share_prompts: bool = True,
+        compile_dynamic: bool = True,
     ) -> None:
         reason = attention.check_supported(model)
         if reason is not None:
@@ -184,21 +185,25 @@ class FastDecoder:
         )
         # torch.compile of the decode step's model forward (attention stays eager: it writes the
         # cache in place) and of the sampling core: fewer, fused kernels inside each captured graph.
+        # compile_dynamic: one graph per compiled piece for every batch bucket (rows symbolic); off, a graph per
+        # bucket, each specialised to its size (for comparing the two: the fast bench's --compile-static).
         self.compile_fallback_reason: str | None = None
         self._compiled_forward = None
+        self._dynamic = compile_dynamic
         self._samplers(sampler_noise, compile)
         self._fused: FusedDecodeForward | None = None
         self.fused_fallback_reason: str | None = None
         if fused:
             self.fused_fallback_reason = unsupported_reason(model)
             if self.fused_fallback_reason is None:
-                self._fused = FusedDecodeForward(model, compile=compile)
+                self._fused = FusedDecodeForward(model, compile=compile, dynamic=compile_dynamic)
             else:
                 log.info("fast decode: projections not fused (%s)", self.fused_fallback_reason)
         if compile:
             attention.register()
             # The fused forward compiles its own pieces between the attention calls (one graph each).
-            self._compiled_forward = torch.compile(self._forward_logits, dynamic=True) if self._fused is None else None
+            fwd = torch.compile(self._forward_logits, dynamic=compile_dynamic)
+            self._compiled_forward = fwd if self._fused is None else None
         if not cuda_graphs and self.graphs.enabled:
             self.graphs.enabled = False
             self.graphs.fallback_reason = "turned off"
@@ -612,6 +617,13 @@ class FastDecoder:
 
     def _step(self, bs: int, kv_len: int, mode: SamplingMode) -> None:
         """One decode step of slots ``[0, bs)`` attending to ``kv_len`` columns; static buffers only."""
+        if self._dynamic:
+            return self._step_body(bs, kv_len, mode)
+        # Compiled per batch bucket: up to one graph per bucket for each piece, more than Dynamo's default limit.
+        with torch._dynamo.config.patch(**{recompile_limit_name(): RECOMPILES}):
+            return self._step_body(bs, kv_len, mode)
+
+    def _step_body(self, bs: int, kv_len: int, mode: SamplingMode) -> None:
         mask, block_mask = self._step_mask(bs, kv_len)
         ctx = attention.AttnContext(
             cache=self.cache,
@@ -690,14 +702,15 @@ class FastDecoder:
         compiled ``plain_core`` (greedy and unfiltered with a noise buffer) and ``drawn_core`` for drawn;
         ``blocked_core`` for blocks, compiled or not, where a block size divides the vocabulary (else the
         buffer, with ``sampler_fallback_reason``)."""
-        self._fused_sampler = torch.compile(plain_core, dynamic=True) if compile else None
-        self._drawn_sampler = torch.compile(drawn_core, dynamic=True) if compile and noise == "drawn" else None
+        dyn = self._dynamic
+        self._fused_sampler = torch.compile(plain_core, dynamic=dyn) if compile else None
+        self._drawn_sampler = torch.compile(drawn_core, dynamic=dyn) if compile and noise == "drawn" else None
         self._blocked_sampler = None
         self.sampler_fallback_reason: str | None = None
         if noise == "blocks":
             vocab = int(self.config.vocab_size)
             if vocab_block(vocab):
-                self._blocked_sampler = torch.compile(blocked_core, dynamic=True) if compile else blocked_core
+                self._blocked_sampler = torch.compile(blocked_core, dynamic=dyn) if compile else blocked_core
             else:
                 self.sampler_fallback_reason = f"no block of 32-256 words divides the vocabulary ({vocab})"
                 log.info("fast decode: sampler noise blocks off (%s)", self.sampler_fallback_reason)

@@ -32,7 +32,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 BLOCK = 64  # KV columns per sparse block: what a row reads past its last written column is < BLOCK
 _Q_BLOCK = 128  # the query side is one block (the query length is the GQA group, < 128)
-_RECOMPILES = 64  # one compile per batch bucket (up to 16 for 512 rows), with room to spare
+RECOMPILES = 64  # one compile per batch bucket (up to 16 for 512 rows), with room to spare
 # What the decode mask guarantees, told to the kernel: each row's blocks are consecutive
 # (``decode_blocks``), so the next one is the current one plus one, without reading the list.
 # (ROWS_GUARANTEED_SAFE is left off: a kernel tile smaller than a block may start in a row's padding.)
@@ -118,10 +118,10 @@ class FlexDecode:
         k and v ``[rows, heads, kv_len, dim]`` with the same number of heads."""
         if not self.compiled:
             return self._fn(q, k, v, block_mask=block_mask, scale=scale, kernel_options=self.kernel_options)
-        with torch._dynamo.config.patch(**{_limit_name(): _RECOMPILES}):
+        with torch._dynamo.config.patch(**{recompile_limit_name(): RECOMPILES}):
             return self._fn(q, k, v, block_mask=block_mask, scale=scale, kernel_options=self.kernel_options)
 
 
-def _limit_name() -> str:
+def recompile_limit_name() -> str:
     """The dynamo setting that caps recompiles of one function (renamed from ``cache_size_limit``)."""
     return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"

@@ -80,7 +80,7 @@ def _stack_shapes(parts: list[torch.nn.Linear]) -> tuple[tuple[int, int], bool]:
 class FusedDecodeForward:
     """Last-position logits of one decode step, with stacked q/k/v and gate/up weights (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, *, compile: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, *, compile: bool = False, dynamic: bool = True) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"fused decode cannot run this model: {reason}")
@@ -96,13 +96,15 @@ class FusedDecodeForward:
         self._qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._gate_up: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.compiled = False
+        self.dynamic = dynamic
         self.set_compiled(compile)
 
     def set_compiled(self, on: bool, backend: str = "inductor") -> None:
-        """Run the three pieces through ``torch.compile`` (``dynamic=True``: one graph each serves every
-        batch bucket and every layer, whose weights are arguments) or eagerly."""
+        """Run the three pieces through ``torch.compile`` or eagerly. Dynamic (the default): one graph each
+        serves every batch bucket and every layer, whose weights are arguments; else one graph per batch bucket
+        (still every layer), specialised to its size."""
         self.compiled = bool(on)
-        wrap = (lambda f: torch.compile(f, dynamic=True, backend=backend)) if on else (lambda f: f)
+        wrap = (lambda f: torch.compile(f, dynamic=self.dynamic, backend=backend)) if on else (lambda f: f)
         self._enter, self._between, self._leave = wrap(_enter), wrap(_between), wrap(_leave)
 
     def _groups(self) -> list[tuple[list[torch.nn.Linear], list[torch.nn.Linear]]]:
