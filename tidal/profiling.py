@@ -11,7 +11,8 @@ stderr, the summary is one JSON-able dict (the benchmark prints it on stdout).
 ``profile_call`` is the same for a training run's own calls (``--profile-rollouts``): an engine's generate
 or the trainer's train of the rollouts named, each writing its summary and a Chrome trace into the run
 directory's ``profiles/``, so that a phase is seen as it runs in the loop, beside the other actors. Its
-summary adds ``phases``: per ``record_function`` label of tidal's own (``tidal.prefill``, ``tidal.decode``), the
+summary adds ``phases``: per ``record_function`` label of tidal's own (the decoder's ``tidal.prefill`` and
+``tidal.decode``, the trainer's ``tidal.old_logprobs``, ``tidal.micro_batch`` and ``tidal.optimizer``), the
 wall, the device's busy time inside it and the longest operators, read back from the trace
 (``trace_phases``), so a phase that waits on the host says so, and on what, without opening the trace.
 """
@@ -163,7 +164,7 @@ def profile_call(request: ProfileRequest, fn: Callable[[], Any], device: str) ->
     return out
 
 
-PHASE_PREFIX = "tidal."  # record_function labels of the code's own phases (the decoder's prefill and decode loop)
+PHASE_PREFIX = "tidal."  # record_function labels of the code's own phases (decoder and trainer)
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 

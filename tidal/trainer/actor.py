@@ -273,7 +273,8 @@ class TrainerActor(Trainer):
         old_from_train_pass = len(steps) == 1 and not self.cfg.recompute_logprobs
         sums = RolloutSums(self.device)
         objective = RolloutObjective(self.algo, self.device, self.custom_correction)
-        self._old_logprobs(steps, sums, objective, recompute=not old_from_train_pass)
+        with torch.profiler.record_function("tidal.old_logprobs"):  # labels of --profile-rollouts' phases
+            self._old_logprobs(steps, sums, objective, recompute=not old_from_train_pass)
         clock.recompute_s = time.perf_counter() - clock.start
         for mbs in steps:
             step_s, clock.lr = self._optimizer_step(mbs, sums, objective, old_from_train_pass)
@@ -380,35 +381,41 @@ class TrainerActor(Trainer):
         for k, mb in enumerate(mbs):
             if self.one_rank_fsdp:
                 self.model.set_requires_gradient_sync(k == len(mbs) - 1)
-            # The current policy's entropy comes from the same pass as the log-probs: a gradient
-            # only for an entropy bonus, otherwise a detached metric.
-            logprobs, ent = token_stats(self.model, mb, entropy=True, entropy_grad=entropy_grad, **self._stats_kw)
-            if old_from_train_pass:
-                old = logprobs.detach().float()
-                sums.engine_diff(mb, old)
-                objective.prepare(mb, old)
-            loss, m = objective.loss(mb, logprobs, ent, normalizer)
-            with self.memory.region(StateClass.GRADS):
-                loss.backward()
-            del logprobs, ent, loss
+            with torch.profiler.record_function("tidal.micro_batch"):
+                self._micro_batch(mb, sums, objective, old_from_train_pass, entropy_grad, normalizer, global_norm)
+        with torch.profiler.record_function("tidal.optimizer"):
+            max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else float("inf")
+            clip = clip_one_rank if self.one_rank_fsdp else torch.nn.utils.clip_grad_norm_
+            sums.add_grad_norm(clip(self.params, max_norm=max_norm))
+            lr = self.schedule.apply(self.optimizer)
+            t_opt = time.perf_counter()
+            # Outside any region, so the step's temporaries are not backed up; the state its first step creates
+            # is moved into OPTIMIZER afterwards (tidal.memory.home).
+            self.optimizer.step()
             if self.critic is not None:
-                objective.critic_backward(mb, self.critic, normalizer, self.memory.region(StateClass.GRADS))
-            sums.add_loss(mb, m, global_norm)
-        max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else float("inf")
-        clip = clip_one_rank if self.one_rank_fsdp else torch.nn.utils.clip_grad_norm_
-        sums.add_grad_norm(clip(self.params, max_norm=max_norm))
-        lr = self.schedule.apply(self.optimizer)
-        t_opt = time.perf_counter()
-        # Outside any region, so the step's temporaries are not backed up; the state its first step creates
-        # is moved into OPTIMIZER afterwards (tidal.memory.home).
-        self.optimizer.step()
-        if self.critic is not None:
-            objective.critic_step(self.critic)
-        self.optimizer_home.adopt(self._optimizer_tensors())
-        step_s = time.perf_counter() - t_opt
+                objective.critic_step(self.critic)
+            self.optimizer_home.adopt(self._optimizer_tensors())
+            step_s = time.perf_counter() - t_opt
         self.schedule.advance()
         self.optimizer.zero_grad(set_to_none=True)
         return step_s, lr
+
+    def _micro_batch(self, mb, sums, objective, old_from_train_pass: bool, entropy_grad: bool, normalizer, global_norm):
+        """One micro-batch of an optimizer step: forward (log-probs and entropy), loss, backward (and the critic's)."""
+        # The current policy's entropy comes from the same pass as the log-probs: a gradient
+        # only for an entropy bonus, otherwise a detached metric.
+        logprobs, ent = token_stats(self.model, mb, entropy=True, entropy_grad=entropy_grad, **self._stats_kw)
+        if old_from_train_pass:
+            old = logprobs.detach().float()
+            sums.engine_diff(mb, old)
+            objective.prepare(mb, old)
+        loss, m = objective.loss(mb, logprobs, ent, normalizer)
+        with self.memory.region(StateClass.GRADS):
+            loss.backward()
+        del logprobs, ent, loss
+        if self.critic is not None:
+            objective.critic_backward(mb, self.critic, normalizer, self.memory.region(StateClass.GRADS))
+        sums.add_loss(mb, m, global_norm)
 
     # ---- memory ---------------------------------------------------------------------------------
     def _free_transients(self) -> None:
