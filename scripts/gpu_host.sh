@@ -6,7 +6,7 @@
 #
 #   bash scripts/gpu_host.sh STEP ...
 #
-# Steps: env, tests, speed (issue 20's figures in one call), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-static (the compiled decode step dynamic or per batch bucket), trainer-shapes (bench trainer at new shapes, both attention orders), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
+# Steps: env, tests, speed (issue 20's figures in one call), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled decode step as it is, per batch bucket, with the pieces writing the cache), trainer-shapes (bench trainer at new shapes, both attention orders), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
 # bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, bench-async-mps, profile-ipc, megatron (or its halves megatron-loop, megatron-state; megatron-2gpu: TP/PP = 2 on a two-GPU host), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); STARTUP05_RUNS, STARTUP05_ARGS, STARTUP05_TAG (startup-0.5b: its runs share one fresh compile cache, so the first is cold and the rest warm); MEM_GIB, MEM_CYCLES, MEM100_GIB
@@ -92,10 +92,11 @@ for s in "$@"; do
     train-0.5b)
       run train-0.5b${TRAIN05_TAG:-} 200 python3 -m tidal.cli train --no-progress --preset qwen2.5-0.5b-1gpu --num-rollout ${TRAIN05_ROLLOUTS:-5} --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-0.5b${TRAIN05_TAG:-}" ${TRAIN05_ARGS:-}
       steps_table "$OUT/run-0.5b${TRAIN05_TAG:-}/metrics.jsonl" ;;
-    decode-static)
-      # The preset's compiled decode step with one dynamic graph per piece (the default) and with a graph per batch
-      # bucket specialised to its size, at fixed and variable lengths.
-      for tag in dynamic static; do extra=""; [ $tag = static ] && extra=--compile-static
+    decode-experiments)
+      # The preset's compiled decode step as it is (one dynamic graph per piece, the cache written by two eager
+      # index_copy a layer), with a graph per batch bucket specialised to its size, and with the pieces writing the
+      # cache; at fixed and variable lengths.
+      for tag in default static kvwrite; do extra=""; [ $tag = static ] && extra=--compile-static; [ $tag = kvwrite ] && extra=--fused-kv-write
         TAIL=3 FAST_CASES=fast-compiled,fast-varlen-compiled FAST_ARGS="--fused --decode-attention flex --sampler-noise blocks --skip-hf $extra" FAST_TAG=-$tag bash "$0" bench-fast; done ;;
     bench-attention) TAIL=4 run bench-attention 120 python3 -m tidal.bench.attention ;;
     trainer-shapes)

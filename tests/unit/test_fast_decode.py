@@ -643,3 +643,45 @@ def test_compiled_pieces_specialised_per_batch_bucket_give_the_same_tokens(model
     assert len(buckets) > 8 and dec.compile_fallback_reason is None  # more than Dynamo's default limit
     assert counters["stats"]["unique_graphs"] == 3 * len(buckets)  # enter, between, leave: one per bucket each
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_pieces_that_write_the_cache_give_the_same_tokens(models, compiled):
+    """FusedDecodeForward(write_kv=True) (the fast bench's --fused-kv-write): each piece writes the keys and values
+    it computed and the attention call only reads; greedy tokens and log-probs as the uncompiled decoder's,
+    compaction included. Compiled through ``aot_eager`` (what inductor would compile, no C++ compiler)."""
+    torch._dynamo.reset()
+    model = models["tiny-qwen2"]
+    prompts = _prompts(12, seed=11)
+    limits = [3 + (i % 6) for i in range(12)]
+    dec = FastDecoder(model, max_batch=12, max_seq_len=48, fused=True, check_every=2, fused_kv_write=True)
+    if compiled:
+        dec._fused.set_compiled(True, backend="aot_eager")
+    res = dec.generate(prompts, max_new_tokens=limits, temperature=0)
+    ref = FastDecoder(model, max_batch=12, max_seq_len=48, check_every=2).generate(
+        prompts, max_new_tokens=limits, temperature=0
+    )
+    assert res.tokens == ref.tokens and _max_diff(res.logprobs, ref.logprobs) < 1e-5
+    assert res.stats["compactions"] > 0
+    torch._dynamo.reset()
+
+
+def test_attention_told_the_cache_is_written_only_reads_it(models):
+    from tidal.rollout.fast import attention
+    from tidal.rollout.fast.static_cache import StaticKVCache
+
+    model = models["tiny-qwen2"]
+    dec = FastDecoder(model, max_batch=4, max_seq_len=16)
+    cache = StaticKVCache(dec.shape, 4, 16, torch.device("cpu"))
+    cache.buf.zero_()
+    attn = model.model.layers[0].self_attn
+    heads, kv, dim = model.config.num_attention_heads, model.config.num_key_value_heads, dec.shape.head_dim
+    q, k, v = torch.randn(4, heads, 1, dim), torch.randn(4, kv, 1, dim), torch.randn(4, kv, 1, dim)
+    mask = torch.zeros(4, 1, 1, 16)
+    for written in (True, False):
+        ctx = attention.AttnContext(cache=cache, decode=True, rows=4, cpos=torch.tensor([3]), kv_len=16)
+        ctx.kv_written = written
+        with attention.active(model, ctx):
+            attention.fast_attention(attn, q, k, v, mask)
+        stored = cache.keys(0)[:, :, 3:4]
+        assert torch.equal(stored, torch.zeros_like(k) if written else k)

@@ -11,7 +11,8 @@ calls the model without a transformers cache. The function then owns the KV cach
   ``[0, width)`` when an earlier part of the prompt was reused from ``tidal.rollout.fast.prefix``),
   with cuDNN's kernel left out (``prefill_kernels``: it would build a graph for every new shape);
 - decode: writes the one new key/value of every row at cache column ``ctx.cpos`` (a device tensor,
-  so a captured graph reads the current column at replay) and attends over the first
+  so a captured graph reads the current column at replay; unless ``ctx.kv_written``: the fused forward's
+  compiled piece wrote them, ``FusedDecodeForward(write_kv=True)``) and attends over the first
   ``ctx.kv_len`` columns of the batch's rows. Grouped-query heads are folded into the query
   length (``[rows, kv_heads, group, dim]``), so each key/value head is read once, never repeated
   ``group`` times in memory; the mask ``[rows, 1, 1, kv_len]`` broadcasts over the group. With
@@ -57,6 +58,7 @@ class AttnContext:
     prefill_from: int = 0  # prefill: first cache column of this pass (earlier ones hold a reused prefix)
     flex: FlexDecode | None = None  # decode through FlexAttention (kv_len is then the whole cache)
     block_mask: BlockMask | None = None  # the step's block mask, built once per step for every layer
+    kv_written: bool = False  # decode: the caller wrote this step's keys and values already (fused, write_kv)
 
 
 class _Active:
@@ -95,8 +97,9 @@ def fast_attention(
     kv_heads = key.shape[1]
     k_all = ctx.cache.keys(layer)[:rows]
     v_all = ctx.cache.values(layer)[:rows]
-    k_all.index_copy_(2, ctx.cpos, key)
-    v_all.index_copy_(2, ctx.cpos, value)
+    if not ctx.kv_written:
+        k_all.index_copy_(2, ctx.cpos, key)
+        v_all.index_copy_(2, ctx.cpos, value)
     q = query.reshape(rows, kv_heads, heads // kv_heads, dim)
     if ctx.flex is not None:
         out = ctx.flex.attend(q, k_all[:, :, : ctx.kv_len], v_all[:, :, : ctx.kv_len], ctx.block_mask, scaling)
@@ -106,6 +109,11 @@ def fast_attention(
     )
     # [rows, kv_heads, group, dim] -> [rows, 1, heads, dim], the layout transformers expects back.
     return out.reshape(rows, 1, heads, dim), None
+
+
+def current() -> AttnContext | None:
+    """The context of the forward pass running now (``active``), or None outside one."""
+    return _Active.ctx
 
 
 _registered = False

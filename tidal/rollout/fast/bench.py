@@ -30,7 +30,8 @@ decoder, with the hardware's floor beside it). One JSON line per configuration:
 - ``fast-recapture``: after ``release()`` (what a memory backend that moves buffers forces), the
   next call's capture time (``capture_s``) against a warm call: the price of recapturing graphs.
 
-``--compile-static`` compiles the decode step's pieces and sampler per batch bucket, each specialised to its
+``--fused-kv-write`` (with ``--fused``) has the compiled pieces write the cache instead of the attention call
+(``FusedDecodeForward(write_kv=True)``). ``--compile-static`` compiles the decode step's pieces and sampler per batch bucket, each specialised to its
 size, instead of one dynamic graph for all buckets (the decoder's default): the compiled cases then say what
 the dynamic shapes cost the kernels (the ``environment`` line records which ran).
 
@@ -216,6 +217,7 @@ class _Run:
             decode_attention=args.decode_attention,
             sampler_noise=args.sampler_noise,
             compile_dynamic=not args.compile_static,
+            fused_kv_write=args.fused_kv_write,
         )
         opts.update(kw)
         return FastDecoder(self.model, **opts)
@@ -240,6 +242,7 @@ def _environment(run: _Run) -> dict:
         "weights_bytes": sum(p.numel() * p.element_size() for p in run.model.parameters()),
         "rows": len(run.prompts),
         "compile_static": run.args.compile_static,
+        "fused_kv_write": run.args.fused_kv_write,
     }
 
 
@@ -525,6 +528,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--compile-static",
         action="store_true",
         help="compiled cases: a graph per batch bucket specialised to its size (default: one dynamic graph for all)",
+    )
+    p.add_argument(
+        "--fused-kv-write",
+        action="store_true",
+        help="with --fused: each compiled piece writes the keys and values it computed (one fused kernel), not "
+        "the attention call (two index_copy a layer)",
     )
     p.add_argument("--fp32-rows", type=int, default=64, help="rows checked against an fp32 teacher-forced pass")
     p.add_argument(

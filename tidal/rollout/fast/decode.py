@@ -139,6 +139,7 @@ class FastDecoder:
         sampler_noise: str = "buffer",
         share_prompts: bool = True,
         compile_dynamic: bool = True,
+        fused_kv_write: bool = False,
     ) -> None:
         reason = attention.check_supported(model)
         if reason is not None:
@@ -196,7 +197,9 @@ class FastDecoder:
         if fused:
             self.fused_fallback_reason = unsupported_reason(model)
             if self.fused_fallback_reason is None:
-                self._fused = FusedDecodeForward(model, compile=compile, dynamic=compile_dynamic)
+                self._fused = FusedDecodeForward(
+                    model, compile=compile, dynamic=compile_dynamic, write_kv=fused_kv_write
+                )
             else:
                 log.info("fast decode: projections not fused (%s)", self.fused_fallback_reason)
         if compile:

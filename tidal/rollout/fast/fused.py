@@ -26,6 +26,11 @@ one graph serves every layer (and, with dynamic sizes, every batch bucket), and 
 Dynamo traces three small functions once, where compiling the model's forward restarts its trace at
 each wrapper frame above the attention call and leaves the layer loop eager.
 
+``write_kv=True`` moves the cache writes into the pieces: each piece writes the keys and values it computed into
+the layer's cache rows (stacked, one in-place ``index_copy_`` that the compiler fuses with the rotary
+embedding before it), and the attention call, told so (``AttnContext.kv_written``), only reads. Off by default:
+the fast bench's ``--fused-kv-write`` measures it against the two eager writes a layer.
+
 ``unsupported_reason(model)`` says why a model cannot take this path (other families, sliding
 windows, layers whose modules are not where these families keep them); the decoder then runs the
 model's own forward.
@@ -80,7 +85,9 @@ def _stack_shapes(parts: list[torch.nn.Linear]) -> tuple[tuple[int, int], bool]:
 class FusedDecodeForward:
     """Last-position logits of one decode step, with stacked q/k/v and gate/up weights (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, *, compile: bool = False, dynamic: bool = True) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, compile: bool = False, dynamic: bool = True, write_kv: bool = False
+    ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"fused decode cannot run this model: {reason}")
@@ -97,6 +104,7 @@ class FusedDecodeForward:
         self._gate_up: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.compiled = False
         self.dynamic = dynamic
+        self.write_kv = write_kv
         self.set_compiled(compile)
 
     def set_compiled(self, on: bool, backend: str = "inductor") -> None:
@@ -158,15 +166,29 @@ class FusedDecodeForward:
         cos, sin = base.rotary_emb(hidden, pos)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         layers = list(zip(base.layers, self._qkv, self._gate_up))
-        q, k, v = self._enter(hidden, *self._pre(layers[0]), cos, sin, **self._dims)
+        ctx = attention.current() if self.write_kv else None
+        ctx = ctx if ctx is not None and ctx.decode else None
+        if ctx is not None:
+            ctx.kv_written = True  # each piece writes the next layer's keys and values (``_kv_args``)
+        q, k, v = self._enter(hidden, *self._pre(layers[0]), cos, sin, *self._kv_args(ctx, 0, ids), **self._dims)
         for i, (layer, _, _) in enumerate(layers):
             out, _ = attention.fast_attention(layer.self_attn, q, k, v, mask, scaling=layer.self_attn.scaling)
             if i + 1 < len(layers):
                 hidden, q, k, v = self._between(
-                    hidden, out, *self._post(layers[i]), *self._pre(layers[i + 1]), cos, sin, **self._dims
-                )
+                    hidden, out, *self._post(layers[i]), *self._pre(layers[i + 1]), cos, sin,
+                    *self._kv_args(ctx, i + 1, ids), **self._dims,
+                )  # fmt: skip
         head = self.model.lm_head
         return self._leave(hidden, out, *self._post(layers[-1]), base.norm.weight, head.weight, head.bias, self._eps)
+
+    def _kv_args(self, ctx, layer: int, ids: torch.Tensor) -> tuple:
+        """The cache arguments of a piece that writes layer ``layer``'s keys and values: its rows of the batch
+        (keys and values stacked, ``[2, rows, kv_heads, len, dim]``) and the column; Nones when the attention
+        call writes them."""
+        if ctx is None:
+            return None, None
+        idx = self.base.layers[layer].self_attn.layer_idx
+        return ctx.cache.buf[idx][:, : ids.shape[0]], ctx.cpos
 
     def _pre(self, entry) -> tuple:
         """Layer arguments of ``_qkv``: input norm weight, stacked q/k/v weight and bias, q/k norm weights."""
@@ -215,18 +237,31 @@ def _mlp_block(hidden, attn_out, wo, bo, post_w, wgu, bgu, wd, bd, eps):
     return hidden + F.linear(F.silu(gate) * up, wd, bd)
 
 
-def _enter(hidden, norm_w, wqkv, bqkv, q_norm, k_norm, cos, sin, *, heads, kv_heads, head_dim, eps):
-    """Piece one: layer 0's attention inputs."""
-    return _qkv(hidden, norm_w, wqkv, bqkv, q_norm, k_norm, cos, sin, heads=heads, kv_heads=kv_heads,
-                head_dim=head_dim, eps=eps)  # fmt: skip
+def _write_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor | None, cpos: torch.Tensor | None) -> None:
+    """This step's keys and values into the layer's cache rows ``kv`` (``[2, rows, kv_heads, len, dim]``) at
+    column ``cpos``, in place; nothing when ``kv`` is None (the attention call writes them). Compiled, the
+    write is one kernel with the rotary embedding before it, instead of two eager ``index_copy_``."""
+    if kv is not None:
+        kv.index_copy_(3, cpos, torch.stack((k, v)))
 
 
-def _between(hidden, attn_out, wo, bo, post_w, wgu, bgu, wd, bd, norm_w, wqkv, bqkv, q_norm, k_norm, cos, sin, *,
-             heads, kv_heads, head_dim, eps):  # fmt: skip
-    """Piece two: layer i's MLP block, then layer i+1's attention inputs (new residual stream, q, k, v)."""
+def _enter(hidden, norm_w, wqkv, bqkv, q_norm, k_norm, cos, sin, kv=None, cpos=None, *, heads, kv_heads, head_dim,
+           eps):  # fmt: skip
+    """Piece one: layer 0's attention inputs (and, with ``kv``, its keys and values written)."""
+    q, k, v = _qkv(hidden, norm_w, wqkv, bqkv, q_norm, k_norm, cos, sin, heads=heads, kv_heads=kv_heads,
+                   head_dim=head_dim, eps=eps)  # fmt: skip
+    _write_kv(k, v, kv, cpos)
+    return q, k, v
+
+
+def _between(hidden, attn_out, wo, bo, post_w, wgu, bgu, wd, bd, norm_w, wqkv, bqkv, q_norm, k_norm, cos, sin,
+             kv=None, cpos=None, *, heads, kv_heads, head_dim, eps):  # fmt: skip
+    """Piece two: layer i's MLP block, then layer i+1's attention inputs (new residual stream, q, k, v; with
+    ``kv``, layer i+1's keys and values written)."""
     hidden = _mlp_block(hidden, attn_out, wo, bo, post_w, wgu, bgu, wd, bd, eps)
     q, k, v = _qkv(hidden, norm_w, wqkv, bqkv, q_norm, k_norm, cos, sin, heads=heads, kv_heads=kv_heads,
                    head_dim=head_dim, eps=eps)  # fmt: skip
+    _write_kv(k, v, kv, cpos)
     return hidden, q, k, v
 
 
