@@ -27,7 +27,7 @@ Dynamo traces three small functions once, where compiling the model's forward re
 each wrapper frame above the attention call and leaves the layer loop eager.
 
 ``write_kv=True`` moves the cache writes into the pieces: each piece writes the keys and values it computed into
-the layer's cache rows (stacked, one in-place ``index_copy_`` that the compiler fuses with the rotary
+the layer's cache rows (stacked, one in-place ``index_copy_`` that the compiler can fuse with the rotary
 embedding before it), and the attention call, told so (``AttnContext.kv_written``), only reads. Off by default:
 the fast bench's ``--fused-kv-write`` measures it against the two eager writes a layer.
 
@@ -240,7 +240,7 @@ def _mlp_block(hidden, attn_out, wo, bo, post_w, wgu, bgu, wd, bd, eps):
 def _write_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor | None, cpos: torch.Tensor | None) -> None:
     """This step's keys and values into the layer's cache rows ``kv`` (``[2, rows, kv_heads, len, dim]``) at
     column ``cpos``, in place; nothing when ``kv`` is None (the attention call writes them). Compiled, the
-    write is one kernel with the rotary embedding before it, instead of two eager ``index_copy_``."""
+    write can share a kernel with the rotary embedding before it, instead of two eager ``index_copy_``."""
     if kv is not None:
         kv.index_copy_(3, cpos, torch.stack((k, v)))
 
