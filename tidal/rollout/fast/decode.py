@@ -205,8 +205,8 @@ class FastDecoder:
         if compile:
             attention.register()
             # The fused forward compiles its own pieces between the attention calls (one graph each).
-            fwd = torch.compile(self._forward_logits, dynamic=compile_dynamic)
-            self._compiled_forward = fwd if self._fused is None else None
+            if self._fused is None:
+                self._compiled_forward = torch.compile(self._forward_logits, dynamic=compile_dynamic)
         if not cuda_graphs and self.graphs.enabled:
             self.graphs.enabled = False
             self.graphs.fallback_reason = "turned off"
