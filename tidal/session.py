@@ -463,7 +463,7 @@ class Session:
             return 0
         if self.load_path is None:
             self.display.info(f"--load {ck.load}: no checkpoint there yet (it is the --save folder): starting fresh")
-            return 0
+            return self._start_rows_at(0)
         extra = self.trainer.call("load", self.load_path)
         if not extra:
             raise UserError(f"--load {self.load_path}: the trainer found no checkpoint there; check the folder")
@@ -473,7 +473,16 @@ class Session:
             self.dataset.load_state_dict(extra["data"])
         self._last_saved = int(extra["rollout_id"])
         self.display.info(f"resumed from {self.load_path} at rollout {extra['rollout_id'] + 1}")
-        return int(extra["rollout_id"]) + 1
+        return self._start_rows_at(int(extra["rollout_id"]) + 1)
+
+    def _start_rows_at(self, start: int) -> int:
+        """The run folder's rows of rollouts from ``start`` on (an earlier process's, past its checkpoint) dropped."""
+        dropped = self.run.resume_at(start)
+        if dropped:
+            self.display.info(
+                f"{self.run.metrics_path}: {dropped} row(s) of rollouts {start} and later dropped (run again)"
+            )
+        return start
 
     def log_samples(self, rollout_id: int, samples: list) -> None:
         """``--log-samples`` of this rollout to samples.jsonl; ``--show-samples`` prints one."""

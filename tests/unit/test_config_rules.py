@@ -817,6 +817,19 @@ def test_rule_output_dir():
     check(["--output-dir", "/tmp/run1"], CPU, {"output_dir": "/tmp/run1"})
 
 
+def test_rule_output_dir_that_holds_a_run(tmp_path):
+    """A folder with an earlier run's steps takes a new run only as a continuation (--load)."""
+    out, ck = tmp_path / "run", tmp_path / "ck"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")  # started, no step finished: nothing to mix with
+    check(["--output-dir", str(out)], CPU, {"output_dir": str(out)})
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    check(["--output-dir", str(out)], CPU, f"--output-dir {out} already holds a run's steps (metrics.jsonl)")
+    (ck / "iter_0000000").mkdir(parents=True)
+    (ck / "iter_0000000" / "meta.json").write_text("{}")
+    check(["--output-dir", str(out), "--load", str(ck)], CPU, {"output_dir": str(out), "load": str(ck)})
+
+
 @pytest.mark.parametrize(
     "argv, env, expect",
     [

@@ -122,3 +122,29 @@ def test_fallback_keep_and_a_save_that_runs_out_of_room(ray_cluster, tmp_path):
     assert not [d for d in os.listdir(ck) if d.startswith(".tmp")]
     assert verify(str(ck / "iter_0000001")) is None
     assert find_loadable(str(ck)).path == str(ck / "iter_0000001")
+
+
+@pytest.mark.slow
+def test_a_continued_run_keeps_one_row_per_step_in_its_folder(ray_cluster, tmp_path):
+    from tidal.config import parse, resolve
+    from tidal.driver import train
+    from tidal.errors import ConfigError
+
+    ck, out = tmp_path / "ck", tmp_path / "run"
+    flags = [*SMALL, "--device", "cpu", "--save", str(ck), "--output-dir", str(out)]
+    train(resolve(*parse(["--num-rollout", "2", *flags])))  # its checkpoint: rollout 1
+    # As if that process had gone on past its checkpoint: rollout 2 reported, then a death mid-line.
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "reward_mean": 9.0}\n{"step": 3, "rew')
+    with open(out / "samples.jsonl", "a") as f:
+        f.write('{"step": 2, "response": "from the lost rollout"}\n')
+
+    # A new run into the folder is refused before anything starts; a continued one drops the rows it redoes.
+    with pytest.raises(ConfigError, match="already holds a run's steps"):
+        resolve(*parse(["--num-rollout", "3", *flags]))
+    train(resolve(*parse(["--num-rollout", "3", *flags, "--load", str(ck)])))
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[2]["reward_mean"] <= 1.0, rows
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert sorted({s["step"] for s in samples}) == [0, 1, 2]
+    assert all(s["response"] != "from the lost rollout" for s in samples)

@@ -75,13 +75,24 @@ def data(ctx: Context) -> None:
 
 
 def output_dir(ctx: Context) -> None:
-    if ctx.cfg.logging.output_dir is None:
+    """A fresh folder by default. A named folder that holds an earlier run's steps is refused unless ``--load``
+    continues a run (its rows from the resumed rollout on are then dropped: ``RunDir.resume_at``): appending a new
+    run's steps to another run's ``metrics.jsonl`` would mix two curves in one file."""
+    out = ctx.cfg.logging.output_dir
+    if out is None:
         name = re.sub(r"[^\w.-]+", "-", ctx.shape().name)
         ctx.derive(
             "output_dir",
             os.path.join("runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"),
             "output-dir",
             "a fresh run folder",
+        )
+        return
+    metrics = os.path.join(out, "metrics.jsonl")
+    if ctx.cfg.checkpoint.load is None and os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        raise ConfigError(
+            f"--output-dir {out} already holds a run's steps (metrics.jsonl); choose another folder (or remove this "
+            "one), or continue that run with --load <its --save folder>"
         )
 
 

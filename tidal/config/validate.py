@@ -490,7 +490,11 @@ rule(
     "`--task calculator` needs a chat model; `--rollout-prefix-cache-mb` defaults to 1024 with an environment, else 0.",
 )(agent_rules.multi_turn)
 
-rule("output-dir", "`--output-dir` defaults to runs/<YYYYmmdd-HHMMSS>-<model>.")(run_rules.output_dir)
+rule(
+    "output-dir",
+    "`--output-dir` defaults to runs/<YYYYmmdd-HHMMSS>-<model>. A folder that holds an earlier run's steps "
+    "(metrics.jsonl) is refused unless `--load` continues a run; its rows from the resumed rollout on are dropped.",
+)(run_rules.output_dir)
 
 rule(
     "warm-up",

@@ -10,7 +10,10 @@ Layout of ``--output-dir`` (default ``runs/<time>-<model>``)::
     tb/               TensorBoard events when --use-tensorboard
 
 Every line of metrics.jsonl is written and flushed when its step ends, so a crash loses nothing
-that was already reported.
+that was already reported. A run continued with ``--load`` into the same folder keeps the earlier rows of
+rollouts before the one it resumes at and drops the rest (``resume_at``: those rollouts run again), so each
+step has one row; a new run into a folder that holds steps is refused before anything starts
+(``config.run_rules.output_dir``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import psutil
 import yaml
 
 from tidal.config.schema import LoggingConfig, TidalConfig
+from tidal.observe.rows import keep_before
 from tidal.observe.samples import SampleLog
 
 
@@ -52,8 +56,8 @@ class RunDir:
             yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
         os.replace(tmp, os.path.join(self.path, "config.yaml"))
         self.metrics_path = os.path.join(self.path, "metrics.jsonl")
+        self.history: list[dict] = keep_before(self.metrics_path, None)[0]
         self._metrics = open(self.metrics_path, "a")
-        self.history: list[dict] = []
         self.samples = SampleLog(self.path, log_cfg.log_samples)
         # elapsed_s counts from the start of the process, so Ray and actor start-up are included.
         self.t0 = psutil.Process().create_time()
@@ -84,6 +88,16 @@ class RunDir:
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
         return row
+
+    def resume_at(self, step: int) -> int:
+        """A continued run starts at rollout ``step``: the rows of metrics.jsonl and samples.jsonl from ``step`` on
+        (an earlier process's, past its last checkpoint) are dropped, since those rollouts run again. Returns how
+        many metrics rows were dropped."""
+        self._metrics.close()
+        self.history, dropped = keep_before(self.metrics_path, step)
+        self._metrics = open(self.metrics_path, "a")
+        self.samples.resume_at(step)
+        return dropped
 
     def close(self) -> None:
         self._metrics.close()

@@ -22,6 +22,7 @@ import json
 import os
 from typing import Any
 
+from tidal.observe.rows import keep_before
 from tidal.rollout.types import Sample
 
 FINISH_REASON = {"completed": "stop", "truncated": "length"}
@@ -117,6 +118,13 @@ class SampleLog:
                 self._f.write(json.dumps(r, ensure_ascii=False, default=str) + "\n")
             self._f.flush()
         return records
+
+    def resume_at(self, step: int) -> None:
+        """Drop the lines of rollouts from ``step`` on (a continued run redoes them; ``RunDir.resume_at``)."""
+        if self._f is not None:
+            self._f.close()
+        keep_before(self.path, step)
+        self._f = open(self.path, "a", encoding="utf-8") if self.n > 0 else None
 
     def close(self) -> None:
         if self._f is not None:
