@@ -11,7 +11,7 @@
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); STARTUP05_RUNS, STARTUP05_ARGS, STARTUP05_TAG (startup-0.5b: its runs share one fresh compile cache, so the first is cold and the rest warm); MEM_GIB, MEM_CYCLES, MEM100_GIB
 # (bench-memory*); SYNC_MODELS, SYNC_MODES, SYNC_SOURCES, SYNC_ARGS (bench-sync); TRAINER_ARGS, TRAINER_TAG
-# (bench-trainer); ROLLOUT_ARGS, ROLLOUT_TAG (bench-rollout, e.g. ROLLOUT_ARGS='--paths fast --profile'); FAST_CASES, FAST_ARGS, FAST_TAG (bench-fast); SERVE_ARGS (bench-serve); MEGATRON_K (megatron: a pytest -k expression); MULTITURN_ARGS (bench-multiturn); ASYNC_MODES, ASYNC_ROLLOUTS, ASYNC_ARGS, ASYNC_TAG (bench-async, bench-async-mps); TAIL (lines of each log printed).
+# (bench-trainer); DECODE_TAGS (decode-experiments: any of default, static, kvwrite); ROLLOUT_ARGS, ROLLOUT_TAG (bench-rollout, e.g. ROLLOUT_ARGS='--paths fast --profile'); FAST_CASES, FAST_ARGS, FAST_TAG (bench-fast); SERVE_ARGS (bench-serve); MEGATRON_K (megatron: a pytest -k expression); MULTITURN_ARGS (bench-multiturn); ASYNC_MODES, ASYNC_ROLLOUTS, ASYNC_ARGS, ASYNC_TAG (bench-async, bench-async-mps); TAIL (lines of each log printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -96,7 +96,7 @@ for s in "$@"; do
       # The preset's compiled decode step as it is (one dynamic graph per piece, the cache written by two eager
       # index_copy a layer), with a graph per batch bucket specialised to its size, and with the pieces writing the
       # cache; at fixed and variable lengths.
-      for tag in default static kvwrite; do extra=""; [ $tag = static ] && extra=--compile-static; [ $tag = kvwrite ] && extra=--fused-kv-write
+      for tag in ${DECODE_TAGS:-default static kvwrite}; do extra=""; [ $tag = static ] && extra=--compile-static; [ $tag = kvwrite ] && extra=--fused-kv-write
         TAIL=3 FAST_CASES=fast-compiled,fast-varlen-compiled FAST_ARGS="--fused --decode-attention flex --sampler-noise blocks --skip-hf $extra" FAST_TAG=-$tag bash "$0" bench-fast; done ;;
     bench-attention) TAIL=4 run bench-attention 120 python3 -m tidal.bench.attention ;;
     trainer-shapes)
