@@ -11,7 +11,7 @@ import torch
 from tidal.algos.logprobs import token_logprobs
 from tidal.algos.losses import loss_normalizer
 from tidal.rollout.types import Sample
-from tidal.trainer.microbatch import MicroBatch, MicroBatches
+from tidal.trainer.microbatch import WIDTH_MULTIPLE, MicroBatch, MicroBatches, width_multiple
 
 
 def _samples() -> list[Sample]:
@@ -46,6 +46,13 @@ def test_layout_and_host_counts():
     assert float(loss_normalizer(mb.host_mask, "seq-mean-token-mean")) == 2.0
     filler = MicroBatch(_samples(), [], pad_id=0, device=torch.device("cpu"))
     assert filler.empty and filler.num_response_tokens == 0 and not filler.mask.any()
+    filler8 = MicroBatch(_samples(), [], pad_id=0, device=torch.device("cpu"), multiple=WIDTH_MULTIPLE)
+    assert filler8.input_ids.shape == (1, 8) and filler8.advantages.shape == (1, 7) and filler8.tokens == 0
+
+
+def test_widths_round_up_on_cuda_only():
+    assert width_multiple(torch.device("cuda")) == WIDTH_MULTIPLE == 8
+    assert width_multiple(torch.device("cpu")) == 1
 
 
 def test_right_padded_rows_need_no_attention_mask():
@@ -64,6 +71,12 @@ def test_right_padded_rows_need_no_attention_mask():
     real = mb.mask
     torch.testing.assert_close(lp_plain[real], lp_masked[real], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(plain[1, :2], alone[0], rtol=1e-6, atol=1e-6)
+    # Rounded up to CUDA's width multiple: more pad columns, the same log-probs at every trained position.
+    wide = MicroBatch(_samples(), [0, 1], pad_id=0, device=torch.device("cpu"), multiple=WIDTH_MULTIPLE)
+    with torch.no_grad():
+        lp_wide = token_logprobs(model(input_ids=wide.input_ids).logits, wide.next_ids)[:, :-1]
+    assert wide.input_ids.shape[1] == 8 > mb.input_ids.shape[1]
+    torch.testing.assert_close(lp_wide[wide.mask], lp_plain[real], rtol=1e-6, atol=1e-6)
 
 
 def _reference_rows(s: Sample, t: int) -> tuple[list, list, list, list, float]:
@@ -104,12 +117,16 @@ def _random_samples():
     return samples
 
 
-def test_every_field_matches_a_position_by_position_build():
+@pytest.mark.parametrize("multiple", [1, WIDTH_MULTIPLE])
+def test_every_field_matches_a_position_by_position_build(multiple):
     samples = _random_samples()
     idx = [11, 0, 5, 3, 8, 1, 2]
-    mb = MicroBatch(samples, idx, pad_id=99, device=torch.device("cpu"))
+    mb = MicroBatch(samples, idx, pad_id=99, device=torch.device("cpu"), multiple=multiple)
     rows = [samples[i] for i in idx]
-    width = max(s.total_len for s in rows)
+    longest = max(s.total_len for s in rows)
+    # CUDA's default: rounded up to a multiple of 8 (the compiled layers' attention guards on it); here 10 -> 16
+    width = -(-longest // multiple) * multiple
+    assert multiple == 1 or width > longest
     ids = [s.prompt_ids + s.response_ids + [99] * (width - s.total_len) for s in rows]
     assert mb.input_ids.tolist() == ids
     assert mb.next_ids.tolist() == [r[1:] + [99] for r in ids]

@@ -73,7 +73,8 @@ def warm_up_shapes(max_tokens: int) -> list[tuple[int, int, int]]:
     inductor's graph for the large one (dynamic sizes) guards on its size being large (a fusion heuristic's
     ``896 * rows * length >= 5242880`` for the 0.5B shape), so a rollout's small last micro-batch compiled a
     third graph in the first step (0.7 s with a warm cache, 4.9 s cold, on an H100); a small one here
-    compiles it first."""
+    compiles it first. Their widths (48, 256, 32 tokens) are multiples of 8, as every CUDA micro-batch's is
+    (``microbatch.WIDTH_MULTIPLE``: the compiled attention's graphs guard on it)."""
     response = 248 if max_tokens >= 6 * 256 else 16
     return [(2, 8, 40), (max(3, max_tokens // 2 // (8 + response)), 8, response), (4, 8, 24)]
 

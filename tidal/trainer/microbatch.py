@@ -15,6 +15,20 @@ import torch
 
 from tidal.rollout.types import Sample
 
+# On CUDA every micro-batch's width (tokens a row) is a multiple of this. Compiled layers (``--compile-layers``)
+# take their sizes as symbols, but inductor's lowering of the CUDA flash and memory-efficient attention kernels
+# guards on the row stride being a multiple of 8 (``sdpa_constraint``): a graph compiled at aligned widths (the
+# warm-up's) did not serve a width such as 4 + 256 = 260, and a rollout's first unaligned micro-batches compiled
+# the layers twice more (8.3 s of step 0's train on an H100 after the warm-up, 0.5B preset). Rounding up costs at
+# most 7 pad columns a row (masked out everywhere) and keeps one family of graphs for every run.
+WIDTH_MULTIPLE = 8
+
+
+def width_multiple(device: torch.device) -> int:
+    """What a micro-batch's width is rounded up to on ``device``: ``WIDTH_MULTIPLE`` on CUDA; 1 elsewhere (CPU
+    kernels have no such guard, and the short rows of CPU runs would pay for the pads)."""
+    return WIDTH_MULTIPLE if device.type == "cuda" else 1
+
 
 class MicroBatch:
     """One padded rectangle of sequences on the device, with everything the loss needs ([B, T-1] aligned to targets).
@@ -26,11 +40,14 @@ class MicroBatch:
     runs without an attention mask (see ``tidal.trainer.step.token_stats``).
     """
 
-    def __init__(self, samples: list[Sample], idx: list[int], pad_id: int, device: torch.device):
+    def __init__(
+        self, samples: list[Sample], idx: list[int], pad_id: int, device: torch.device, multiple: int | None = None
+    ):
+        """``multiple``: the width is rounded up to it (default ``width_multiple(device)``)."""
         self.indices = idx
         rows = [samples[i] for i in idx]
         self.empty = not rows
-        longs, flags, floats = _host_arrays(rows, pad_id)
+        longs, flags, floats = _host_arrays(rows, pad_id, width_multiple(device) if multiple is None else multiple)
         b, width = longs.shape[1:]
         t = width - 1
         # The trained positions (the response mask) in the flattened [B, W] grid of the model's outputs:
@@ -100,7 +117,7 @@ def _policy_tokens(s: Sample) -> int:
     return sum(1 for m in s.loss_mask if m) if s.loss_mask else len(s.response_ids)
 
 
-def _host_arrays(rows: list[Sample], pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _host_arrays(rows: list[Sample], pad_id: int, multiple: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The micro-batch's three host arrays, filled a whole micro-batch at a time (numpy):
 
     - ``longs`` [3, B, W]: input ids, next ids (the target of every position; pad after the last),
@@ -115,16 +132,18 @@ def _host_arrays(rows: list[Sample], pad_id: int) -> tuple[np.ndarray, np.ndarra
     response mask, so every loss term, estimator and metric that reads ``mask`` skips them, and they
     have no engine log-prob. A boolean index fills a rectangle row by row, so each per-token field is
     one flat array of the rows' values in order (building rows as Python lists cost ~0.2 s of CPU for
-    512 rows of 288 tokens). No rows: one zero-weight filler row of two pads, which runs
-    forward/backward so that this rank joins every FSDP collective.
+    512 rows of 288 tokens). ``W`` is the longest row rounded up to ``multiple``. No rows: one zero-weight
+    filler row of pads (two, rounded up), which runs forward/backward so that this rank joins every FSDP
+    collective.
     """
     if not rows:
-        longs = np.full((3, 1, 2), pad_id, dtype=np.int64)
+        w = -(-2 // multiple) * multiple
+        longs = np.full((3, 1, w), pad_id, dtype=np.int64)
         longs[2] = 1
-        return longs, np.zeros((2, 1, 1), dtype=bool), np.zeros((1, 3), dtype=np.float32)
+        return longs, np.zeros((2, 1, w - 1), dtype=bool), np.zeros((1, 2 * w - 1), dtype=np.float32)
     p = np.array([len(s.prompt_ids) for s in rows], dtype=np.int64)
     n = np.array([len(s.response_ids) for s in rows], dtype=np.int64)
-    b, width = len(rows), int((p + n).max())
+    b, width = len(rows), -(-int((p + n).max()) // multiple) * multiple
     t = width - 1
     ids: list[int] = []
     for s in rows:
