@@ -807,6 +807,12 @@ def test_rule_model(tmp_path):
     check(["--model", str(tmp_path)], CPU, "folder has no config.json")
 
 
+def test_rule_fused_kv_write():
+    check(["--rollout-fused-decode", "--rollout-fused-kv-write"], CPU, {"rollout_fused_kv_write": True})
+    check(["--rollout-fused-kv-write"], CPU, "--rollout-fused-kv-write has the fused decode step write the KV cache")
+    check(["--preset", "qwen2.5-0.5b-1gpu"], GPU1, {"rollout_fused_decode": True, "rollout_fused_kv_write": True})
+
+
 def test_rule_output_dir():
     cfg, prov = run([])
     assert os.path.dirname(cfg.logging.output_dir) == "runs"

@@ -110,3 +110,8 @@ def test_the_engine_builds_its_decoder_with_the_configured_kernel():
         cfg = RolloutConfig(rollout_decode_attention=kernel)
         dec = build_decoder(model, cfg, device_type="cpu", pad_id=0, backend=backend, name="engine")
         assert dec.decode_attention == kernel and (dec._flex is not None) == (kernel == "flex")
+    # The fused step and its cache-writing variant, as configured.
+    for kv_write in (False, True):
+        cfg = RolloutConfig(rollout_fused_decode=True, rollout_fused_kv_write=kv_write)
+        dec = build_decoder(model, cfg, device_type="cpu", pad_id=0, backend=backend, name="engine")
+        assert dec._fused is not None and dec._fused.write_kv == kv_write

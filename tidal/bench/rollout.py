@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -155,6 +156,7 @@ def run(args: argparse.Namespace, shape: str, path: str) -> dict:
         rollout_seed=args.seed,
         rollout_compile=False if args.no_compile else None,
         rollout_fused_decode=args.fused,
+        rollout_fused_kv_write=args.fused_kv_write,
         rollout_sampler_noise=args.sampler_noise,
         rollout_kv_block=args.kv_block,
         rollout_decode_attention=args.decode_attention,
@@ -257,6 +259,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--fused", action="store_true", help="stacked q/k/v and gate/up matmuls (--rollout-fused-decode)")
     p.add_argument(
+        "--fused-kv-write",
+        action="store_true",
+        help="with --fused: its pieces write the KV cache (--rollout-fused-kv-write)",
+    )
+    p.add_argument(
         "--sampler-noise",
         default="auto",
         choices=("auto", "buffer", "drawn", "blocks"),
@@ -279,6 +286,12 @@ def main(argv: list[str] | None = None) -> None:
         help="one more warm generate under torch.profiler: table on stderr, summary line",
     )
     args = p.parse_args(argv)
+    if args.fused_kv_write and not args.fused:
+        print(
+            "python -m tidal.bench.rollout: --fused-kv-write is a variant of the fused step; add --fused",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     if args.threads:
         torch.set_num_threads(args.threads)
     for shape in args.shape.split(","):

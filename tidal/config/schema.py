@@ -317,6 +317,12 @@ class RolloutConfig:
         "--rollout-compile) in three pieces between the attention calls (Llama/Qwen2/Qwen3; the stacked weights "
         "are refreshed from the model at every generate and are kv_cache memory).",
     )
+    rollout_fused_kv_write: bool = opt(
+        False,
+        "With --rollout-fused-decode: each piece of the fused step writes the next layer's keys and values into "
+        "the KV cache itself (one in-place write the compiler fuses with the rotary embedding) and the attention "
+        "call only reads them, instead of two index_copy kernels a layer.",
+    )
     rollout_decode_attention: str = opt(
         "auto",
         "Decode-step attention kernel: sdpa (SDPA over the KV length rounded up to --rollout-kv-block, additive "

@@ -197,6 +197,16 @@ def _decode_attention(ctx: Context) -> None:
         )
 
 
+@rule("fused-kv-write", "`--rollout-fused-kv-write` is a variant of the fused step: it needs `--rollout-fused-decode`.")
+def _fused_kv_write(ctx: Context) -> None:
+    r = ctx.cfg.rollout
+    if r.rollout_fused_kv_write and not r.rollout_fused_decode:
+        raise ConfigError(
+            "--rollout-fused-kv-write has the fused decode step write the KV cache, and the fused step is off; "
+            "add --rollout-fused-decode or drop --rollout-fused-kv-write"
+        )
+
+
 @rule(
     "sampler-noise",
     "`--rollout-sampler-noise auto` is blocks with CUDA and buffer on CPU (whose default run keeps its draws); "

@@ -47,6 +47,7 @@ ENGINE_ROLLOUT_FIELDS = (
     "rollout_compile",
     "rollout_prefix_cache_mb",  # multi-turn: the server keeps prompt KV between turns too
     "rollout_fused_decode",
+    "rollout_fused_kv_write",
     "rollout_decode_attention",
 )
 

@@ -23,6 +23,7 @@ Settings, read from the engine's ``RolloutConfig`` when it has them (defaults ot
     rollout_compile       bool   CUDA   torch.compile the decode step (attention stays eager); on with CUDA
     rollout_prefix_cache_mb int  0      prompt KV kept between calls for multi-turn requests (tidal.rollout.fast.prefix)
     rollout_fused_decode  bool   False  stacked q/k/v and gate/up matmuls in decode steps (tidal.rollout.fast.fused)
+    rollout_fused_kv_write bool  False  with it, its compiled pieces write the KV cache (the attention only reads)
     rollout_sampler_noise str    auto   unfiltered sampling's noise: buffer, drawn inside the kernel, or blocks (two stages); auto: blocks with CUDA
     rollout_decode_attention str auto   decode attention kernel: sdpa, or flex (tidal.rollout.fast.flex_decode); auto: flex with CUDA
 """
@@ -65,6 +66,7 @@ def build_decoder(model, cfg, *, device_type: str, pad_id: int, backend, name: s
             region=lambda: backend.region(StateClass.KV_CACHE),
             prefix_cache_bytes=int(getattr(cfg, "rollout_prefix_cache_mb", None) or 0) << 20,
             fused=bool(getattr(cfg, "rollout_fused_decode", False)),
+            fused_kv_write=bool(getattr(cfg, "rollout_fused_kv_write", False)),
             sampler_noise=_auto(getattr(cfg, "rollout_sampler_noise", "auto"), sampler_noise_default, device_type),
             decode_attention=_auto(
                 getattr(cfg, "rollout_decode_attention", "auto"), decode_attention_default, device_type
