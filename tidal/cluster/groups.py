@@ -18,7 +18,39 @@ from tidal.errors import is_engine_death, ray_get
 get = ray_get  # the cluster's name for it
 
 
-def _free_port() -> int:
+# Ports other processes take while the actors start: Ray's workers listen on 10002-19999 (its default worker
+# port range) and every outgoing connection or port-0 listener gets one from the kernel's ephemeral range.
+# A port picked inside either and bound later by rank 0 can be taken in between: a second `tidal train` on
+# an H100 host failed with EADDRINUSE on a rendezvous port of 42615.
+RENDEZVOUS_PORTS = range(20000, 32768)
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _ephemeral_range(path: str = EPHEMERAL_RANGE) -> tuple[int, int]:
+    """The kernel's ephemeral ports (Linux's default 32768-60999 where the file cannot be read)."""
+    try:
+        with open(path) as f:
+            low, high = (int(x) for x in f.read().split()[:2])
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _free_port(ephemeral: tuple[int, int] | None = None, tries: int = 64) -> int:
+    """A port rank 0's rendezvous store can listen on: free now, and outside the ranges other processes take
+    ports from meanwhile (``RENDEZVOUS_PORTS`` less the ephemeral range); one the kernel picks where none of
+    those is free."""
+    import random
+
+    low, high = ephemeral or _ephemeral_range()
+    candidates = [p for p in RENDEZVOUS_PORTS if not low <= p <= high]
+    for port in random.sample(candidates, min(tries, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
