@@ -101,8 +101,9 @@ for s in "$@"; do
     bench-attention) TAIL=4 run bench-attention 120 python3 -m tidal.bench.attention ;;
     trainer-shapes)
       # The trainer with new micro-batch shapes at every call (responses of 64-512 tokens), in its own SDPA order and
-      # with cuDNN's first: what cuDNN's per-shape graph builds cost a train call.
-      for order in trainer cudnn-first; do TAIL=1 TRAINER_TAG=-shapes-$order TRAINER_ARGS="--compile-layers --max-tokens-per-gpu 32768 --response-len-min 64 --response-len 512 --attention-order $order" bash "$0" bench-trainer; done ;;
+      # with cuDNN's first: what cuDNN's per-shape graph builds cost a train call (16,384 tokens a micro-batch: at 32,768 the 512-token
+      # responses' logits buffer, 9.24 GiB, ran an H100 out of memory).
+      for order in trainer cudnn-first; do TAIL=1 TRAINER_TAG=-shapes-$order TRAINER_ARGS="--compile-layers --max-tokens-per-gpu 16384 --response-len-min 64 --response-len 512 --attention-order $order" bash "$0" bench-trainer; done ;;
     bench-memory) run bench-memory 200 python3 -m tidal.bench.memory --gib ${MEM_GIB:-16} --cycles ${MEM_CYCLES:-5} --disk-dir /var/tmp/tidal-disk ;;
     bench-sync) run bench-sync 300 python3 -m tidal.bench.weight_sync --model ${SYNC_MODELS:-qwen2.5-0.5b-shape,qwen3-4b-shape} --modes ${SYNC_MODES:-full,delta} --transports tensor --sources ${SYNC_SOURCES:-backup,device} ${SYNC_ARGS:-} ;;
     bench-sync-disk) TAIL=20 run bench-sync-disk 420 python3 -m tidal.bench.weight_sync --model ${SYNC_MODELS:-qwen3-4b-shape} --modes delta --transports tensor,disk --sources backup --disk-dir /var/tmp ${SYNC_ARGS:-} ;;
