@@ -6,7 +6,7 @@
 #
 #   bash scripts/gpu_host.sh STEP ...
 #
-# Steps: env, tests, speed (issue 20's figures in one call), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled decode step as it is, per batch bucket, with the pieces writing the cache), trainer-shapes (bench trainer at new shapes, both attention orders), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
+# Steps: env, tests, speed (issue 20's figures in one call), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled fused step with the attention call writing the cache, per batch bucket, with its pieces writing it), trainer-shapes (bench trainer at new shapes, both attention orders), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
 # bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, bench-async-mps, profile-ipc, megatron (or its halves megatron-loop, megatron-state; megatron-2gpu: TP/PP = 2 on a two-GPU host), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); STARTUP05_RUNS, STARTUP05_ARGS, STARTUP05_TAG (startup-0.5b: its runs share one fresh compile cache, so the first is cold and the rest warm); MEM_GIB, MEM_CYCLES, MEM100_GIB
@@ -70,20 +70,21 @@ for s in "$@"; do
       TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-speed-offload TRAIN05_ARGS=--offload TAIL=1 bash "$0" train-0.5b
       MEM_GIB=6 MEM_CYCLES=3 bash "$0" bench-memory
       FAST_CASES=fast-prefill FAST_TAG=-speed bash "$0" bench-fast
-      # Variable lengths as the preset's engine decodes them: compiled, fused, flex, sampling in two stages.
-      FAST_CASES=fast-varlen-compiled FAST_ARGS="--fused --decode-attention flex --sampler-noise blocks --skip-hf" FAST_TAG=-speed-varlen bash "$0" bench-fast ;;
+      # Variable lengths as the preset's engine decodes them: compiled, fused (its pieces writing the cache), flex,
+      # sampling in two stages.
+      FAST_CASES=fast-varlen-compiled FAST_ARGS="--fused --fused-kv-write --decode-attention flex --sampler-noise blocks --skip-hf" FAST_TAG=-speed-varlen bash "$0" bench-fast ;;
     speed-decode)
       # The decode step's options side by side on one machine (~4 min): the model's forward, the fused step (the
       # 0.5B preset's) with the sampler's noise per block and word (the CUDA default), in a buffer, and drawn in
       # its kernel.
       ROLLOUT_TAG=-forward ROLLOUT_ARGS="--paths fast --skip-hf" bash "$0" bench-rollout
-      ROLLOUT_TAG=-fused ROLLOUT_ARGS="--paths fast --fused" bash "$0" bench-rollout
-      ROLLOUT_TAG=-fused-buffer ROLLOUT_ARGS="--paths fast --fused --skip-hf --sampler-noise buffer" bash "$0" bench-rollout
-      ROLLOUT_TAG=-fused-drawn ROLLOUT_ARGS="--paths fast --fused --skip-hf --sampler-noise drawn" bash "$0" bench-rollout ;;
+      ROLLOUT_TAG=-fused ROLLOUT_ARGS="--paths fast --fused --fused-kv-write" bash "$0" bench-rollout
+      ROLLOUT_TAG=-fused-buffer ROLLOUT_ARGS="--paths fast --fused --fused-kv-write --skip-hf --sampler-noise buffer" bash "$0" bench-rollout
+      ROLLOUT_TAG=-fused-drawn ROLLOUT_ARGS="--paths fast --fused --fused-kv-write --skip-hf --sampler-noise drawn" bash "$0" bench-rollout ;;
     profile-decode)
-      # The preset's decode step under torch.profiler (compiled, fused, flex, two-stage sampling): the kernels of a
+      # The preset's decode step under torch.profiler (compiled, fused writing the cache, flex, two-stage sampling): the kernels of a
       # warm rollout by category, to see what bounds decode after the sampler.
-      TAIL=${TAIL:-4} FAST_CASES=fast-compiled FAST_ARGS="--fused --decode-attention flex --sampler-noise blocks --skip-hf --profile fast-compiled" FAST_TAG=-profile bash "$0" bench-fast ;;
+      TAIL=${TAIL:-4} FAST_CASES=fast-compiled FAST_ARGS="--fused --fused-kv-write --decode-attention flex --sampler-noise blocks --skip-hf --profile fast-compiled" FAST_TAG=-profile bash "$0" bench-fast ;;
     profile-loop)
       # The preset's loop with rollouts 3 and 4 under torch.profiler (--profile-rollouts): each engine's generate and
       # the trainer's train as they run beside the other actors; the summaries' lines, the traces under the run.
@@ -93,9 +94,9 @@ for s in "$@"; do
       run train-0.5b${TRAIN05_TAG:-} 200 python3 -m tidal.cli train --no-progress --preset qwen2.5-0.5b-1gpu --num-rollout ${TRAIN05_ROLLOUTS:-5} --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-0.5b${TRAIN05_TAG:-}" ${TRAIN05_ARGS:-}
       steps_table "$OUT/run-0.5b${TRAIN05_TAG:-}/metrics.jsonl" ;;
     decode-experiments)
-      # The preset's compiled decode step as it is (one dynamic graph per piece, the cache written by two eager
-      # index_copy a layer), with a graph per batch bucket specialised to its size, and with the pieces writing the
-      # cache; at fixed and variable lengths.
+      # The compiled fused decode step with the cache written by the attention call (two eager index_copy a layer;
+      # one dynamic graph per piece), the same with a graph per batch bucket specialised to its size, and with the
+      # pieces writing the cache (the preset's since round eight); at fixed and variable lengths.
       for tag in ${DECODE_TAGS:-default static kvwrite}; do extra=""; [ $tag = static ] && extra=--compile-static; [ $tag = kvwrite ] && extra=--fused-kv-write
         TAIL=3 FAST_CASES=fast-compiled,fast-varlen-compiled FAST_ARGS="--fused --decode-attention flex --sampler-noise blocks --skip-hf $extra" FAST_TAG=-$tag bash "$0" bench-fast; done ;;
     bench-attention) TAIL=4 run bench-attention 120 python3 -m tidal.bench.attention ;;

@@ -28,8 +28,8 @@ each wrapper frame above the attention call and leaves the layer loop eager.
 
 ``write_kv=True`` moves the cache writes into the pieces: each piece writes the keys and values it computed into
 the layer's cache rows (stacked, one in-place ``index_copy_`` that the compiler can fuse with the rotary
-embedding before it), and the attention call, told so (``AttnContext.kv_written``), only reads. Off by default:
-the fast bench's ``--fused-kv-write`` measures it against the two eager writes a layer.
+embedding before it), and the attention call, told so (``AttnContext.kv_written``), only reads, instead of its
+two eager writes a layer. ``--rollout-fused-kv-write`` turns it on (off by default, on in the 0.5B preset).
 
 ``unsupported_reason(model)`` says why a model cannot take this path (other families, sliding
 windows, layers whose modules are not where these families keep them); the decoder then runs the
