@@ -39,8 +39,9 @@ def shard(
     """FSDP2 on a host model: every decoder layer, then the root (policy, reference and critic alike).
 
     ``compile_layers``: each layer's ``forward`` goes through ``torch.compile`` (one graph shared by
-    every layer: their code is the same and parameters are graph inputs). Only ``forward`` is
-    replaced, so FSDP2's hooks around it (all-gather before, reshard after) stay eager.
+    every layer: their code is the same and parameters are graph inputs), its inputs' batch and length
+    dimensions marked dynamic (``DynamicRowsForward``). Only ``forward`` is replaced, so FSDP2's hooks
+    around it (all-gather before, reshard after) stay eager.
     ``reshard_after_forward`` False keeps each layer's gathered compute copy from its forward to its
     backward instead of gathering it again (the trainer's choice on one rank, where the copy is the
     whole model in the compute dtype).
@@ -59,10 +60,51 @@ def shard(
         )
     for layer in layers:
         if compile_layers:
-            layer.forward = torch.compile(layer.forward)
+            layer.forward = DynamicRowsForward(torch.compile(layer.forward))
         fully_shard(layer, **kw)
     fully_shard(model, **kw)  # moves the remaining (root) parameters onto the device too
     return model
+
+
+class DynamicRowsForward:
+    """A compiled layer ``forward`` whose inputs' batch and length dimensions are marked dynamic at every call
+    (``torch._dynamo.maybe_mark_dynamic``), so that its first graph already serves every micro-batch shape.
+
+    Without it Dynamo specialises the first call's graph to that call's sizes and compiles a dynamic one at
+    the second shape: the trainer's warm-up paid a whole layer compile (forward and backward) for a graph no
+    real micro-batch uses. Which dimensions: at the first call, those of every tensor input (tuples such as
+    the rotary ``position_embeddings`` included) whose size is the hidden states' batch or length (when
+    above 1: Dynamo specialises sizes 0 and 1 anyway). The same dimensions are marked at every later call,
+    as Dynamo's guards require (a tensor marked with dimensions its graph was not compiled with compiles
+    again); a call whose inputs are laid out otherwise (another argument given, one left out) is passed on
+    unmarked. A marked dimension that the graph must specialise (a size equal to the model's own) stays
+    specialised, without error."""
+
+    def __init__(self, forward: Callable):
+        self.forward = forward
+        self.spec = None
+        self.dims: list[tuple[int, ...]] = []
+
+    def __call__(self, hidden_states: torch.Tensor, *args, **kwargs):
+        from torch.utils._pytree import tree_flatten
+
+        leaves, spec = tree_flatten((hidden_states, args, kwargs))
+        if self.spec is None:
+            self.spec, self.dims = spec, marked_dims(leaves, hidden_states.shape[:2])
+        if spec == self.spec:
+            for leaf, dims in zip(leaves, self.dims):
+                if dims:
+                    torch._dynamo.maybe_mark_dynamic(leaf, list(dims))
+        return self.forward(hidden_states, *args, **kwargs)
+
+
+def marked_dims(leaves: list, sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """For each leaf: the dimensions of a tensor whose size is one of ``sizes`` and above 1; () otherwise."""
+    wanted = {n for n in sizes if n > 1}
+    return [
+        tuple(d for d, n in enumerate(leaf.shape) if n in wanted) if isinstance(leaf, torch.Tensor) else ()
+        for leaf in leaves
+    ]
 
 
 def build_sharded(
