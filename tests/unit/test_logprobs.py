@@ -199,3 +199,32 @@ def test_rowwise_backward_writes_the_same_gradient():
     losses._chunk_backward_fused(x, tgt, shift, ent, g_lp, g_ent, 1.0, a)
     sums = losses._chunk_backward_rowwise(x, tgt, shift, ent, g_lp, g_ent, 1.0, b)
     assert torch.equal(a, b) and torch.allclose(sums, a.sum(-1))
+
+
+def test_compiled_chunks_one_graph_whether_a_chunk_spans_the_logits_or_not(monkeypatch):
+    """The compiled kernels' path, run on the host through Dynamo with a backend that counts graphs and runs them
+    as traced: a call in one chunk (the chunk spans the logits) and one in several meet the same graph each way."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(losses, "_compile_available", lambda device, wanted=True: wanted)
+    monkeypatch.setattr(losses, "COMPILED_CHUNK_ELEMS", 50 * 8)  # 8 rows of a 50-word vocabulary a chunk
+    monkeypatch.setattr(losses, "_rows_per_chunk", lambda *a: 4)  # the eager chunk, below the compiled one
+    monkeypatch.setattr(losses, "_compiled", {})
+    monkeypatch.setattr(losses.torch, "compile", lambda fn, **kw: torch._dynamo.optimize(counting, dynamic=True)(fn))
+    for rows in (6, 30, 5):  # one chunk, four (the last shorter), one
+        torch.manual_seed(rows)
+        logits = (torch.randn(rows, 50) * 3).requires_grad_()
+        targets = torch.randint(0, 50, (rows,))
+        lp, ent = token_logprobs_and_entropy(logits, targets, with_entropy_grad=True)
+        ref_lp, ref_ent = _reference(logits, targets, 1.0)
+        torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
+        (g,) = torch.autograd.grad((lp + ent).sum(), logits)
+        (g_ref,) = torch.autograd.grad((ref_lp + ref_ent).sum(), logits)
+        torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-5)
+    assert len(graphs) == 2  # the forward's and the backward's

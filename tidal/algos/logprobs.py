@@ -328,6 +328,7 @@ class _Chunks:
     def forward(self, x: Tensor, tgt: Tensor, inv_t: float, want_entropy: bool):
         if _compile_available(x.device, self.compile):
             try:
+                x, tgt = _unviewed(x, tgt)
                 _bound_rows(x, tgt)
                 return _compiled_fn("forward")(x, tgt, inv_t, want_entropy)
             except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to eager
@@ -343,6 +344,7 @@ class _Chunks:
     def backward(self, x, tgt, shift, ent, g_lp, g_ent, inv_t: float, out: Tensor) -> None:
         if _compile_available(x.device, self.compile):
             try:
+                x, tgt, shift, ent, g_lp, g_ent, out = _unviewed(x, tgt, shift, ent, g_lp, g_ent, out)
                 _bound_rows(x, tgt, shift, out, *(t for t in (g_lp, g_ent) if t is not None))
                 _compiled_fn("backward")(x, tgt, shift, ent, g_lp, g_ent, inv_t, out)
                 return
@@ -354,6 +356,14 @@ class _Chunks:
             e = ent[sl] if g_ent is not None else ent
             gl, ge = (None if g is None else g[sl] for g in (g_lp, g_ent))
             _chunk_backward(x[sl], tgt[sl], shift[sl], e, gl, ge, inv_t, out[sl], self._scratch())
+
+
+def _unviewed(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """The chunks as tensors of their own for the compiled kernels: ``detach`` shares the storage (the backward's
+    ``out`` is still written in place) but drops the view's base. Dynamo guards a view input on its base's
+    size, so a chunk that spans the whole logits (``x._base.size(0) == x.size(0)``) and one of several compiled
+    a graph each (two more compiles in the trainer's warm-up); without a base one graph serves both."""
+    return tuple(None if t is None else t.detach() for t in tensors)
 
 
 def _cat(parts: list[Tensor]) -> Tensor:
