@@ -69,11 +69,13 @@ def warm_up_shapes(max_tokens: int) -> list[tuple[int, int, int]]:
 
     Half, not all: every token of these rows is a response token, so a full-size one would need more memory
     than a real micro-batch of the same size (whose prompts carry no log-prob kernels), and its peak would come
-    on top of the engine's own warm-up. Half still runs the log-prob kernels over several chunks. The last one:
-    inductor's graph for the large one (dynamic sizes) guards on its size being large (a fusion heuristic's
-    ``896 * rows * length >= 5242880`` for the 0.5B shape), so a rollout's small last micro-batch compiled a
-    third graph in the first step (0.7 s with a warm cache, 4.9 s cold, on an H100); a small one here
-    compiles it first. Their widths (48, 256, 32 tokens) are multiples of 8, as every CUDA micro-batch's is
+    on top of the engine's own warm-up. Half still runs the log-prob kernels over several chunks. The compiled
+    layers' graphs have dynamic sizes from the first call (``sharding.DynamicRowsForward``), but inductor's
+    graph guards on the size being small or large (a fusion heuristic's ``896 * rows * length < 5242880`` for
+    the 0.5B shape): the first shape compiles the small graph a rollout's last micro-batch uses, the second the
+    large one; the last (a small one again) meets the first's graph, and would compile the small graph where
+    the layers were compiled without the marks (a rollout's small last micro-batch compiled it in the first
+    step: 0.7 s with a warm cache, 4.9 s cold, on an H100). Their widths (48, 256, 32 tokens) are multiples of 8, as every CUDA micro-batch's is
     (``microbatch.WIDTH_MULTIPLE``: the compiled attention's graphs guard on it)."""
     response = 248 if max_tokens >= 6 * 256 else 16
     return [(2, 8, 40), (max(3, max_tokens // 2 // (8 + response)), 8, response), (4, 8, 24)]
@@ -289,9 +291,8 @@ class TrainerActor(Trainer):
         log-probs and entropy, backward) over three micro-batches of pad tokens (``warm_up_shapes``: a small
         one, one of half ``--max-tokens-per-gpu`` and another small one), and the no-grad passes a rollout also
         runs (the reference's; the policy's when the rollout recomputes old log-probs: ``recompute``). The
-        second shape differs from the first in both sizes, so the compiled layers and log-prob kernels reach the
-        graphs with dynamic sizes that real micro-batches use, and it runs the log-prob kernels over several
-        chunks. Each micro-batch goes
+        compiled layers and log-prob kernels compile with dynamic sizes from the first shape on; the second
+        (large) shape compiles the layers' large-size graph and runs the log-prob kernels over several chunks. Each micro-batch goes
         through ``token_stats`` with the trainer's own kernel choices, and the gradient sync is the training
         loop's (one CUDA rank: on the last). The loss is zero; its zero gradients go through the clipping and an
         AdamW step at a learning rate of zero (``_warm_up_step``: the first step's one-time work, its moments
