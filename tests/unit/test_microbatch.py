@@ -161,3 +161,26 @@ def test_a_steps_micro_batches_are_built_on_first_use_with_the_normaliser_known_
     assert [mb.indices for mb in mbs] == batches and mbs[2].empty
     with pytest.raises(ValueError, match="aggregation"):
         mbs.normalizer("sum")
+
+
+def test_old_logprobs_pass_builds_micro_batches_only_when_it_computes_something():
+    """Nothing to compute before the training pass (no recompute, reference or critic): no micro-batch is built
+    there, so the training loop builds each one while the device runs the one before. With a reference model
+    every micro-batch is built and gets its reference log-probs."""
+    from types import SimpleNamespace
+
+    from tidal.model.load import build_model, resolve_model
+    from tidal.trainer.actor import TrainerActor
+
+    def steps():
+        return [MicroBatches(_samples(), [[0, 1], [2]], pad_id=0, device=torch.device("cpu"))]
+
+    rank = SimpleNamespace(ref_model=None, critic=None, _stats_kw={}, _sync=lambda: None)
+    idle = steps()
+    TrainerActor._old_logprobs(rank, idle, None, None, recompute=False)
+    assert idle[0]._built == {}
+    rank.ref_model = build_model(resolve_model("tiny"), seed=0).eval()
+    with_ref = steps()
+    TrainerActor._old_logprobs(rank, with_ref, None, None, recompute=False)
+    assert sorted(with_ref[0]._built) == [0, 1]
+    assert [tuple(mb.ref_logprobs.shape) for mb in with_ref[0]] == [(2, 4), (1, 2)]
