@@ -75,8 +75,9 @@ def warm_up_shapes(max_tokens: int) -> list[tuple[int, int, int]]:
     the 0.5B shape): the first shape compiles the small graph a rollout's last micro-batch uses, the second the
     large one; the last (a small one again) meets the first's graph, and would compile the small graph where
     the layers were compiled without the marks (a rollout's small last micro-batch compiled it in the first
-    step: 0.7 s with a warm cache, 4.9 s cold, on an H100). Their widths (48, 256, 32 tokens) are multiples of 8, as every CUDA micro-batch's is
-    (``microbatch.WIDTH_MULTIPLE``: the compiled attention's graphs guard on it)."""
+    step: 0.7 s with a warm cache, 4.9 s cold, on an H100). Their widths (48, 256, 32 tokens) are multiples
+    of 8, as every CUDA micro-batch's is (``microbatch.WIDTH_MULTIPLE``: the compiled attention's graphs guard
+    on it)."""
     response = 248 if max_tokens >= 6 * 256 else 16
     return [(2, 8, 40), (max(3, max_tokens // 2 // (8 + response)), 8, response), (4, 8, 24)]
 
@@ -292,11 +293,11 @@ class TrainerActor(Trainer):
         one, one of half ``--max-tokens-per-gpu`` and another small one), and the no-grad passes a rollout also
         runs (the reference's; the policy's when the rollout recomputes old log-probs: ``recompute``). The
         compiled layers and log-prob kernels compile with dynamic sizes from the first shape on; the second
-        (large) shape compiles the layers' large-size graph and runs the log-prob kernels over several chunks. Each micro-batch goes
-        through ``token_stats`` with the trainer's own kernel choices, and the gradient sync is the training
-        loop's (one CUDA rank: on the last). The loss is zero; its zero gradients go through the clipping and an
-        AdamW step at a learning rate of zero (``_warm_up_step``: the first step's one-time work, its moments
-        created as that step would) and are then dropped (set to None), as are the gathered copies and the
+        (large) shape compiles the layers' large-size graph and runs the log-prob kernels over several chunks.
+        Each micro-batch goes through ``token_stats`` with the trainer's own kernel choices, and the gradient
+        sync is the training loop's (one CUDA rank: on the last). The loss is zero; its zero gradients go
+        through the clipping and an AdamW step at a learning rate of zero (``_warm_up_step``: the first step's
+        one-time work, its moments created as that step would) and are then dropped (set to None), as are the gathered copies and the
         allocator's cached blocks; weights, moments (zero), step counts and schedule are as before, and the
         first real step makes the update it would have made. Every rank runs it at once (FSDP2's collectives).
         The critic is not warmed."""
