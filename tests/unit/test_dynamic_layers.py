@@ -24,10 +24,17 @@ class GraphCounter:
         return gm.forward
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Dynamo's caches emptied before and after, so no graph counted here comes from, or stays for, another test."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _layer_calls(wrap, shapes):
     """Call the tiny model's first decoder layer (as its model calls it: rotary embeddings from position ids)
     at every (rows, length) of ``shapes``; the outputs and the eager layer's."""
-    torch._dynamo.reset()
     model = build_model(resolve_model("tiny"), seed=0)
     inner = model.model
     layer = inner.layers[0]

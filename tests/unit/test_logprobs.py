@@ -227,4 +227,5 @@ def test_compiled_chunks_one_graph_whether_a_chunk_spans_the_logits_or_not(monke
         (g,) = torch.autograd.grad((lp + ent).sum(), logits)
         (g_ref,) = torch.autograd.grad((ref_lp + ref_ent).sum(), logits)
         torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()  # no graph of the counting backend stays for another test
     assert len(graphs) == 2  # the forward's and the backward's
