@@ -80,6 +80,10 @@ def test_a_call_laid_out_otherwise_is_passed_on_unmarked():
     assert calls[0] == [{0, 1}, {1}]
     assert calls[1] == [{0, 1}, {1}]  # the first call's dimensions, at new sizes
     assert calls[2] == [None, None, None]
+    by_name = []
+    named = DynamicRowsForward(lambda hidden_states, **kw: by_name.append(hidden_states._dynamo_weak_dynamic_indices))
+    named(hidden_states=torch.zeros(2, 8, 4))
+    assert by_name == [{0, 1}]
 
 
 def test_marked_dims_are_those_of_the_batch_and_length_sizes_above_one():

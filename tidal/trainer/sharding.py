@@ -73,8 +73,8 @@ class DynamicRowsForward:
     Without it Dynamo specialises the first call's graph to that call's sizes and compiles a dynamic one at
     the second shape: the trainer's warm-up paid a whole layer compile (forward and backward) for a graph no
     real micro-batch uses. Which dimensions: at the first call, those of every tensor input (tuples such as
-    the rotary ``position_embeddings`` included) whose size is the hidden states' batch or length (when
-    above 1: Dynamo specialises sizes 0 and 1 anyway). The same dimensions are marked at every later call,
+    the rotary ``position_embeddings`` included) whose size is the hidden states' batch or length (the first
+    argument, or ``hidden_states`` by name; sizes above 1: Dynamo specialises 0 and 1 anyway). The same dimensions are marked at every later call,
     as Dynamo's guards require (a tensor marked with dimensions its graph was not compiled with compiles
     again); a call whose inputs are laid out otherwise (another argument given, one left out) is passed on
     unmarked. A marked dimension that the graph must specialise (a size equal to the model's own) stays
@@ -85,17 +85,18 @@ class DynamicRowsForward:
         self.spec = None
         self.dims: list[tuple[int, ...]] = []
 
-    def __call__(self, hidden_states: torch.Tensor, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
         from torch.utils._pytree import tree_flatten
 
-        leaves, spec = tree_flatten((hidden_states, args, kwargs))
-        if self.spec is None:
-            self.spec, self.dims = spec, marked_dims(leaves, hidden_states.shape[:2])
+        hidden = args[0] if args else kwargs.get("hidden_states")  # transformers' layers: the first argument
+        leaves, spec = tree_flatten((args, kwargs))
+        if self.spec is None and isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
+            self.spec, self.dims = spec, marked_dims(leaves, tuple(hidden.shape[:2]))
         if spec == self.spec:
             for leaf, dims in zip(leaves, self.dims):
                 if dims:
                     torch._dynamo.maybe_mark_dynamic(leaf, list(dims))
-        return self.forward(hidden_states, *args, **kwargs)
+        return self.forward(*args, **kwargs)
 
 
 def marked_dims(leaves: list, sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
