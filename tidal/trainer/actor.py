@@ -297,8 +297,8 @@ class TrainerActor(Trainer):
         Each micro-batch goes through ``token_stats`` with the trainer's own kernel choices, and the gradient
         sync is the training loop's (one CUDA rank: on the last). The loss is zero; its zero gradients go
         through the clipping and an AdamW step at a learning rate of zero (``_warm_up_step``: the first step's
-        one-time work, its moments created as that step would) and are then dropped (set to None), as are the gathered copies and the
-        allocator's cached blocks; weights, moments (zero), step counts and schedule are as before, and the
+        one-time work, its moments created as that step would) and are then dropped (set to None), as are the
+        gathered copies and the allocator's cached blocks; weights, moments (zero), step counts and schedule are as before, and the
         first real step makes the update it would have made. Every rank runs it at once (FSDP2's collectives).
         The critic is not warmed."""
         start = WarmUpReport.start()

@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Callable
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from tidal.errors import ConfigError
 
@@ -74,9 +75,9 @@ class DynamicRowsForward:
     the second shape: the trainer's warm-up paid a whole layer compile (forward and backward) for a graph no
     real micro-batch uses. Which dimensions: at the first call, those of every tensor input (tuples such as
     the rotary ``position_embeddings`` included) whose size is the hidden states' batch or length (the first
-    argument, or ``hidden_states`` by name; sizes above 1: Dynamo specialises 0 and 1 anyway). The same dimensions are marked at every later call,
-    as Dynamo's guards require (a tensor marked with dimensions its graph was not compiled with compiles
-    again); a call whose inputs are laid out otherwise (another argument given, one left out) is passed on
+    argument, or ``hidden_states`` by name; sizes above 1: Dynamo specialises 0 and 1 anyway). The same
+    dimensions are marked at every later call, as Dynamo's guards require (a tensor marked with dimensions its
+    graph was not compiled with compiles again); a call whose inputs are laid out otherwise (another argument given, one left out) is passed on
     unmarked. A marked dimension that the graph must specialise (a size equal to the model's own) stays
     specialised, without error."""
 
@@ -86,8 +87,6 @@ class DynamicRowsForward:
         self.dims: list[tuple[int, ...]] = []
 
     def __call__(self, *args, **kwargs):
-        from torch.utils._pytree import tree_flatten
-
         hidden = args[0] if args else kwargs.get("hidden_states")  # transformers' layers: the first argument
         leaves, spec = tree_flatten((args, kwargs))
         if self.spec is None and isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:

@@ -31,9 +31,10 @@ decoder, with the hardware's floor beside it). One JSON line per configuration:
   next call's capture time (``capture_s``) against a warm call: the price of recapturing graphs.
 
 ``--fused-kv-write`` (with ``--fused``) has the compiled pieces write the cache instead of the attention call
-(``FusedDecodeForward(write_kv=True)``). ``--compile-static`` compiles the decode step's pieces and sampler per batch bucket, each specialised to its
-size, instead of one dynamic graph for all buckets (the decoder's default): the compiled cases then say what
-the dynamic shapes cost the kernels (the ``environment`` line records which ran).
+(``FusedDecodeForward(write_kv=True)``). ``--compile-static`` compiles the decode step's pieces and sampler per
+batch bucket, each specialised to its size, instead of one dynamic graph for all buckets (the decoder's
+default): the compiled cases then say what the dynamic shapes cost the kernels (the ``environment`` line records
+which ran).
 
 A first ``environment`` line gives versions, the GPU and the weights' size. Every other line has
 ``hf_generate_tokens_per_s`` measured in the same run, ``cuda_graphs`` and
