@@ -304,3 +304,31 @@ def test_report_metrics_are_flat_and_per_class():
     assert m["memory/trainer_pause/seconds"] >= m["memory/trainer_pause/weights/seconds"] >= 0
     assert m["memory/trainer_pause/host_rss_before"] > 0
     backend.resume(ALL_TRAINER)
+
+
+def test_a_deferred_resume_holds_nan_until_settled():
+    """retain defers: the memory is back at once, the bytes (0xFF, NaN, until then) at ``settle``; release cannot."""
+    backend, model, opt = _trainer("retain")
+    snap = _snapshot(model, opt)
+    state = [v for st in opt.state.values() for v in st.values() if v.is_floating_point() and v.dim()]
+    assert backend.defers(S.OPTIMIZER) and not make_backend(MemoryConfig(), device="cpu", role="trainer").defers(
+        S.OPTIMIZER
+    )
+    backend.pause(ALL_TRAINER)
+    report = backend.resume(ALL_TRAINER, defer=[S.OPTIMIZER])
+    m = report.metrics("r")
+    assert m["r/optimizer/deferred"] == 1 and "r/weights/deferred" not in m
+    assert m["r/optimizer/backup_bytes"] > 0
+    assert all(torch.isnan(v).all() for v in state)  # nothing read before settling passes by luck
+    assert all(torch.equal(p, snap[0][n]) for n, p in model.named_parameters())  # weights were not deferred
+    backend.settle([S.OPTIMIZER])
+    backend.settle()  # a second settle: nothing left to do
+    assert _same(model, opt, snap)
+
+    # A pause of a class still deferred settles it first: its backup is the real bytes, not the NaN.
+    backend.pause([S.OPTIMIZER])
+    backend.resume([S.OPTIMIZER], defer=[S.OPTIMIZER])
+    backend.pause([S.OPTIMIZER])
+    backend.resume([S.OPTIMIZER])
+    assert _same(model, opt, snap)
+    backend.close()

@@ -78,7 +78,15 @@ def _free_port() -> int:
 
 
 def start_group(
-    ray, world_size=2, *, offload=True, release_groups=True, algorithm=None, one_rank_fsdp=None, **trainer_kw
+    ray,
+    world_size=2,
+    *,
+    offload=True,
+    release_groups=True,
+    algorithm=None,
+    one_rank_fsdp=None,
+    host_memory=None,
+    **trainer_kw,
 ):
     from tidal.trainer.actor import TrainerActor
 
@@ -94,7 +102,7 @@ def start_group(
             model=ModelConfig(model="tiny"),
             trainer=tcfg,
             algorithm=algorithm or AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01, entropy_coef=0.001),
-            memory=MemoryConfig(offload_train=offload, memory_backend="portable"),
+            memory=MemoryConfig(offload_train=offload, memory_backend="portable", offload_host_memory=host_memory),
             weight_sync=WeightSyncConfig(),
             device="cpu",
             release_process_groups=release_groups,
@@ -231,6 +239,28 @@ def test_two_stage_pause_reads_live_weights_then_merges_its_figures(ray_cluster,
     assert "memory/trainer_resume/weights/bytes" not in resume and "memory/trainer_resume/groups_rebuilt" not in resume
     assert call(ray, group, "state_checksums")[0] == state
     assert math.isfinite(call(ray, group, "train", make_samples(7), 5)[0]["loss"])
+
+
+def test_the_optimizer_state_resumed_deferred_is_settled_before_the_step(ray_cluster):
+    """With retained backups the resume defers the optimizer state (NaN on a CPU device until settled): the
+    training after it, a checkpoint read and the next pause take the same values as with a plain resume."""
+    ray = ray_cluster
+    states = []
+    for host_memory in ("retain", "release"):
+        actors = start_group(ray, world_size=1, host_memory=host_memory)
+        try:
+            call(ray, actors, "train", make_samples(8), 0)
+            call(ray, actors, "pause")
+            resumed = call(ray, actors, "resume")[0].metrics
+            assert resumed.get("memory/trainer_resume/optimizer/deferred", 0) == (host_memory == "retain")
+            call(ray, actors, "train", make_samples(9), 1)
+            call(ray, actors, "pause")
+            call(ray, actors, "resume")
+            states.append(call(ray, actors, "state_checksums")[0])
+        finally:
+            for a in actors:
+                ray.kill(a)
+    assert states[0] == states[1]
 
 
 def test_token_outside_vocabulary_is_a_user_error(ray_cluster, group):

@@ -23,6 +23,13 @@ which one is active:
 a backed-up class is paused, ``host_view(tensor)`` returns a CPU tensor aliasing its backup
 (zero copy), valid only until that class is resumed.
 
+A resume can *defer* a class's contents (``resume(classes, defer=[...])``, where ``defers(c)``): its
+memory is back when the call returns, its bytes arrive later (on CUDA, on a copy stream beside the
+caller's work), and ``settle(classes)`` orders the caller's stream after them. The trainer defers its
+optimizer state, which nothing reads before the optimizer step, so the copy runs under the forward and
+backward instead of before them. Until settled, the tensors of a deferred class must not be read or
+written.
+
 ``HostBackedBackend`` is what the two real backends (``portable``, ``tms``) share: the device, the
 host-memory policy of backed-up classes (``release``, ``retain``, ``disk``), a label naming the owner
 in messages, and the registered sources.
@@ -86,6 +93,7 @@ class ClassReport:
     bytes: int = 0  # device bytes released (pause) or re-materialised (resume)
     backup_bytes: int = 0  # bytes copied to (pause) or from (resume) the host backup
     seconds: float = 0.0
+    deferred: bool = False  # resume only: the copy back was left running (``settle`` waits for it)
 
     @property
     def gbps(self) -> float:
@@ -140,6 +148,8 @@ class MemoryReport:
             out[f"{prefix}/{c.state_class}/backup_bytes"] = c.backup_bytes
             out[f"{prefix}/{c.state_class}/seconds"] = c.seconds
             out[f"{prefix}/{c.state_class}/gbps"] = c.gbps
+            if c.deferred:
+                out[f"{prefix}/{c.state_class}/deferred"] = 1
         return out
 
     def then(self, later: MemoryReport) -> MemoryReport:
@@ -190,8 +200,17 @@ class MemoryBackend(abc.ABC):
         """Release device memory of these classes, backing up those whose policy says so."""
 
     @abc.abstractmethod
-    def resume(self, classes: Sequence[StateClass]) -> MemoryReport:
-        """Re-materialise these classes; backed-up ones get their contents back bit for bit."""
+    def resume(self, classes: Sequence[StateClass], *, defer: Sequence[StateClass] = ()) -> MemoryReport:
+        """Re-materialise these classes; backed-up ones get their contents back bit for bit. Those also in
+        ``defer`` that ``defers`` allows get them only once ``settle``d (the others before the call returns)."""
+
+    def defers(self, state_class: StateClass) -> bool:
+        """Whether a resume can leave this class's copy back running (``resume(..., defer=...)``). Default: never."""
+        return False
+
+    def settle(self, classes: Sequence[StateClass] | None = None) -> None:  # noqa: B027 - nothing deferred here
+        """Order the caller's work after the deferred copies of these classes (every class when None): their
+        tensors may be used from here on. A class not deferred needs nothing; calling it again is free."""
 
     @abc.abstractmethod
     def host_view(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -260,6 +279,19 @@ class HostBackedBackend(MemoryBackend):
         check_host_memory(self.host_memory, self.disk_dir)
         self.device = torch.device(device)
         self._sources: dict[StateClass, list[TensorSource]] = {}
+        # Classes resumed with their copy back still running, each with what completes it for the caller.
+        self._deferred: dict[StateClass, Callable[[], None]] = {}
+
+    def settle(self, classes: Sequence[StateClass] | None = None) -> None:
+        for c in list(self._deferred) if classes is None else [StateClass(c) for c in classes]:
+            finish = self._deferred.pop(c, None)
+            if finish is not None:
+                finish()
+
+    def _wait_on(self, event: torch.cuda.Event) -> Callable[[], None]:
+        """A ``settle`` step for a copy that records ``event``: the caller's current stream waits for it (on the
+        device: the host goes on)."""
+        return lambda: torch.cuda.current_stream(self.device).wait_event(event)
 
     def _pin_cuda_index(self) -> None:
         """A CUDA device without an index is the current one: name it (pools and reports need the index)."""

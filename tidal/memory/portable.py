@@ -35,6 +35,12 @@ for that segment (how the GPU suite, which runs after other tests in one process
 back; a resume allocates into a fresh pool. Only the allocating thread is routed to a pool, so
 gradients that autograd's device thread allocates during backward stay in the shared pool.
 
+Deferred resume (``resume(..., defer=...)``) is offered for ``retain`` classes. On CUDA the copies back
+run on a stream of their own and ``settle`` makes the caller's stream wait for them. On a CPU device
+the copy itself waits for ``settle``, and until then the storages hold 0xFF bytes (NaN in every float
+dtype): a caller that reads a deferred class before settling it computes with NaN instead of passing
+by luck, which is how CI checks that the trainer settles its optimizer state before the step.
+
 Zero-copy access: ``host_view(t)`` on a paused, backed-up tensor returns a ``HostView`` aliasing its
 backup (for a disk backup, a private memory map of the file). Every view of a class is invalidated
 when that class resumes; using it afterwards raises ``ResidencyError`` (see ``tidal.memory.views``).
@@ -64,6 +70,7 @@ from tidal.memory.base import (
     StateClass,
 )
 from tidal.memory.home import CAN_SWAP
+from tidal.memory.shadow import copy_stream, u8
 from tidal.memory.telemetry import trim_host_heap
 from tidal.memory.views import HostView, ViewToken, make_host_view
 
@@ -80,11 +87,6 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor that owns memory on this rank (a DTensor's local shard, else ``t``)."""
     local = getattr(t, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else t
-
-
-def _u8(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A flat uint8 tensor over the whole storage."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def _free(storage: torch.UntypedStorage) -> None:
@@ -139,6 +141,7 @@ class PortableBackend(HostBackedBackend):
         self._retained: dict[StateClass, dict[int, torch.UntypedStorage]] = {}
         self._on_cuda = self.device.type == "cuda"
         self._pools: dict[StateClass, object] = {}  # class -> torch.cuda.MemPool its storages live in
+        self._stream: torch.cuda.Stream | None = None  # deferred copies back (CUDA)
 
     @contextlib.contextmanager
     def region(self, state_class: StateClass) -> Iterator[None]:
@@ -170,8 +173,12 @@ class PortableBackend(HostBackedBackend):
 
     # -- pause / resume -----------------------------------------------------------------------
 
+    def defers(self, state_class: StateClass) -> bool:
+        return self._mode(StateClass(state_class)) == "retain"
+
     def pause(self, classes: Sequence[StateClass]) -> MemoryReport:
         classes = self._check(classes, want_paused=False, op="pause")
+        self.settle(classes)
         report = MemoryReport(op="pause", backend=self.name)
         t0 = self._measure_before(report)
         if StateClass.ACTIVATIONS in classes and self._on_cuda:
@@ -185,8 +192,9 @@ class PortableBackend(HostBackedBackend):
         self._return_free_memory()
         return self._measure_after(report, t0)
 
-    def resume(self, classes: Sequence[StateClass]) -> MemoryReport:
+    def resume(self, classes: Sequence[StateClass], *, defer: Sequence[StateClass] = ()) -> MemoryReport:
         classes = self._check(classes, want_paused=True, op="resume")
+        defer = {StateClass(c) for c in defer if self.defers(c)}
         if self._on_cuda:
             # An out-of-memory halfway through would leave a class half resumed; refuse up front.
             needed = sum(e.nbytes for c in classes for e in self._paused[c].entries.values())
@@ -201,9 +209,9 @@ class PortableBackend(HostBackedBackend):
             self._check_room(classes, needed, free)
         report = MemoryReport(op="resume", backend=self.name)
         t0 = self._measure_before(report)
-        for c in classes:
-            report.classes.append(self._resume_class(c))
-        self._return_free_memory()
+        for c in sorted(classes, key=lambda c: c in defer):  # deferred last: the others synchronise
+            report.classes.append(self._resume_class(c, c in defer))
+        self._return_free_memory(sync=not defer)
         return self._measure_after(report, t0)
 
     def host_view(self, tensor: torch.Tensor) -> HostView:
@@ -228,6 +236,7 @@ class PortableBackend(HostBackedBackend):
 
     def close(self) -> None:
         """Drop retained host buffers and disk files (the backend must not be paused)."""
+        self.settle()
         self._retained.clear()
         self._pools.clear()
         if self._disk_root is not None and self._disk_root.exists():
@@ -286,7 +295,7 @@ class PortableBackend(HostBackedBackend):
                     host = self._host_buffer(n)
                 if mode == "retain":
                     keep[key] = host
-                _u8(host).copy_(_u8(st), non_blocking=self._on_cuda)
+                u8(host).copy_(u8(st), non_blocking=self._on_cuda)
                 entry.host = host
             elif mode == "disk":
                 entry.path = self._write_file(c, len(paused.entries), st)
@@ -308,12 +317,13 @@ class PortableBackend(HostBackedBackend):
         rep.seconds = time.perf_counter() - t0
         return rep
 
-    def _resume_class(self, c: StateClass) -> ClassReport:
+    def _resume_class(self, c: StateClass, deferred: bool = False) -> ClassReport:
         t0 = time.perf_counter()
         paused = self._paused[c]
         # Views die first: from here on their memory is handed back, rewritten or freed.
         paused.token.invalidate()
-        rep = ClassReport(state_class=c.value)
+        rep = ClassReport(state_class=c.value, deferred=deferred)
+        later: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []  # (device, host) copies deferred
         with self._in_pool(c):  # a fresh pool: the class's storages again share no segment with others
             for entry in paused.entries.values():
                 st, n = entry.storage, entry.nbytes
@@ -321,14 +331,19 @@ class PortableBackend(HostBackedBackend):
                     st._swap_data_ptr_(entry.host)  # the backup block goes back; ``entry.host`` is empty now
                 else:
                     _alloc(st, n)
-                    if entry.mode in ("copy", "retain"):
-                        _u8(st).copy_(_u8(entry.host), non_blocking=self._on_cuda)
+                    if deferred:
+                        later.append((st, entry.host))
+                    elif entry.mode in ("copy", "retain"):
+                        u8(st).copy_(u8(entry.host), non_blocking=self._on_cuda)
                     elif entry.mode == "disk":
                         self._read_file(entry.path, st)
                 rep.bytes += n
                 if entry.mode != "discard":
                     rep.backup_bytes += n
-        self._sync()
+        if later:
+            self._deferred[c] = self._copy_back_later(later)
+        if not deferred:
+            self._sync()
         for entry in paused.entries.values():
             freeable = CAN_SWAP or entry.host is None or entry.host.resizable()  # not once handed to numpy
             if (entry.mode == "copy" or (entry.mode == "disk" and entry.host is not None)) and freeable:
@@ -342,11 +357,33 @@ class PortableBackend(HostBackedBackend):
         rep.seconds = time.perf_counter() - t0
         return rep
 
+    def _copy_back_later(self, pairs: list[tuple[torch.UntypedStorage, torch.UntypedStorage]]):
+        """A deferred resume's copies (device storage, retained host buffer): on CUDA enqueued now on a copy
+        stream, ``settle`` waiting for their event; on a CPU device run by ``settle``, the storages holding 0xFF
+        bytes until then (see the module docstring)."""
+
+        def copy_all() -> None:
+            for st, host in pairs:
+                u8(st).copy_(u8(host), non_blocking=self._on_cuda)
+
+        if not self._on_cuda:
+            for st, _ in pairs:
+                u8(st).fill_(0xFF)
+            return copy_all
+        if self._stream is None:
+            self._stream = copy_stream(self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            copy_all()
+        done = torch.cuda.Event()
+        done.record(self._stream)
+        return self._wait_on(done)
+
     def _write_file(self, c: StateClass, index: int, st: torch.UntypedStorage) -> Path:
         assert self._disk_root is not None
         self._disk_root.mkdir(parents=True, exist_ok=True)
         path = self._disk_root / f"{c.value}-{index:06d}.bin"
-        src = _u8(st)
+        src = u8(st)
         with open(path, "wb") as f:
             if not self._on_cuda:
                 f.write(memoryview(src.numpy()))
@@ -359,7 +396,7 @@ class PortableBackend(HostBackedBackend):
         return path
 
     def _read_file(self, path: Path, st: torch.UntypedStorage) -> None:
-        dst = _u8(st)
+        dst = u8(st)
         with open(path, "rb", buffering=0) as f:
             if not self._on_cuda:
                 if f.readinto(memoryview(dst.numpy())) != dst.numel():
@@ -372,10 +409,12 @@ class PortableBackend(HostBackedBackend):
                         raise RuntimeError(f"{path}: short read while resuming {self.label}")
                     dst[lo : lo + n].copy_(stage[:n])
 
-    def _return_free_memory(self) -> None:
-        """Hand freed blocks back to the driver / OS so that the release is visible from outside."""
+    def _return_free_memory(self, sync: bool = True) -> None:
+        """Hand freed blocks back to the driver / OS so that the release is visible from outside (without
+        waiting for the device when a deferred copy is running: it would wait for that copy too)."""
         if self._on_cuda:
-            torch.cuda.synchronize(self.device)
+            if sync:
+                torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             host_empty = getattr(torch._C, "_host_emptyCache", None)
             if host_empty is not None:  # pinned blocks of released backups, cached by torch

@@ -15,6 +15,14 @@ flags (slime PR #2249) and torch_memory_saver's default, 0, leaves admission to 
 Host-memory policy: ``release`` (torch_memory_saver's default: pinned shadow allocated at pause,
 freed at resume), ``retain`` (``retain_cpu_backup``: the pinned shadow is kept and reused, so
 only the first pause pays for pinning), ``disk`` (optimizer state spills to ``disk_dir``).
+
+Under ``retain`` the optimizer state's backup is tidal's own (``tidal.memory.shadow``): its region has no
+torch_memory_saver backup, a pause copies the registered storages to a kept host buffer before the tag
+is unmapped, and a resume maps the tag and enqueues the copies back on a stream of their own, so that
+a deferred resume (``defers``) returns before they finish. Only the optimizer's region can be handled
+so: it holds exactly the registered state (``tidal.memory.home.Adopter`` moves each state tensor in;
+the step's temporaries stay out), where the weights' region also holds what the model allocated
+while it was sharded (buffers), which only a backup of the whole tag keeps.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from tidal.errors import ConfigError, ResidencyError
 from tidal.memory.base import Backing, ClassPolicy, ClassReport, HostBackedBackend, MemoryReport, StateClass
 from tidal.memory.portable import local_tensor
 from tidal.memory.preload import check_allocator_conf
+from tidal.memory.shadow import Shadow
 from tidal.memory.views import HostView, ViewToken, wrap_host_tensor
 
 
@@ -76,6 +85,14 @@ class TmsBackend(HostBackedBackend):
             _register_exit_teardown(self._tms)
         self._paused: dict[StateClass, ViewToken] = {}
         self._owner: dict[int, StateClass] = {}  # storage identity -> its paused class (host_view lookups)
+        # Classes backed up by tidal (see the module docstring), each with its shadow and, while paused, the
+        # storages to copy back into.
+        own = self.host_memory == "retain" and self.policy.get(StateClass.OPTIMIZER, ClassPolicy(False)).backup
+        self._shadows = {StateClass.OPTIMIZER: Shadow(self.device, f"{self.label} optimizer")} if own else {}
+        self._saved: dict[StateClass, dict[int, torch.UntypedStorage]] = {}
+
+    def defers(self, state_class: StateClass) -> bool:
+        return StateClass(state_class) in self._shadows
 
     def _on_disk(self, c: StateClass) -> bool:
         return self.host_memory == "disk" and self.policy[c].backup and c is not StateClass.WEIGHTS
@@ -86,9 +103,8 @@ class TmsBackend(HostBackedBackend):
         if c in self._paused:
             raise ResidencyError(f"{self.label}: allocation in region {c.value} while it is paused")
         disk = self._on_disk(c)
-        with self._tms.region(
-            tag=self._tag(c), enable_cpu_backup=self.policy[c].backup and not disk, enable_disk_backup=disk
-        ):
+        tms_backup = self.policy[c].backup and not disk and c not in self._shadows
+        with self._tms.region(tag=self._tag(c), enable_cpu_backup=tms_backup, enable_disk_backup=disk):
             yield
 
     @contextlib.contextmanager
@@ -102,7 +118,11 @@ class TmsBackend(HostBackedBackend):
 
     def _class_storages(self, c: StateClass) -> dict[int, int]:
         """Storage identity -> bytes of the class's registered CUDA tensors."""
-        seen: dict[int, int] = {}
+        return {k: st.nbytes() for k, st in self._storage_objects(c).items()}
+
+    def _storage_objects(self, c: StateClass) -> dict[int, torch.UntypedStorage]:
+        """Storage identity -> storage of the class's registered CUDA tensors."""
+        seen: dict[int, torch.UntypedStorage] = {}
         for source in self._sources.get(c, []):
             for t in source():
                 if t is None:
@@ -110,7 +130,7 @@ class TmsBackend(HostBackedBackend):
                 t = local_tensor(t)
                 if t.device.type == "cuda":
                     st = t.untyped_storage()
-                    seen.setdefault(st._cdata, st.nbytes())
+                    seen.setdefault(st._cdata, st)
         return seen
 
     def _class_bytes(self, c: StateClass) -> int:
@@ -129,6 +149,7 @@ class TmsBackend(HostBackedBackend):
 
     def pause(self, classes: Sequence[StateClass]) -> MemoryReport:
         classes = self._check(classes, want_paused=False, op="pause")
+        self.settle(classes)
         report = MemoryReport(op="pause", backend=self.name)
         torch.cuda.synchronize(self.device)
         if StateClass.ACTIVATIONS in classes:
@@ -142,6 +163,9 @@ class TmsBackend(HostBackedBackend):
             tc = time.perf_counter()
             storages = self._class_storages(c)
             nbytes = sum(storages.values())
+            if c in self._shadows:
+                self._saved[c] = self._storage_objects(c)
+                self._shadows[c].save(self._saved[c])  # on the host before the pages go
             for tag in self._tags(c):
                 self._tms.pause(tag)
             self._paused[c] = ViewToken(f"{self.label} {c.value}")
@@ -158,30 +182,47 @@ class TmsBackend(HostBackedBackend):
             seconds=time.perf_counter() - t0,
         )
 
-    def resume(self, classes: Sequence[StateClass]) -> MemoryReport:
+    def resume(self, classes: Sequence[StateClass], *, defer: Sequence[StateClass] = ()) -> MemoryReport:
         classes = self._check(classes, want_paused=True, op="resume")
+        defer = {StateClass(c) for c in defer if self.defers(c)}
         # torch_memory_saver terminates the process when a resume cannot map its pages; refuse first.
         needed = sum(self._class_bytes(c) for c in classes)
         free, _ = torch.cuda.mem_get_info(self.device)
         self._check_room(classes, needed, free)
         report = MemoryReport(op="resume", backend=self.name)
         t0 = self._measure_before(report)
-        for c in classes:
+        # Deferred classes last: the synchronisation after each other class would wait for their copies too.
+        for c in sorted(classes, key=lambda c: c in defer):
             tc = time.perf_counter()
             self._paused.pop(c).invalidate()  # before the shadow is freed or rewritten
             self._owner = {k: v for k, v in self._owner.items() if v is not c}
             for tag in self._tags(c):
                 self._tms.resume(tag)
-            torch.cuda.synchronize(self.device)
+            if c in self._shadows:
+                self._deferred[c] = self._wait_on(self._shadows[c].restore(self._saved.pop(c)))
+                if c not in defer:
+                    self.settle([c])
+            if c not in defer:
+                torch.cuda.synchronize(self.device)
             nbytes = self._class_bytes(c)
             report.classes.append(self._class_report(c, nbytes, tc))
+            report.classes[-1].deferred = c in defer
         return self._measure_after(report, t0)
+
+    def close(self) -> None:
+        """Drop the host buffers tidal keeps (a paused class's stays: it holds the only copy)."""
+        self.settle()
+        for c, shadow in self._shadows.items():
+            if c not in self._paused:
+                shadow.close()
 
     def host_view(self, tensor: torch.Tensor) -> HostView:
         t = local_tensor(tensor)
         c = self._owner.get(t.untyped_storage()._cdata)
         if c is not None:
             token = self._paused[c]
+            if c in self._shadows:
+                return self._shadows[c].view(t.untyped_storage()._cdata, t, token)
             if not self.policy[c].backup or self._on_disk(c):
                 raise ResidencyError(
                     f"{self.label}: host_view of a {c.value} tensor, which is paused without a host backup"

@@ -85,6 +85,8 @@ def warm_up_shapes(max_tokens: int) -> list[tuple[int, int, int]]:
 class TrainerActor(Trainer):
     """One rank of the FSDP2 trainer; see the module docstring and ``docs/design.md`` for the contract."""
 
+    settles_optimizer = True  # _optimizer_step and _warm_up_step settle the optimizer state first
+
     def __init__(self, *args, release_process_groups: bool | None = None, one_rank_fsdp: bool | None = None, **kwargs):
         """The arguments of ``Trainer.__init__``, and ``release_process_groups``: destroy/rebuild the compute
         group around pause/resume (default: on NCCL only; tests turn it on over gloo to exercise the same
@@ -345,6 +347,7 @@ class TrainerActor(Trainer):
         clip = clip_one_rank if self.one_rank_fsdp else torch.nn.utils.clip_grad_norm_
         clip(self.params, max_norm=self.cfg.clip_grad if self.cfg.clip_grad > 0 else float("inf"))
         if hasattr(self.optimizer, "warm_up"):
+            self.memory.settle([StateClass.OPTIMIZER])
             self.optimizer.warm_up()
             self.optimizer_home.adopt(self._optimizer_tensors())
 
@@ -397,6 +400,8 @@ class TrainerActor(Trainer):
             sums.add_grad_norm(clip(self.params, max_norm=max_norm))
             lr = self.schedule.apply(self.optimizer)
             t_opt = time.perf_counter()
+            # A resume may have left the state's copy back running beside the passes above (settles_optimizer).
+            self.memory.settle([StateClass.OPTIMIZER])
             # Outside any region, so the step's temporaries are not backed up; the state its first step creates
             # is moved into OPTIMIZER afterwards (tidal.memory.home).
             self.optimizer.step()
@@ -480,7 +485,7 @@ class TrainerActor(Trainer):
         """The policy as a Hugging Face folder; a critic stays in checkpoints only."""
         from tidal.checkpoint.export import export_hf
 
-        state = self.checkpoint_state()
+        state = self._settled_state()
         state.critic = None
         return export_hf(state, dir)
 

@@ -83,6 +83,9 @@ class Trainer(ABC):
     memory: MemoryBackend  # set by init; holds the WEIGHTS, OPTIMIZER and GRADS tensors
     # The local model folder the weights were loaded from (None for a preset), set by init.
     model_path: str | None = None
+    # Whether the backend settles its optimizer state (``memory.settle``) before every optimizer step, so that
+    # a resume may leave the state's copy back running beside the forward and backward (``MemoryBackend.defers``).
+    settles_optimizer: bool = False
 
     def __init__(
         self,
@@ -180,6 +183,7 @@ class Trainer(ABC):
         left = self.residency.pause(keep_weights)
         if not self.offload:
             return MemoryResult({f"{_PAUSE}/effective": 0})
+        self.memory.settle()
         t0 = time.perf_counter()
         extra: dict[str, float] = {}
         classes = [c for c in STATE_CLASSES if c is not StateClass.WEIGHTS] if left is TrainerState.ACTIVE else []
@@ -212,7 +216,9 @@ class Trainer(ABC):
         t0 = time.perf_counter()
         self._first_stage = None
         weights = left is TrainerState.PAUSED
-        report = self.memory.resume([c for c in STATE_CLASSES if weights or c is not StateClass.WEIGHTS])
+        classes = [c for c in STATE_CLASSES if weights or c is not StateClass.WEIGHTS]
+        # The optimizer state's copy back may run beside the forward and backward: settled before the step.
+        report = self.memory.resume(classes, defer=[StateClass.OPTIMIZER] if self.settles_optimizer else [])
         groups = self._rebuild_groups() if weights else {}
         out = report.metrics(_RESUME)
         out.update({f"{_RESUME}/{k}": v for k, v in groups.items()})
@@ -320,7 +326,7 @@ class Trainer(ABC):
         from tidal.weight_sync.checksum import tensor_checksum
 
         self.residency.require_whole("state_checksums")
-        state = self.checkpoint_state()
+        state = self._settled_state()
         out = {name: tensor_checksum(full) for name, full in state.model_state() if full is not None}
         for name, full in state.optimizer_state():
             if full is not None:
@@ -333,12 +339,12 @@ class Trainer(ABC):
         extra = dict(extra or {})
         extra.setdefault("rollout_id", self.last_rollout_id)
         extra["weight_version"] = self.version
-        return save_checkpoint(self.checkpoint_state(), dir, extra)
+        return save_checkpoint(self._settled_state(), dir, extra)
 
     def load(self, dir: str) -> dict:
         """Resume from the newest complete checkpoint in ``dir``; returns its ``extra`` ({} when there is none)."""
         self.require_active("load")
-        extra = load_checkpoint(self.checkpoint_state(), dir)
+        extra = load_checkpoint(self._settled_state(), dir)
         if extra:
             self.version = int(extra.get("weight_version", self.version))
             self.last_rollout_id = int(extra.get("rollout_id", self.last_rollout_id))
@@ -346,4 +352,9 @@ class Trainer(ABC):
 
     def export(self, dir: str) -> dict:
         """A Hugging Face folder (config, safetensors, tokenizer) of the current fp32 weights, written atomically."""
-        return export_hf(self.checkpoint_state(), dir)
+        return export_hf(self._settled_state(), dir)
+
+    def _settled_state(self) -> TrainState | ExportSource:
+        """``checkpoint_state()`` once no copy back of a deferred resume is still running."""
+        self.memory.settle()
+        return self.checkpoint_state()
