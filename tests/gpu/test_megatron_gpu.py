@@ -29,7 +29,6 @@ import json
 import math
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -62,9 +61,11 @@ PROBE = (
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # Where the driver picks rank 0's rendezvous port: outside the kernel's ephemeral range, which Ray's
+    # processes draw from while the ranks start (a port-0 pick collided with one: EADDRINUSE at init).
+    from tidal.cluster.groups import _free_port as rendezvous_port
+
+    return rendezvous_port()
 
 
 def _start(ray, backend: str, *, model=SHAPE, offload=False, gpus=0.5, **trainer):

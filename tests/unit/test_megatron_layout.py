@@ -7,7 +7,6 @@ import copy
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -157,9 +156,11 @@ def test_vocab_parallel_logprobs_entropy_match_full_softmax(tp, vocab):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # Where the driver picks rank 0's rendezvous port: outside the kernel's ephemeral range, which Ray's
+    # processes draw from while the ranks start (a port-0 pick collided with one: EADDRINUSE at init).
+    from tidal.cluster.groups import _free_port as rendezvous_port
+
+    return rendezvous_port()
 
 
 def _run_ranks(tmp_path, world: int, tp: int, pp: int, archs: str) -> dict:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import random
-import socket
 
 import pytest
 import torch
@@ -72,9 +71,11 @@ def test_split_global_batches():
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # Where the driver picks rank 0's rendezvous port: outside the kernel's ephemeral range, which Ray's
+    # processes draw from while the ranks start (a port-0 pick collided with one: EADDRINUSE at init).
+    from tidal.cluster.groups import _free_port as rendezvous_port
+
+    return rendezvous_port()
 
 
 def start_group(
