@@ -28,7 +28,7 @@ def _free_port() -> int:
     return rendezvous_port()
 
 
-def _start(ray, *, backend="tms"):
+def _start(ray, *, backend="tms", host_memory=None):
     from tidal.trainer.actor import TrainerActor
 
     cls = ray.remote(num_gpus=1, num_cpus=1)(TrainerActor)
@@ -40,7 +40,9 @@ def _start(ray, *, backend="tms"):
         model=ModelConfig(model=MODEL),
         trainer=TrainerConfig(lr=1e-5, lr_warmup_steps=1, global_batch_size=8, max_tokens_per_gpu=2048),
         algorithm=AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01),
-        memory=MemoryConfig(offload_train=True, memory_backend=backend, tms_hook_mode="torch"),
+        memory=MemoryConfig(
+            offload_train=True, memory_backend=backend, tms_hook_mode="torch", offload_host_memory=host_memory
+        ),
         weight_sync=WeightSyncConfig(),
         device="cuda",
     )
@@ -144,6 +146,42 @@ def test_gpu_train_pause_resume_bitwise_and_nccl_rebuilt(ray_cluster, tmp_path):
     got = {f"{n}": tensor_checksum(p.detach()) for n, p in model.named_parameters()}
     assert {k: after[k] for k in got} == got
     print(f"checkpoint: loaded state bit-identical, next loss {m3['loss']:.6f} vs {m2['loss']:.6f}; export loads")
+
+
+def test_retained_optimizer_state_resumes_deferred_and_bit_exact(ray_cluster, tmp_path):
+    """Under retain the optimizer state has tidal's own backup: its resume is deferred (the copy beside the
+    next train's passes), and what a settled read, a checkpoint saved while paused and the next pause see is
+    the state as it was paused."""
+    ray = ray_cluster
+    actor, _ = _start(ray, host_memory="retain")
+    ckpt = str(tmp_path / "ckpt")
+    try:
+        ray.get(actor.train.remote(_samples(2), 0))
+        for rollout in (1, 2):
+            state = ray.get(actor.state_checksums.remote())
+            ray.get(actor.pause.remote(keep_weights=True))
+            ray.get(actor.pause.remote())
+            if rollout == 1:
+                saved = state
+                ray.get(actor.save.remote(ckpt, {"rollout_id": 0}))  # the moments read from tidal's own backup
+            r = ray.get(actor.resume.remote()).metrics
+            assert (
+                r["memory/trainer_resume/optimizer/deferred"] == 1 and "memory/trainer_resume/weights/deferred" not in r
+            )
+            assert ray.get(actor.state_checksums.remote()) == state  # settled first
+            m = ray.get(actor.train.remote(_samples(2 + rollout), rollout))  # settled before its optimizer step
+            assert all(math.isfinite(m[k]) for k in ("loss", "grad_norm")), m
+        # A deferred state paused again before anything settled it: the pause settles, then backs up.
+        trained = ray.get(actor.state_checksums.remote())
+        ray.get(actor.pause.remote())
+        ray.get(actor.resume.remote())
+        ray.get(actor.pause.remote())
+        ray.get(actor.resume.remote())
+        assert ray.get(actor.state_checksums.remote()) == trained
+        ray.get(actor.load.remote(ckpt))
+        assert ray.get(actor.state_checksums.remote()) == saved
+    finally:
+        ray.kill(actor)
 
 
 def _bench_trainer_row(*flags: str) -> dict:
