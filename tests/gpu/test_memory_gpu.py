@@ -124,15 +124,20 @@ def _exercise(backend, policy_name: str) -> dict:
 
 
 def _deferred_cycle(backend, backed_up: list, marks) -> dict:
-    """One more cycle whose resume defers the optimizer state while matmuls run on the caller's stream, then
-    settles it: the bytes are intact (the figures show how much of the copy the matmuls hid)."""
+    """One more cycle whose pause and resume defer the optimizer state while matmuls run on the caller's stream,
+    each then settled: the pause's memory goes at its settle, the bytes come back intact."""
     from tidal.memory import StateClass as S
 
     every = [S.GRADS, S.OPTIMIZER, S.WEIGHTS, S.ACTIVATIONS]
     dev = backed_up[0].device
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) / 100
-    backend.pause(every)
+    backend.pause(every, defer=[S.OPTIMIZER])  # the optimizer state's copy out beside the matmuls
+    for _ in range(40):
+        a = torch.tanh(a @ a)
     torch.cuda.synchronize()
+    free0, _ = torch.cuda.mem_get_info()
+    backend.settle()  # releases it
+    released = torch.cuda.mem_get_info()[0] - free0
     t0 = time.perf_counter()
     rep = backend.resume(every, defer=[S.OPTIMIZER])
     resume_s = time.perf_counter() - t0
@@ -143,6 +148,7 @@ def _deferred_cycle(backend, backed_up: list, marks) -> dict:
     return {
         "defers": backend.defers(S.OPTIMIZER),
         "optimizer_deferred": any(c.deferred for c in rep.classes if c.state_class == "optimizer"),
+        "released_at_settle_bytes": released,
         "resume_s": resume_s,
         "resume_matmuls_settle_s": time.perf_counter() - t0,
         "intact": _fingerprint(backed_up) == marks,
@@ -153,6 +159,8 @@ def _check(out: dict, *, rss_cycles: tuple[str, ...] = ("cycle0", "cycle1")) -> 
     assert out["resume_when_full"] == "refused" and out["intact_after_refusal"], out
     d = out["deferred"]
     assert d["intact"] and d["optimizer_deferred"] == d["defers"], d
+    # A deferred pause keeps the optimizer state (2 GiB) on the device until settled; a plain one released it.
+    assert (d["released_at_settle_bytes"] >= 0.98 * 2 * GIB) == d["defers"], d
     for cycle in ("cycle0", "cycle1"):
         c = out[cycle]
         assert c["device_freed_bytes"] >= 0.98 * 4 * GIB, c  # weights + optimizer + grads released

@@ -332,3 +332,30 @@ def test_a_deferred_resume_holds_nan_until_settled():
     backend.resume([S.OPTIMIZER])
     assert _same(model, opt, snap)
     backend.close()
+
+
+def test_a_deferred_pause_frees_at_settle_and_its_backup_is_whole():
+    """retain: the copy out is made (on a CPU device at once) and the storages freed only by ``settle``; a view,
+    a resume or a second settle completes it first, and the bytes come back whole."""
+    backend, model, opt = _trainer("retain")
+    snap = _snapshot(model, opt)
+    report = backend.pause([S.OPTIMIZER, S.GRADS], defer=[S.OPTIMIZER])
+    assert report.metrics("p")["p/optimizer/deferred"] == 1 and "p/grads/deferred" not in report.metrics("p")
+    assert backend.is_paused(S.OPTIMIZER)
+    assert backend.resident_bytes([S.OPTIMIZER]) == report.metrics("p")["p/optimizer/bytes"] > 0  # not yet freed
+    assert backend.resident_bytes([S.GRADS]) == 0
+    backend.settle()
+    assert backend.resident_bytes([S.OPTIMIZER]) == 0
+    backend.resume([S.OPTIMIZER, S.GRADS])
+    assert _same(model, opt, snap)
+
+    exp_avg = opt.state[model.lm_head.weight]["exp_avg"]
+    expected = exp_avg.detach().clone()
+    backend.pause([S.OPTIMIZER], defer=[S.OPTIMIZER])
+    assert torch.equal(backend.host_view(exp_avg), expected)
+    assert backend.resident_bytes([S.OPTIMIZER]) == 0  # the view settled it
+    backend.resume([S.OPTIMIZER])
+    backend.pause([S.OPTIMIZER], defer=[S.OPTIMIZER])
+    backend.resume([S.OPTIMIZER])  # settles the pause first
+    assert _same(model, opt, snap)
+    backend.close()

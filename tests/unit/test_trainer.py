@@ -87,6 +87,7 @@ def start_group(
     algorithm=None,
     one_rank_fsdp=None,
     host_memory=None,
+    late_release=None,
     **trainer_kw,
 ):
     from tidal.trainer.actor import TrainerActor
@@ -108,6 +109,7 @@ def start_group(
             device="cpu",
             release_process_groups=release_groups,
             one_rank_fsdp=one_rank_fsdp,
+            late_release=late_release,
         )
         for r in range(world_size)
     ]
@@ -242,19 +244,26 @@ def test_two_stage_pause_reads_live_weights_then_merges_its_figures(ray_cluster,
     assert math.isfinite(call(ray, group, "train", make_samples(7), 5)[0]["loss"])
 
 
-def test_the_optimizer_state_resumed_deferred_is_settled_before_the_step(ray_cluster):
-    """With retained backups the resume defers the optimizer state (NaN on a CPU device until settled): the
-    training after it, a checkpoint read and the next pause take the same values as with a plain resume."""
+def test_the_optimizer_state_deferred_is_settled_before_it_is_used(ray_cluster):
+    """With retained backups the first pause stage leaves the optimizer state's release to the second (its copy
+    out beside the sync) and the resume defers it (NaN on a CPU device until settled): the training after it,
+    a checkpoint read and the next pause take the same values as with plain pauses and resumes."""
     ray = ray_cluster
     states = []
     for host_memory in ("retain", "release"):
-        actors = start_group(ray, world_size=1, host_memory=host_memory)
+        actors = start_group(ray, world_size=1, host_memory=host_memory, late_release=True)
+        deferred = host_memory == "retain"
         try:
             call(ray, actors, "train", make_samples(8), 0)
-            call(ray, actors, "pause")
+            first = call(ray, actors, "pause", keep_weights=True)[0].metrics
+            assert first.get("memory/trainer_pause/optimizer/deferred", 0) == deferred
+            both = call(ray, actors, "pause")[0].metrics
+            assert both.get("memory/trainer_pause/optimizer/deferred", 0) == deferred  # the first stage's figures
             resumed = call(ray, actors, "resume")[0].metrics
-            assert resumed.get("memory/trainer_resume/optimizer/deferred", 0) == (host_memory == "retain")
+            assert resumed.get("memory/trainer_resume/optimizer/deferred", 0) == deferred
             call(ray, actors, "train", make_samples(9), 1)
+            call(ray, actors, "pause", keep_weights=True)
+            call(ray, actors, "resume")  # WEIGHTS_ONLY back to ACTIVE: the late release settles first
             call(ray, actors, "pause")
             call(ray, actors, "resume")
             states.append(call(ray, actors, "state_checksums")[0])

@@ -28,7 +28,9 @@ memory is back when the call returns, its bytes arrive later (on CUDA, on a copy
 caller's work), and ``settle(classes)`` orders the caller's stream after them. The trainer defers its
 optimizer state, which nothing reads before the optimizer step, so the copy runs under the forward and
 backward instead of before them. Until settled, the tensors of a deferred class must not be read or
-written.
+written. A pause can defer too (``pause(classes, defer=[...])``): the copy to the host starts after the
+caller's work and the memory is released by ``settle`` (the host waits for the copy there), so that
+the copy runs beside what the caller does in between. Every pause and resume settles its classes first.
 
 ``HostBackedBackend`` is what the two real backends (``portable``, ``tms``) share: the device, the
 host-memory policy of backed-up classes (``release``, ``retain``, ``disk``), a label naming the owner
@@ -93,7 +95,7 @@ class ClassReport:
     bytes: int = 0  # device bytes released (pause) or re-materialised (resume)
     backup_bytes: int = 0  # bytes copied to (pause) or from (resume) the host backup
     seconds: float = 0.0
-    deferred: bool = False  # resume only: the copy back was left running (``settle`` waits for it)
+    deferred: bool = False  # the copy was left running, its end (and a pause's release) left to ``settle``
 
     @property
     def gbps(self) -> float:
@@ -196,8 +198,9 @@ class MemoryBackend(abc.ABC):
         """Declare the live tensors of a class; ``tensors`` is called at every pause."""
 
     @abc.abstractmethod
-    def pause(self, classes: Sequence[StateClass]) -> MemoryReport:
-        """Release device memory of these classes, backing up those whose policy says so."""
+    def pause(self, classes: Sequence[StateClass], *, defer: Sequence[StateClass] = ()) -> MemoryReport:
+        """Release device memory of these classes, backing up those whose policy says so. Those also in ``defer``
+        that ``defers`` allows are copied out beside the caller's next work and released by ``settle``."""
 
     @abc.abstractmethod
     def resume(self, classes: Sequence[StateClass], *, defer: Sequence[StateClass] = ()) -> MemoryReport:
@@ -205,12 +208,13 @@ class MemoryBackend(abc.ABC):
         ``defer`` that ``defers`` allows get them only once ``settle``d (the others before the call returns)."""
 
     def defers(self, state_class: StateClass) -> bool:
-        """Whether a resume can leave this class's copy back running (``resume(..., defer=...)``). Default: never."""
+        """Whether a pause or resume can leave this class's copy running (``defer=...``). Default: never."""
         return False
 
     def settle(self, classes: Sequence[StateClass] | None = None) -> None:  # noqa: B027 - nothing deferred here
-        """Order the caller's work after the deferred copies of these classes (every class when None): their
-        tensors may be used from here on. A class not deferred needs nothing; calling it again is free."""
+        """Finish what a deferred pause or resume of these classes left (every class when None): a resumed class's
+        tensors may be used from here on (the caller's stream waits for their copy), a paused class's memory is
+        released (the host waits for its copy). A class not deferred needs nothing; calling it again is free."""
 
     @abc.abstractmethod
     def host_view(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -35,11 +35,13 @@ for that segment (how the GPU suite, which runs after other tests in one process
 back; a resume allocates into a fresh pool. Only the allocating thread is routed to a pool, so
 gradients that autograd's device thread allocates during backward stay in the shared pool.
 
-Deferred resume (``resume(..., defer=...)``) is offered for ``retain`` classes. On CUDA the copies back
-run on a stream of their own and ``settle`` makes the caller's stream wait for them. On a CPU device
-the copy itself waits for ``settle``, and until then the storages hold 0xFF bytes (NaN in every float
-dtype): a caller that reads a deferred class before settling it computes with NaN instead of passing
-by luck, which is how CI checks that the trainer settles its optimizer state before the step.
+Deferred pause and resume (``defer=...``) are offered for ``retain`` classes. On CUDA the copies run on
+a stream of their own; ``settle`` makes the caller's stream wait for a resume's, and waits on the host
+for a pause's before freeing the storages. On a CPU device a deferred pause copies at once and frees at
+``settle``; a deferred resume's copy itself waits for ``settle``, and until then the storages hold 0xFF
+bytes (NaN in every float dtype): a caller that reads a deferred class before settling it computes
+with NaN instead of passing by luck, which is how CI checks that the trainer settles its optimizer
+state before the step.
 
 Zero-copy access: ``host_view(t)`` on a paused, backed-up tensor returns a ``HostView`` aliasing its
 backup (for a disk backup, a private memory map of the file). Every view of a class is invalidated
@@ -176,8 +178,9 @@ class PortableBackend(HostBackedBackend):
     def defers(self, state_class: StateClass) -> bool:
         return self._mode(StateClass(state_class)) == "retain"
 
-    def pause(self, classes: Sequence[StateClass]) -> MemoryReport:
+    def pause(self, classes: Sequence[StateClass], *, defer: Sequence[StateClass] = ()) -> MemoryReport:
         classes = self._check(classes, want_paused=False, op="pause")
+        defer = {StateClass(c) for c in defer if self.defers(c)}
         self.settle(classes)
         report = MemoryReport(op="pause", backend=self.name)
         t0 = self._measure_before(report)
@@ -187,14 +190,15 @@ class PortableBackend(HostBackedBackend):
             # plain heap memory that the trim below returns; a full collection (about a second with
             # torch and transformers loaded on a busy 2-core machine) would buy nothing there.
             gc.collect()
-        for c in classes:
-            report.classes.append(self._pause_class(c))
-        self._return_free_memory()
+        for c in sorted(classes, key=lambda c: c in defer):  # deferred last: the others synchronise
+            report.classes.append(self._pause_class(c, c in defer))
+        self._return_free_memory(sync=not defer)
         return self._measure_after(report, t0)
 
     def resume(self, classes: Sequence[StateClass], *, defer: Sequence[StateClass] = ()) -> MemoryReport:
         classes = self._check(classes, want_paused=True, op="resume")
         defer = {StateClass(c) for c in defer if self.defers(c)}
+        self.settle(classes)  # a deferred pause releases first
         if self._on_cuda:
             # An out-of-memory halfway through would leave a class half resumed; refuse up front.
             needed = sum(e.nbytes for c in classes for e in self._paused[c].entries.values())
@@ -221,6 +225,7 @@ class PortableBackend(HostBackedBackend):
             entry = paused.entries.get(key)
             if entry is None:
                 continue
+            self.settle([paused.state_class])  # a deferred pause's copy is on the host once settled
             if entry.mode == "discard":
                 raise ResidencyError(
                     f"{self.label}: host_view of a {paused.state_class.value} tensor, a class paused without "
@@ -274,13 +279,16 @@ class PortableBackend(HostBackedBackend):
         if self._on_cuda:
             torch.cuda.synchronize(self.device)
 
-    def _pause_class(self, c: StateClass) -> ClassReport:
+    def _pause_class(self, c: StateClass, deferred: bool = False) -> ClassReport:
+        """Back up and free one class; ``deferred`` (retain only): its copies out run on the copy stream (CUDA)
+        and ``settle`` frees it."""
         t0 = time.perf_counter()
         mode = self._mode(c)
         paused = _Paused(state_class=c, token=ViewToken(f"{self.label} {c.value}"))
         retained = self._retained.setdefault(c, {}) if mode == "retain" else {}
         keep: dict[int, torch.UntypedStorage] = {}
-        rep = ClassReport(state_class=c.value)
+        rep = ClassReport(state_class=c.value, deferred=deferred)
+        stream = self._copy_stream() if deferred and self._on_cuda else None
         for key, st in self._storages(c).items():
             n = st.nbytes()
             if n == 0:  # already empty (e.g. FSDP's resharded full parameters): nothing to release
@@ -295,7 +303,8 @@ class PortableBackend(HostBackedBackend):
                     host = self._host_buffer(n)
                 if mode == "retain":
                     keep[key] = host
-                u8(host).copy_(u8(st), non_blocking=self._on_cuda)
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    u8(host).copy_(u8(st), non_blocking=self._on_cuda)
                 entry.host = host
             elif mode == "disk":
                 entry.path = self._write_file(c, len(paused.entries), st)
@@ -303,19 +312,36 @@ class PortableBackend(HostBackedBackend):
             rep.bytes += n
             if mode != "discard":
                 rep.backup_bytes += n
-        self._sync()  # device-to-host copies complete before their source is freed
-        for entry in paused.entries.values():
-            if entry.mode != "move":
-                _free(entry.storage)
         if mode == "retain":
             # Buffers of storages that no longer exist are dropped; the rest live on.
             self._retained[c] = keep
-        # Every block of the class is free now: dropping its pool hands the pool's segments back.
-        self._pools.pop(c, None)
         self._paused[c] = paused
-        self._sync()
+        if deferred:
+            copied = None
+            if stream is not None:
+                copied = torch.cuda.Event()
+                copied.record(stream)
+            self._deferred[c] = lambda: self._release(c, paused, copied, hand_back=True)
+        else:
+            self._release(c, paused)
         rep.seconds = time.perf_counter() - t0
         return rep
+
+    def _release(self, c: StateClass, paused: _Paused, copied=None, hand_back: bool = False) -> None:
+        """Free a paused class's storages once their copies out are done (``copied``: the event after them on
+        the copy stream; else the device is synchronised), and drop its pool; ``hand_back``: give the freed
+        blocks to the driver / OS now (a deferred pause's, settled outside ``pause``)."""
+        if copied is not None:
+            copied.synchronize()
+        else:
+            self._sync()  # device-to-host copies complete before their source is freed
+        for entry in paused.entries.values():
+            if entry.mode != "move":
+                _free(entry.storage)
+        # Every block of the class is free now: dropping its pool hands the pool's segments back.
+        self._pools.pop(c, None)
+        if hand_back:
+            self._return_free_memory()
 
     def _resume_class(self, c: StateClass, deferred: bool = False) -> ClassReport:
         t0 = time.perf_counter()
@@ -370,14 +396,19 @@ class PortableBackend(HostBackedBackend):
             for st, _ in pairs:
                 u8(st).fill_(0xFF)
             return copy_all
+        stream = self._copy_stream()
+        with torch.cuda.stream(stream):
+            copy_all()
+        done = torch.cuda.Event()
+        done.record(stream)
+        return self._wait_on(done)
+
+    def _copy_stream(self) -> torch.cuda.Stream:
+        """The stream of deferred copies (CUDA), ordered after the caller's work so far."""
         if self._stream is None:
             self._stream = copy_stream(self.device)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            copy_all()
-        done = torch.cuda.Event()
-        done.record(self._stream)
-        return self._wait_on(done)
+        return self._stream
 
     def _write_file(self, c: StateClass, index: int, st: torch.UntypedStorage) -> Path:
         assert self._disk_root is not None

@@ -9,9 +9,10 @@ the torch_memory_saver backend therefore keeps the optimizer state's backup itse
 - one host buffer for the class, page-locked once with ``cudaHostRegister`` (exactly its bytes: torch's
   pinned allocator rounds every buffer up to a power of two) and kept across cycles, each storage at an
   offset of its own (4 KiB aligned);
-- ``save`` copies every storage into it on the copy stream (after the caller's work) and returns once
-  the bytes are on the host; ``restore`` only enqueues the copies back and returns the event after them,
-  which ``MemoryBackend.settle`` makes the caller's stream wait for.
+- ``save`` and ``restore`` only enqueue the copies (out after the caller's work, back into the storages
+  mapped again) and return the event after them: a pause waits for it before the pages go (at once, or
+  in ``MemoryBackend.settle`` when deferred), a resume makes the caller's stream wait for it in
+  ``settle``.
 
 The layout is made anew when the class's storages change (a checkpoint load replaces the optimizer
 state); the buffer is then replaced, unregistered before it is freed.
@@ -68,9 +69,9 @@ class Shadow:
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         return self._stream
 
-    def save(self, storages: dict[int, torch.UntypedStorage]) -> int:
-        """Copy every storage into the buffer (laid out anew when they changed); returns the bytes copied, all on
-        the host when it returns."""
+    def save(self, storages: dict[int, torch.UntypedStorage]) -> torch.cuda.Event:
+        """Enqueue the copies of every storage into the buffer (laid out anew when they changed), after the
+        caller's work; returns the event recorded after them. The storages must stay until that event."""
         layout, size = _lay_out(storages)
         if self._buffer is None or layout != self._layout:
             self._allocate(size)
@@ -81,8 +82,9 @@ class Shadow:
             for key, st in storages.items():
                 off, n = layout[key]
                 self._buffer[off : off + n].copy_(u8(st), non_blocking=True)
-        stream.synchronize()
-        return sum(n for _, n in layout.values())
+        done = torch.cuda.Event()
+        done.record(stream)
+        return done
 
     def restore(self, storages: dict[int, torch.UntypedStorage]) -> torch.cuda.Event:
         """Enqueue the copies back into ``storages`` (the ones ``save`` saw, with their memory mapped again);

@@ -17,9 +17,9 @@ freed at resume), ``retain`` (``retain_cpu_backup``: the pinned shadow is kept a
 only the first pause pays for pinning), ``disk`` (optimizer state spills to ``disk_dir``).
 
 Under ``retain`` the optimizer state's backup is tidal's own (``tidal.memory.shadow``): its region has no
-torch_memory_saver backup, a pause copies the registered storages to a kept host buffer before the tag
-is unmapped, and a resume maps the tag and enqueues the copies back on a stream of their own, so that
-a deferred resume (``defers``) returns before they finish. Only the optimizer's region can be handled
+torch_memory_saver backup, a pause copies the registered storages to a kept host buffer on a stream of
+their own and unmaps the tag once they are there, and a resume maps the tag and enqueues the copies
+back, so that a deferred pause or resume (``defers``) returns before they finish. Only the optimizer's region can be handled
 so: it holds exactly the registered state (``tidal.memory.home.Adopter`` moves each state tensor in;
 the step's temporaries stay out), where the weights' region also holds what the model allocated
 while it was sharded (buffers), which only a backup of the whole tag keeps.
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import os
 import time
@@ -147,8 +148,9 @@ class TmsBackend(HostBackedBackend):
         # be one. Memory of a class must therefore be allocated inside ``region(class)``.
         return [self._tag(c)]
 
-    def pause(self, classes: Sequence[StateClass]) -> MemoryReport:
+    def pause(self, classes: Sequence[StateClass], *, defer: Sequence[StateClass] = ()) -> MemoryReport:
         classes = self._check(classes, want_paused=False, op="pause")
+        defer = {StateClass(c) for c in defer if self.defers(c)}
         self.settle(classes)
         report = MemoryReport(op="pause", backend=self.name)
         torch.cuda.synchronize(self.device)
@@ -159,19 +161,33 @@ class TmsBackend(HostBackedBackend):
             _allow_pool_frees(self._tms)  # empty_cache may hand tms pool segments back (see _allow_pool_frees)
         torch.cuda.empty_cache()
         t0 = self._measure_before(report)
-        for c in classes:
+        # Deferred classes last: unmapping the others could wait for the device, their copy included.
+        for c in sorted(classes, key=lambda c: c in defer):
             tc = time.perf_counter()
             storages = self._class_storages(c)
             nbytes = sum(storages.values())
             if c in self._shadows:
                 self._saved[c] = self._storage_objects(c)
-                self._shadows[c].save(self._saved[c])  # on the host before the pages go
-            for tag in self._tags(c):
-                self._tms.pause(tag)
+                copied = self._shadows[c].save(self._saved[c])
+                self._deferred[c] = functools.partial(self._release_saved, c, copied)
+                if c not in defer:
+                    self.settle([c])
+            else:
+                self._release(c)
             self._paused[c] = ViewToken(f"{self.label} {c.value}")
             self._owner.update(dict.fromkeys(storages, c))
             report.classes.append(self._class_report(c, nbytes, tc))
+            report.classes[-1].deferred = c in defer
         return self._measure_after(report, t0)
+
+    def _release(self, c: StateClass) -> None:
+        for tag in self._tags(c):
+            self._tms.pause(tag)
+
+    def _release_saved(self, c: StateClass, copied: torch.cuda.Event) -> None:
+        """A class with tidal's own backup: its pages go once its copy to the host is done."""
+        copied.synchronize()
+        self._release(c)
 
     def _class_report(self, c: StateClass, nbytes: int, t0: float) -> ClassReport:
         """One class's figures: tms backs up a class whole (or nothing), so its backup bytes are all or none."""
@@ -185,6 +201,7 @@ class TmsBackend(HostBackedBackend):
     def resume(self, classes: Sequence[StateClass], *, defer: Sequence[StateClass] = ()) -> MemoryReport:
         classes = self._check(classes, want_paused=True, op="resume")
         defer = {StateClass(c) for c in defer if self.defers(c)}
+        self.settle(classes)  # a deferred pause releases first
         # torch_memory_saver terminates the process when a resume cannot map its pages; refuse first.
         needed = sum(self._class_bytes(c) for c in classes)
         free, _ = torch.cuda.mem_get_info(self.device)
@@ -222,6 +239,7 @@ class TmsBackend(HostBackedBackend):
         if c is not None:
             token = self._paused[c]
             if c in self._shadows:
+                self.settle([c])  # a deferred pause's bytes are on the host once it is settled
                 return self._shadows[c].view(t.untyped_storage()._cdata, t, token)
             if not self.policy[c].backup or self._on_disk(c):
                 raise ResidencyError(

@@ -87,11 +87,20 @@ class TrainerActor(Trainer):
 
     settles_optimizer = True  # _optimizer_step and _warm_up_step settle the optimizer state first
 
-    def __init__(self, *args, release_process_groups: bool | None = None, one_rank_fsdp: bool | None = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        release_process_groups: bool | None = None,
+        one_rank_fsdp: bool | None = None,
+        late_release: bool | None = None,
+        **kwargs,
+    ):
         """The arguments of ``Trainer.__init__``, and ``release_process_groups``: destroy/rebuild the compute
         group around pause/resume (default: on NCCL only; tests turn it on over gloo to exercise the same
-        path on CPU); ``one_rank_fsdp``: see below (default: on one CUDA rank; tests turn it on over gloo)."""
+        path on CPU); ``one_rank_fsdp``: see below (default: on one CUDA rank; tests turn it on over gloo);
+        ``late_release``: see ``Trainer.late_release`` (default: decided by the room on the device)."""
         super().__init__(*args, **kwargs)
+        self.late_release = late_release
         self.release_groups = (self.device_type == "cuda") if release_process_groups is None else release_process_groups
         self.critic = None  # PPO's value model (tidal.trainer.critic), with --advantage-estimator ppo
         # One CUDA rank: FSDP2's collectives are copies there, so the layers keep their gathered copy from
@@ -154,7 +163,7 @@ class TrainerActor(Trainer):
         # created since (about 1 s -> milliseconds on a 2-core host with transformers loaded).
         gc.collect()
         gc.freeze()
-        num_params = sum(p.numel() for p in self.model.parameters())
+        num_params = self.num_params = sum(p.numel() for p in self.model.parameters())
         local_bytes = sum(local_shard(p).numel() * local_shard(p).element_size() for p in self.model.parameters())
         return {
             "rank": self.rank,

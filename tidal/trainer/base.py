@@ -86,6 +86,10 @@ class Trainer(ABC):
     # Whether the backend settles its optimizer state (``memory.settle``) before every optimizer step, so that
     # a resume may leave the state's copy back running beside the forward and backward (``MemoryBackend.defers``).
     settles_optimizer: bool = False
+    # Whether the first pause stage leaves the optimizer state's release to the second (its copy out beside the
+    # weight sync): None decides by the room on the device (``_room_to_release_late``); tests force it.
+    late_release: bool | None = None
+    num_params: int = 0  # parameters of the whole policy model, set by init (what the engines hold)
 
     def __init__(
         self,
@@ -193,7 +197,8 @@ class Trainer(ABC):
         if not keep_weights:
             extra.update(self._release_groups())
             classes.append(StateClass.WEIGHTS)
-        report = self.memory.pause(classes)
+        late = keep_weights and StateClass.OPTIMIZER in classes and self._room_to_release_late()
+        report = self.memory.pause(classes, defer=[StateClass.OPTIMIZER] if late else [])
         extra["total_s"] = time.perf_counter() - t0
         if keep_weights:
             self._first_stage = (report, dict(extra))
@@ -206,6 +211,23 @@ class Trainer(ABC):
         out.update({f"{_PAUSE}/{k}": v for k, v in extra.items()})
         out[f"{_PAUSE}/effective"] = 1
         return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
+
+    def _room_to_release_late(self) -> bool:
+        """Whether the optimizer state may stay on the device through the weight sync (released by the second pause
+        stage, its copy to the host running beside the sync, which only reads the weights): only with a backend
+        that settles its optimizer state, and only while the device has room besides it for what the sync brings
+        back: the engines' weights in their dtype and one sync buffer, with 1 GiB to spare."""
+        if not self.settles_optimizer or self.late_release is not None:
+            return bool(self.settles_optimizer and self.late_release)
+        engine_bytes = self.num_params * (self.engine_dtype or default_dtype(self.device_type)).itemsize
+        need = engine_bytes + min(self.sync_cfg.update_weight_buffer_size, engine_bytes) + 2**30
+        if self.device_type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+        return free >= need
 
     def resume(self) -> MemoryResult:
         """Bring back what ``pause`` released, bit for bit (grads start from zero at the next step), then the
