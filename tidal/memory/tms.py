@@ -16,13 +16,14 @@ Host-memory policy: ``release`` (torch_memory_saver's default: pinned shadow all
 freed at resume), ``retain`` (``retain_cpu_backup``: the pinned shadow is kept and reused, so
 only the first pause pays for pinning), ``disk`` (optimizer state spills to ``disk_dir``).
 
-Under ``retain`` the optimizer state's backup is tidal's own (``tidal.memory.shadow``): its region has no
-torch_memory_saver backup, a pause copies the registered storages to a kept host buffer on a stream of
-their own and unmaps the tag once they are there, and a resume maps the tag and enqueues the copies
-back, so that a deferred pause or resume (``defers``) returns before they finish. Only the optimizer's region can be handled
-so: it holds exactly the registered state (``tidal.memory.home.Adopter`` moves each state tensor in;
-the step's temporaries stay out), where the weights' region also holds what the model allocated
-while it was sharded (buffers), which only a backup of the whole tag keeps.
+Under ``retain`` the optimizer state's backup is tidal's own (``tidal.memory.shadow``): its region has
+no torch_memory_saver backup, a pause copies the registered storages to a kept host buffer on a
+stream of their own and unmaps the tag once they are there, and a resume maps the tag and enqueues
+the copies back, so that a deferred pause or resume (``defers``) returns before they finish. Only the
+optimizer's region can be handled so: it holds exactly the registered state
+(``tidal.memory.home.Adopter`` moves each state tensor in; the step's temporaries stay out), where
+the weights' region also holds what the model allocated while it was sharded (buffers), which only a
+backup of the whole tag keeps.
 """
 
 from __future__ import annotations
