@@ -182,8 +182,10 @@ class Trainer(ABC):
         optimizer state and gradients, and unless ``keep_weights`` the process groups and the weights too; from
         WEIGHTS_ONLY (an earlier ``pause(keep_weights=True)``): the process groups and the weights. The colocated
         loop pauses in those two stages around the weight sync, which so reads the weights where they live on
-        the device instead of from their host backups. Memory metrics on rank 0, with the figures of the
-        report; the second of two stages returns both stages' figures together (the seconds summed)."""
+        the device instead of from their host backups. Where the device has room, the first stage leaves the
+        optimizer state's release to the second (``_room_to_release_late``), its copy out running beside the sync.
+        Memory metrics on rank 0, with the figures of the report; the second of two stages returns both stages'
+        figures together (the seconds summed)."""
         left = self.residency.pause(keep_weights)
         if not self.offload:
             return MemoryResult({f"{_PAUSE}/effective": 0})
