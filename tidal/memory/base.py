@@ -283,7 +283,7 @@ class HostBackedBackend(MemoryBackend):
         check_host_memory(self.host_memory, self.disk_dir)
         self.device = torch.device(device)
         self._sources: dict[StateClass, list[TensorSource]] = {}
-        # Classes resumed with their copy back still running, each with what completes it for the caller.
+        # Classes paused or resumed with their copy still running, each with what ``settle`` finishes for it.
         self._deferred: dict[StateClass, Callable[[], None]] = {}
 
     def settle(self, classes: Sequence[StateClass] | None = None) -> None:
