@@ -36,6 +36,10 @@ def test_bench_policy_line(policy, tmp_path):
     assert out["backup_bytes"] == pytest.approx(0.75 * 0.0625 * gib, abs=64)
     assert out["discarded_bytes"] == pytest.approx(0.75 * 0.0625 * gib, abs=64)
     assert len(out["pause_s"]) == len(out["resume_s"]) == 2
+    for key in ("pause_gbps_by_class", "resume_gbps_by_class"):
+        classes = out[key]
+        assert set(classes) == {"weights", "optimizer"}, key  # grads are discarded: no figure
+        assert all(len(v) == 2 and all(g > 0 for g in v) for v in classes.values()), classes
     assert out["contents_intact"] is True
     assert out["device_used_paused_bytes"] == 0  # nothing registered stays allocated while paused
     assert out["pinned_copy_gbps"] > 0

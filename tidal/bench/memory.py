@@ -15,6 +15,8 @@ Each policy runs in a fresh process, so its RSS baseline is clean; one JSON line
 
     pause_s / resume_s           per cycle, trainer only
     pause_gbps / resume_gbps     backed-up bytes / seconds, per cycle
+    pause_gbps_by_class /        the same per backed-up state class (weights, optimizer), per cycle
+    resume_gbps_by_class
     pinned_copy_gbps             the limit, measured in the same process: pinned D2H and H2D copies
                                  on CUDA (the mean of both), a large memcpy on CPU
     host_rss_growth_paused_bytes process RSS while everything is paused minus RSS before the state
@@ -159,17 +161,22 @@ def _cycles(trainer, engine, device, params, backed, cycles: int, rss0: int, dev
     with trainer.unmanaged():
         marks = fingerprint(backed)
     rec: dict[str, list] = {k: [] for k in ("pause_s", "resume_s", "engine_release_s", "engine_resume_s")}
+    by_class: dict[str, dict[str, list[float]]] = {"pause_gbps_by_class": {}, "resume_gbps_by_class": {}}
     rss_growth, dev_left, intact = [], [], True
     for _ in range(cycles):
         rec["engine_release_s"].append(engine.pause(ENGINE).seconds)
-        rec["pause_s"].append(trainer.pause(TRAINER).seconds)
+        paused = trainer.pause(TRAINER)
+        rec["pause_s"].append(paused.seconds)
+        _per_class(by_class["pause_gbps_by_class"], paused)
         gc.collect()
         rss_growth.append(host_rss_bytes() - rss0)
         if device.type == "cuda":
             dev_left.append(device_used_bytes(device) - dev0)
         else:
             dev_left.append(trainer.resident_bytes() + engine.resident_bytes())
-        rec["resume_s"].append(trainer.resume(TRAINER).seconds)
+        resumed = trainer.resume(TRAINER)
+        rec["resume_s"].append(resumed.seconds)
+        _per_class(by_class["resume_gbps_by_class"], resumed)
         with trainer.unmanaged():
             intact = intact and fingerprint(backed) == marks
             with torch.no_grad():  # a "train step": the next pause backs up new bytes
@@ -177,7 +184,15 @@ def _cycles(trainer, engine, device, params, backed, cycles: int, rss0: int, dev
                     p.add_(1e-3)
             marks = fingerprint(backed)
         rec["engine_resume_s"].append(engine.resume(list(reversed(ENGINE))).seconds)
-    return rec, rss_growth, dev_left, intact
+    return {**rec, **by_class}, rss_growth, dev_left, intact
+
+
+def _per_class(out: dict[str, list[float]], report) -> None:
+    """Each backed-up class's GB/s in one pause or resume (under retain with torch_memory_saver the optimizer
+    state is tidal's own backup and the weights torch_memory_saver's: side by side here)."""
+    for c in report.classes:
+        if c.backup_bytes:
+            out.setdefault(c.state_class, []).append(c.gbps)
 
 
 def run_policy(args: argparse.Namespace, policy: str) -> dict:
