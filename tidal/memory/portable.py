@@ -72,7 +72,7 @@ from tidal.memory.base import (
     StateClass,
 )
 from tidal.memory.home import CAN_SWAP
-from tidal.memory.shadow import copy_stream, u8
+from tidal.memory.shadow import CopyStream, u8
 from tidal.memory.telemetry import trim_host_heap
 from tidal.memory.views import HostView, ViewToken, make_host_view
 
@@ -143,7 +143,7 @@ class PortableBackend(HostBackedBackend):
         self._retained: dict[StateClass, dict[int, torch.UntypedStorage]] = {}
         self._on_cuda = self.device.type == "cuda"
         self._pools: dict[StateClass, object] = {}  # class -> torch.cuda.MemPool its storages live in
-        self._stream: torch.cuda.Stream | None = None  # deferred copies back (CUDA)
+        self._copies = CopyStream(self.device)  # deferred copies (CUDA)
 
     @contextlib.contextmanager
     def region(self, state_class: StateClass) -> Iterator[None]:
@@ -288,7 +288,7 @@ class PortableBackend(HostBackedBackend):
         retained = self._retained.setdefault(c, {}) if mode == "retain" else {}
         keep: dict[int, torch.UntypedStorage] = {}
         rep = ClassReport(state_class=c.value, deferred=deferred)
-        stream = self._copy_stream() if deferred and self._on_cuda else None
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host, device) bytes backed up by copying
         for key, st in self._storages(c).items():
             n = st.nbytes()
             if n == 0:  # already empty (e.g. FSDP's resharded full parameters): nothing to release
@@ -303,8 +303,7 @@ class PortableBackend(HostBackedBackend):
                     host = self._host_buffer(n)
                 if mode == "retain":
                     keep[key] = host
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    u8(host).copy_(u8(st), non_blocking=self._on_cuda)
+                copies.append((u8(host), u8(st)))
                 entry.host = host
             elif mode == "disk":
                 entry.path = self._write_file(c, len(paused.entries), st)
@@ -316,11 +315,13 @@ class PortableBackend(HostBackedBackend):
             # Buffers of storages that no longer exist are dropped; the rest live on.
             self._retained[c] = keep
         self._paused[c] = paused
+        copied = None
+        if deferred and self._on_cuda:
+            copied = self._copies.enqueue(copies)  # beside the caller's next work
+        else:
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=self._on_cuda)
         if deferred:
-            copied = None
-            if stream is not None:
-                copied = torch.cuda.Event()
-                copied.record(stream)
             self._deferred[c] = lambda: self._release(c, paused, copied, hand_back=True)
         else:
             self._release(c, paused)
@@ -388,27 +389,16 @@ class PortableBackend(HostBackedBackend):
         stream, ``settle`` waiting for their event; on a CPU device run by ``settle``, the storages holding 0xFF
         bytes until then (see the module docstring)."""
 
+        if self._on_cuda:
+            return self._wait_on(self._copies.enqueue((u8(st), u8(host)) for st, host in pairs))
+
         def copy_all() -> None:
             for st, host in pairs:
-                u8(st).copy_(u8(host), non_blocking=self._on_cuda)
+                u8(st).copy_(u8(host))
 
-        if not self._on_cuda:
-            for st, _ in pairs:
-                u8(st).fill_(0xFF)
-            return copy_all
-        stream = self._copy_stream()
-        with torch.cuda.stream(stream):
-            copy_all()
-        done = torch.cuda.Event()
-        done.record(stream)
-        return self._wait_on(done)
-
-    def _copy_stream(self) -> torch.cuda.Stream:
-        """The stream of deferred copies (CUDA), ordered after the caller's work so far."""
-        if self._stream is None:
-            self._stream = copy_stream(self.device)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        return self._stream
+        for st, _ in pairs:
+            u8(st).fill_(0xFF)
+        return copy_all
 
     def _write_file(self, c: StateClass, index: int, st: torch.UntypedStorage) -> Path:
         assert self._disk_root is not None

@@ -20,6 +20,8 @@ state); the buffer is then replaced, unregistered before it is freed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from tidal.errors import ResidencyError
@@ -33,10 +35,30 @@ def u8(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """A stream for copies between host backups and the device (torch's streams do not wait for the default
-    one: work there runs beside them)."""
-    return torch.cuda.Stream(device)
+class CopyStream:
+    """The stream of one backend's copies between host backups and the device, made at first use (torch's
+    streams do not wait for the default one: work there runs beside them)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._stream: torch.cuda.Stream | None = None
+
+    def after_caller(self) -> torch.cuda.Stream:
+        """The stream, ordered after the caller's work so far."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        return self._stream
+
+    def enqueue(self, copies: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
+        """Each ``(dst, src)`` copied on the stream after the caller's work; returns the event after them."""
+        stream = self.after_caller()
+        with torch.cuda.stream(stream):
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+        return done
 
 
 def _lay_out(storages: dict[int, torch.UntypedStorage]) -> tuple[dict[int, tuple[int, int]], int]:
@@ -57,17 +79,7 @@ class Shadow:
         self.device, self.what = device, what
         self._buffer: torch.Tensor | None = None  # uint8, page-locked while registered
         self._layout: dict[int, tuple[int, int]] = {}
-        self._stream: torch.cuda.Stream | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self._buffer is None else self._buffer.numel()
-
-    def _stream_after_caller(self) -> torch.cuda.Stream:
-        if self._stream is None:
-            self._stream = copy_stream(self.device)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        return self._stream
+        self._copies = CopyStream(device)
 
     def save(self, storages: dict[int, torch.UntypedStorage]) -> torch.cuda.Event:
         """Enqueue the copies of every storage into the buffer (laid out anew when they changed), after the
@@ -76,28 +88,18 @@ class Shadow:
         if self._buffer is None or layout != self._layout:
             self._allocate(size)
             self._layout = layout
-        stream = self._stream_after_caller()
-        assert self._buffer is not None
-        with torch.cuda.stream(stream):
-            for key, st in storages.items():
-                off, n = layout[key]
-                self._buffer[off : off + n].copy_(u8(st), non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
-        return done
+        return self._copies.enqueue((self._slice(key), u8(st)) for key, st in storages.items())
 
     def restore(self, storages: dict[int, torch.UntypedStorage]) -> torch.cuda.Event:
         """Enqueue the copies back into ``storages`` (the ones ``save`` saw, with their memory mapped again);
         returns the event recorded after them. Nothing may use the storages before that event."""
-        stream = self._stream_after_caller()
+        return self._copies.enqueue((u8(st), self._slice(key)) for key, st in storages.items())
+
+    def _slice(self, key: int) -> torch.Tensor:
+        """The bytes of storage ``key`` in the buffer."""
+        off, n = self._layout[key]
         assert self._buffer is not None
-        with torch.cuda.stream(stream):
-            for key, st in storages.items():
-                off, n = self._layout[key]
-                u8(st).copy_(self._buffer[off : off + n], non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
-        return done
+        return self._buffer[off : off + n]
 
     def view(self, key: int, like: torch.Tensor, token: ViewToken) -> HostView:
         """``like`` (a tensor on the storage ``key``) read from the buffer, without a copy."""

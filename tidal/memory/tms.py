@@ -165,11 +165,11 @@ class TmsBackend(HostBackedBackend):
         # Deferred classes last: unmapping the others could wait for the device, their copy included.
         for c in sorted(classes, key=lambda c: c in defer):
             tc = time.perf_counter()
-            storages = self._class_storages(c)
-            nbytes = sum(storages.values())
+            storages = self._storage_objects(c)
+            nbytes = sum(st.nbytes() for st in storages.values())
             if c in self._shadows:
-                self._saved[c] = self._storage_objects(c)
-                copied = self._shadows[c].save(self._saved[c])
+                self._saved[c] = storages
+                copied = self._shadows[c].save(storages)
                 self._deferred[c] = functools.partial(self._release_saved, c, copied)
                 if c not in defer:
                     self.settle([c])
