@@ -309,9 +309,9 @@ class TrainerActor(Trainer):
         sync is the training loop's (one CUDA rank: on the last). The loss is zero; its zero gradients go
         through the clipping and an AdamW step at a learning rate of zero (``_warm_up_step``: the first step's
         one-time work, its moments created as that step would) and are then dropped (set to None), as are the
-        gathered copies and the allocator's cached blocks; weights, moments (zero), step counts and schedule are as before, and the
-        first real step makes the update it would have made. Every rank runs it at once (FSDP2's collectives).
-        The critic is not warmed."""
+        gathered copies and the allocator's cached blocks; weights, moments (zero), step counts and schedule are
+        as before, and the first real step makes the update it would have made. Every rank runs it at once
+        (FSDP2's collectives). The critic is not warmed."""
         start = WarmUpReport.start()
         self.residency.require_active("warm up")
         kw = self._stats_kw

@@ -77,9 +77,9 @@ class DynamicRowsForward:
     the rotary ``position_embeddings`` included) whose size is the hidden states' batch or length (the first
     argument, or ``hidden_states`` by name; sizes above 1: Dynamo specialises 0 and 1 anyway). The same
     dimensions are marked at every later call, as Dynamo's guards require (a tensor marked with dimensions its
-    graph was not compiled with compiles again); a call whose inputs are laid out otherwise (another argument given, one left out) is passed on
-    unmarked. A marked dimension that the graph must specialise (a size equal to the model's own) stays
-    specialised, without error."""
+    graph was not compiled with compiles again); a call whose inputs are laid out otherwise (another argument
+    given, one left out) is passed on unmarked. A marked dimension that the graph must specialise (a size equal
+    to the model's own) stays specialised, without error."""
 
     def __init__(self, forward: Callable):
         self.forward = forward
