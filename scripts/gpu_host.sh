@@ -42,7 +42,7 @@ steps_table() {
   [ -f "$1" ] || return 0
   python3 - "$1" <<'PY'
 import json, sys
-keys = ("generate_s", "decode/call_s", "decode/prefill_s", "decode/decode_s", "decode/capture_s", "decode/graph_captures",
+keys = ("generate_s", "decode/engine_s", "decode/call_s", "decode/prefill_s", "decode/decode_s", "decode/capture_s", "decode/graph_captures",
         "decode/compactions", "decode/waves", "decode/steps", "train_s", "train_compile_s", "sync_s", "gen_tokens_per_s", "elapsed_s")
 # With --offload: the trainer's pause and resume, each state class's seconds and GB/s.
 def memory(k):

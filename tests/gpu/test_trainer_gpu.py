@@ -194,8 +194,9 @@ def _bench_trainer_row(*flags: str) -> dict:
 
     cmd = [sys.executable, "-m", "tidal.bench.trainer", "--device", "cuda", "--model", MODEL, "--samples", "32"]
     cmd += ["--prompt-len", "64", "--response-len", "128", "--max-tokens-per-gpu", "4096", *flags]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
-    return json.loads([line for line in out.splitlines() if line.startswith('{"model"')][-1])
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(cmd[2:])} exited {done.returncode}:\n{done.stderr[-4000:]}"
+    return json.loads([line for line in done.stdout.splitlines() if line.startswith('{"model"')][-1])
 
 
 def test_compiled_layers_give_the_same_loss():

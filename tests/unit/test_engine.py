@@ -15,7 +15,7 @@ from tidal.errors import ResidencyError, UserError, WeightSyncError
 from tidal.model import build_model, resolve_model
 from tidal.rollout.embedded import EmbeddedEngine
 from tidal.rollout.generate import finish_response, left_pad, shared_prefill, teacher_forced_logprobs
-from tidal.rollout.types import Sample, SamplingParams
+from tidal.rollout.types import DecodeStats, Sample, SamplingParams
 from tidal.weight_sync.bucket import BucketHeader, pack, plan_buckets
 from tidal.weight_sync.checksum import tensor_checksum
 from tidal.weight_sync.stream import Bucket
@@ -72,6 +72,19 @@ def test_generate_fills_responses_and_cuts_at_end_tokens(engine):
         assert s.weight_version == -1
         statuses.add(s.status)
     assert statuses == {"completed", "truncated"}
+
+
+def test_decode_stats_hold_the_engines_whole_generate_calls_beside_the_decoders():
+    """``engine_s``: the built-in generate calls' seconds since the last take, the decoder's calls and the
+    samples' handling around them (so at least ``call_s``), zero again once taken."""
+    eng = make_engine(rollout_fast_decode=True)
+    eng.take_decode_stats()  # nothing generated yet
+    eng.generate(make_samples(eng, repeat=1), SamplingParams(max_new_tokens=6, seed=3))
+    eng.generate(make_samples(eng, repeat=1), SamplingParams(max_new_tokens=4, seed=4))
+    got = eng.take_decode_stats()
+    assert got.calls == 2 and got.engine_s >= got.call_s > 0
+    assert eng.take_decode_stats().engine_s == 0.0
+    assert DecodeStats.metrics([got])["decode/engine_s"] == got.engine_s
 
 
 def test_finish_response_cuts_after_eos_and_stop_strings(engine):

@@ -172,6 +172,7 @@ class EmbeddedEngine(EngineWeights):
             bos_token_id=self.tokenizer.bos_token_id, eos_token_id=self._end_ids or None, pad_token_id=self._pad_id
         )
         self._calls = 0
+        self._generate_s = 0.0  # seconds in generate_default since the last take_decode_stats
         self._flushed_version: int | None = None
         # Set by pause_generation (from another thread, beside a running generate): the call stops at its next
         # step boundary and rows it cut short come back aborted; continue_generation clears it.
@@ -251,6 +252,7 @@ class EmbeddedEngine(EngineWeights):
         call returns (the fast path hands rows that ended on at its host syncs; the others are final when
         the call returns)."""
         self.residency.require_generate()
+        t0 = time.perf_counter()
         limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         for s in samples:
             if not s.prompt_ids:
@@ -301,6 +303,7 @@ class EmbeddedEngine(EngineWeights):
             # for the whole run, so they leave the collector too (else every flush walks them: ~0.2 s).
             gc.collect()
             gc.freeze()
+        self._generate_s += time.perf_counter() - t0
         return samples
 
     def take_decode_stats(self) -> DecodeStats:
@@ -308,7 +311,11 @@ class EmbeddedEngine(EngineWeights):
         from tidal.rollout.fast.plug import OFF
 
         dec = self._fast_decoder
-        return DecodeStats() if dec is None or dec == OFF else dec.take_totals()
+        if dec is None or dec == OFF:
+            return DecodeStats()
+        out = dec.take_totals()
+        out.engine_s, self._generate_s = self._generate_s, 0.0
+        return out
 
     def warm_up(self, rows: int, sampling: SamplingParams) -> WarmUpReport:
         """Compile and capture the decode step a first ``generate`` of ``rows`` samples would (``--warm-up``).

@@ -45,8 +45,10 @@ class DecodeStats:
     (compiling in the captures' warm-up runs included; part of ``decode_s``), of whole decoder calls
     (``call_s``: prefill, decode steps, and the results brought to the host and cut at their stops; a
     rollout's ``generate_s`` beyond it is the engine's own handling of the samples, Ray and the driver),
-    ``graph_captures`` new CUDA graphs and ``compactions`` of the running batch. All zero where generation
-    runs elsewhere (transformers generate, an HTTP server)."""
+    ``graph_captures`` new CUDA graphs and ``compactions`` of the running batch. ``engine_s``: seconds of the
+    engine's whole built-in generate calls (the decoder's calls and the samples' handling around them: what a
+    rollout's ``generate_s`` holds beyond it is Ray's transport and the driver's work). All zero where
+    generation runs elsewhere (transformers generate, an HTTP server)."""
 
     calls: int = 0
     waves: int = 0
@@ -57,6 +59,7 @@ class DecodeStats:
     capture_s: float = 0.0
     graph_captures: int = 0
     compactions: int = 0
+    engine_s: float = 0.0
 
     def add(self, stats: dict) -> None:
         """Count one generate call of the fast decoder, from its ``DecodeResult.stats``."""
@@ -79,7 +82,7 @@ class DecodeStats:
         out: dict[str, float] = {}
         for name in ("waves", "steps", "graph_captures", "compactions"):
             out[f"decode/{name}"] = sum(getattr(e, name) for e in engines)
-        for name in ("prefill_s", "decode_s", "capture_s", "call_s"):
+        for name in ("prefill_s", "decode_s", "capture_s", "call_s", "engine_s"):
             out[f"decode/{name}"] = max(getattr(e, name) for e in engines)
         return out
 
