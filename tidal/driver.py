@@ -4,12 +4,16 @@ Trainer and engines take turns on the same devices, so the order of calls below 
 plan: engine memory is released before the trainer wakes, engine weights come back before the
 sync and the KV cache only after it, so the peak is weights + sync buffers, never + KV.
 
-    generate -> reward -> advantages                 engines AWAKE, trainer PAUSED
+    generate -> reward -> advantages                 engines AWAKE, trainer PAUSED (or coming back early)
     release engine memory                            engines ASLEEP
     resume trainer -> train                          trainer ACTIVE only here
     pause trainer's optimizer state and grads        trainer WEIGHTS_ONLY
     resume engine weights -> sync (live weights) -> pause trainer's weights -> resume engine KV
     [eval] [save]
+
+Where the memory plan fits the trainer's state (or its weights) beside the generate phase, the trainer's
+resume is sent before the generate and its copy from the host runs while the engines decode
+(``--train-resume-early``); the train still waits for it.
 
 Run it with ``tidal train`` (the embedded default: a tiny model on the built-in task). With
 ``--async one-step|full`` the same session runs ``tidal.driver_async`` instead (docs/async.md).
@@ -24,7 +28,7 @@ import logging
 
 from tidal.config.schema import TidalConfig
 from tidal.rollout.types import SampleBatch
-from tidal.steps import Timer, finish_step, sync_weights
+from tidal.steps import Timer, finish_step, pause_after_early_resume, resume_trainer, resume_trainer_early, sync_weights
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +116,7 @@ def _loop(s, on_step) -> dict:
         t = Timer()
         if rollout_id in profiled:
             arm_profiles(s, rollout_id)
+        early = resume_trainer_early(s, rollout_id, start)  # where the plan has room beside the generate
         with t("generate", display):
             samples, gen_metrics = orchestrate.generate_rollout(s, rollout_id)
         s.cursor.finish_drawn()  # trained below, or dropped (dynamic sampling, over-sampling)
@@ -123,7 +128,7 @@ def _loop(s, on_step) -> dict:
         if samples:
             if offload_train:
                 with t("resume", display):
-                    resumed = trainer.call("resume")  # its metrics: memory/trainer_resume/*, per state class
+                    resumed = resume_trainer(s, early)  # its metrics: memory/trainer_resume/*, per state class
                     s.timeline_mark("trainer resumed", resumed.after)
                 train_metrics.update(resumed.metrics)
             with t("train", display):
@@ -133,6 +138,8 @@ def _loop(s, on_step) -> dict:
                     paused = trainer.call("pause", keep_weights=True)
                     s.timeline_mark("trainer state paused", paused.after)
                 train_metrics.update(paused.metrics)
+        else:
+            train_metrics.update(pause_after_early_resume(s, early))
         with t("sync", display):
             sync_metrics = sync_weights(s, release_trainer=offload_train and bool(samples))
         metrics = {**initial, **gen_metrics, **train_metrics, **sync_metrics, **t, **s.memory_metrics()}

@@ -1,6 +1,7 @@
 """The phases both loops share (``tidal.driver`` and ``tidal.driver_async``): phase timing, the weight sync, the step's end.
 
 ``sync_weights`` is the colocation order of a sync (engine weights back, push, KV cache back);
+``resume_trainer_early`` / ``resume_trainer`` bring a paused trainer back beside the generate or after it;
 ``finish_step`` runs [eval] [save], logs the step's metrics and calls the ``on_step`` hook.
 """
 
@@ -8,11 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tidal.errors import WeightSyncError
 
+_RESUME = "memory/trainer_resume"
+
 if TYPE_CHECKING:
+    from tidal.memory.base import MemoryResult
     from tidal.weight_sync.base import SyncReport
 
 
@@ -50,6 +55,56 @@ def finish_step(s, rollout_id: int, metrics: dict, t: Timer, on_step=None) -> di
     if on_step is not None:
         on_step(s, rollout_id, row)
     return row
+
+
+@dataclass
+class EarlyResume:
+    """A paused trainer's resume sent before the engines generate (``--train-resume-early``): ``refs`` of every
+    rank's ``resume`` call, of its weights only (``weights_only``: the rest comes back after the generate)."""
+
+    refs: list
+    weights_only: bool
+
+
+def resume_trainer_early(s, rollout_id: int, first_rollout: int) -> EarlyResume | None:
+    """Send the paused trainer's resume before the generate, so its copy from the host runs while the engines
+    decode (``--train-resume-early all`` or ``weights``, what the memory plan fits beside the generate phase);
+    None where it waits for the generate's end. Never on a run's first rollout: the engines' first generate
+    compiles and captures, with more memory than the plan counts for them."""
+    mode = s.cfg.memory.train_resume_early
+    if not s.cfg.memory.offload_train or mode in (None, "off") or rollout_id == first_rollout:
+        return None
+    weights_only = mode == "weights"
+    return EarlyResume(s.trainer.call_async("resume", weights_only=weights_only), weights_only)
+
+
+def resume_trainer(s, early: EarlyResume | None) -> MemoryResult:
+    """The trainer ACTIVE for its train: an early resume awaited (and after a weights-only one the rest brought
+    back now), else the whole resume now. Metrics: the resumes' (``memory/trainer_resume/...``, the later
+    call's where both report a figure), ``.../early`` 1 and ``.../early_s`` the early call's own seconds."""
+    from tidal.cluster.groups import get
+    from tidal.memory.base import MemoryResult  # torch: imported beside Ray's start by the session
+
+    if early is None:
+        return s.trainer.call("resume")
+    first: MemoryResult = get(early.refs)[0]
+    later = s.trainer.call("resume") if early.weights_only else first
+    metrics = {**first.metrics, **later.metrics}
+    if first.metrics:  # rank 0's
+        metrics[f"{_RESUME}/early"] = 1
+        metrics[f"{_RESUME}/early_s"] = first.metrics.get(f"{_RESUME}/total_s", 0.0)
+    return MemoryResult(metrics, later.after)
+
+
+def pause_after_early_resume(s, early: EarlyResume | None) -> dict:
+    """A rollout that trains nothing (every group dropped) leaves the trainer paused: an early resume is undone.
+    Returns that pause's metrics (``memory/trainer_pause/...``; none without an early resume)."""
+    from tidal.cluster.groups import get
+
+    if early is None:
+        return {}
+    get(early.refs)
+    return s.trainer.call("pause").metrics
 
 
 def sync_weights(s, first: bool = False, release_trainer: bool = False) -> dict:

@@ -1215,3 +1215,32 @@ def test_explain_does_not_show_api_keys():
 )
 def test_rule_async(argv, env, expect):
     check(argv, env, expect)
+
+
+GPU8_64G = Environment(
+    cuda_available=True, device_count=8, device_memory=64 * GIB, host_memory=1024 * GIB, tms_available=True
+)
+
+
+@pytest.mark.parametrize(
+    "argv, env, expect, why",
+    [
+        # The 0.5B preset on an 80 GiB GPU: its whole trainer state (8 GiB) fits beside the generate phase.
+        (HALF_0P5B, GPU1, {"train_resume_early": "all"}, "with the trainer's state"),
+        # 7B on 8 x 80 GiB: all of it; on 8 x 64 GiB the engine's weights and KV leave room for the trainer's
+        # weight shard, not its whole state.
+        (SEVEN_B + ["--offload"], GPU8, {"train_resume_early": "all"}, "with the trainer's state"),
+        (SEVEN_B + ["--offload"], GPU8_64G, {"train_resume_early": "weights"}, "with the trainer's weights"),
+        # On CPU the copy would compete with the generate for the cores; without offload nothing resumes.
+        (["--offload-train"], CPU, {"train_resume_early": "off"}, "CPU"),
+        ([], CPU, {"train_resume_early": "off"}, "never pauses"),
+        # Explicit values win (how CI runs the early resume on CPU); they need offload-train.
+        (["--offload-train", "--train-resume-early", "weights"], CPU, {"train_resume_early": "weights"}, None),
+        (["--train-resume-early", "all"], CPU, "--train-resume-early all needs --offload-train", None),
+        (["--train-resume-early", "off"], CPU, {"train_resume_early": "off"}, None),
+    ],
+)
+def test_rule_resume_early(argv, env, expect, why):
+    prov = check(argv, env, expect)
+    if why is not None:
+        assert why in prov.of("train_resume_early").detail

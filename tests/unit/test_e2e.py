@@ -97,6 +97,29 @@ def _check_samples(run_dir, steps, versions):
     assert len({r["group"] for r in records if r["step"] == 0}) == 4, "the 4 samples come from 4 prompts"
 
 
+def test_a_rollout_that_trains_nothing_pauses_a_trainer_resumed_early_again(ray_cluster, tmp_path):
+    """--train-resume-early all with every group dropped (a reward of 0 for all, dynamic sampling): the trainer
+    resumed beside the generate has nothing to train, so it is paused again and the sync reads its backups;
+    the next rollout resumes it early again (a trainer left resumed would refuse that resume)."""
+    argv = ["--colocate", "--offload", "--train-resume-early", "all", "--dynamic-sampling", "--num-rollout", "3"]
+    argv += ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "3"]
+    argv += ["--device", "cpu", "--no-progress", "--output-dir", str(tmp_path / "run"), "--custom-rm-path"]
+    argv += [os.path.join(os.path.dirname(__file__), "reward_plugins.py") + ":nothing"]
+    cfg, prov = parse(argv)
+    cfg = resolve(cfg, prov)
+    versions = []
+
+    def on_step(s, rollout_id, row):
+        if rollout_id >= 0:
+            assert row["train_samples"] == 0 and row["sync/from_backup"] == 1, row
+            # Resumed beside the generate (not on the first rollout), then paused again.
+            assert row.get("memory/trainer_pause/effective", 0) == (rollout_id > 0), row
+            versions.append(row["sync/version"])
+
+    train(cfg, on_step=on_step)
+    assert versions == [2, 3, 4]
+
+
 @pytest.mark.slow
 def test_debug_rollout_only_generates_and_scores_without_a_trainer(ray_cluster, tmp_path):
     """--debug-rollout-only: no trainer actor (no trainer memory), engines keep their initial weights."""
@@ -121,7 +144,8 @@ def test_debug_rollout_only_generates_and_scores_without_a_trainer(ray_cluster, 
 
 @pytest.mark.slow
 def test_colocated_two_ranks_paused_and_synced(ray_cluster, tmp_path):
-    cfg = _run(tmp_path, "--colocate", "--offload", "--profile-rollouts", "1")
+    # The trainer's weights come back while the engine generates (from the second rollout), the rest after it.
+    cfg = _run(tmp_path, "--colocate", "--offload", "--profile-rollouts", "1", "--train-resume-early", "weights")
     assert cfg.weight_sync.update_weight_transport == "tensor"
     assert cfg.memory.offload_train and cfg.memory.offload_rollout
     # Each step's row says what the trainer's pause and resume moved, per state class (grads: discarded).
@@ -131,6 +155,11 @@ def test_colocated_two_ranks_paused_and_synced(ray_cluster, tmp_path):
             p = f"memory/trainer_{op}"
             assert r[f"{p}/effective"] == 1 and r[f"{p}/total_s"] > 0, r
             assert r[f"{p}/weights/backup_bytes"] > 0 and r[f"{p}/grads/backup_bytes"] == 0, r
+        early = r["step"] > 0  # the run's first generate compiles: nothing resumes beside it
+        assert (
+            r.get("memory/trainer_resume/early", 0) == early
+            and (r.get("memory/trainer_resume/early_s", 0) > 0) == early
+        )
         assert r["memory/trainer_pause/optimizer/backup_bytes"] > 0, r  # AdamW's moments exist after a step
         # Paused in two stages around the sync: it read the live weights, not their host backups.
         assert r["sync/from_backup"] == 0, r

@@ -51,6 +51,21 @@ def test_trainer_two_stage_pause_and_illegal_orders():
     r.require_whole("save")
 
 
+def test_trainer_early_resume_brings_the_weights_first():
+    """``resume(weights_only=True)``: PAUSED -> WEIGHTS_ONLY (the weights back while the engines generate), then
+    ``resume()`` -> ACTIVE; only from PAUSED."""
+    r = TrainerResidency("trainer rank 0")
+    r.pause()
+    assert r.resume(weights_only=True) is TrainerState.PAUSED and r.state is TrainerState.WEIGHTS_ONLY
+    with pytest.raises(ResidencyError, match="resume\\(weights_only=True\\) while WEIGHTS_ONLY"):
+        r.resume(weights_only=True)
+    with pytest.raises(ResidencyError, match="train while WEIGHTS_ONLY"):
+        r.require_active("train")
+    assert r.resume() is TrainerState.WEIGHTS_ONLY and r.state is TrainerState.ACTIVE
+    with pytest.raises(ResidencyError, match="resume\\(\\) of an ACTIVE trainer"):
+        r.resume(weights_only=True)
+
+
 def test_engine_loop_order_is_legal():
     e = EngineResidency("engine 0")
     e.require_generate()

@@ -244,6 +244,32 @@ def test_two_stage_pause_reads_live_weights_then_merges_its_figures(ray_cluster,
     assert math.isfinite(call(ray, group, "train", make_samples(7), 5)[0]["loss"])
 
 
+def test_an_early_resume_brings_the_weights_first_then_the_rest(ray_cluster, group):
+    """--train-resume-early weights: from PAUSED the weights and the process groups come back (WEIGHTS_ONLY: read
+    live, no checkpoint), then a second resume brings the optimizer state and grads; bit for bit."""
+    ray = ray_cluster
+    call(ray, group, "train", make_samples(9), 6)
+    state = call(ray, group, "state_checksums")[0]
+    live = call(ray, group, "weight_checksums", "float32")[0]
+    call(ray, group, "pause")
+    first = call(ray, group, "resume", weights_only=True)[0].metrics
+    assert (
+        first["memory/trainer_resume/weights/backup_bytes"] > 0 and first["memory/trainer_resume/groups_rebuilt"] == 1
+    )
+    assert "memory/trainer_resume/optimizer/bytes" not in first
+    assert call(ray, group, "weight_checksums", "float32")[0] == live
+    with pytest.raises(ray.exceptions.RayTaskError, match="save while WEIGHTS_ONLY"):
+        call(ray, group, "save", "/nonexistent")
+    with pytest.raises(ray.exceptions.RayTaskError, match="weights_only=True"):
+        call(ray, group, "resume", weights_only=True)
+    rest = call(ray, group, "resume")[0].metrics
+    assert (
+        rest["memory/trainer_resume/optimizer/backup_bytes"] > 0 and "memory/trainer_resume/weights/bytes" not in rest
+    )
+    assert call(ray, group, "state_checksums")[0] == state
+    assert math.isfinite(call(ray, group, "train", make_samples(10), 7)[0]["loss"])
+
+
 def test_the_optimizer_state_deferred_is_settled_before_it_is_used(ray_cluster):
     """With retained backups the first pause stage leaves the optimizer state's release to the second (its copy
     out beside the sync) and the resume defers it (NaN on a CPU device until settled): the training after it,

@@ -86,6 +86,36 @@ def host_memory(ctx: Context) -> None:
         )
 
 
+def resume_early(ctx: Context) -> None:
+    m, c = ctx.cfg.memory, ctx.cfg.cluster
+    if m.train_resume_early not in (None, "off") and not m.offload_train:
+        raise ConfigError(
+            f"--train-resume-early {m.train_resume_early} needs --offload-train (a trainer that never pauses never "
+            "resumes); drop it"
+        )
+    if m.train_resume_early is not None:
+        return
+    value, why = _resume_early(ctx) if m.offload_train and c.colocate else ("off", "the trainer never pauses")
+    ctx.derive("train_resume_early", value, "resume-early", why)
+
+
+def _resume_early(ctx: Context) -> tuple[str, str]:
+    """all when the trainer's whole state fits beside the generate phase, weights when its weights do, else off."""
+    if ctx.cfg.cluster.device != "cuda":
+        return "off", "CPU: the copy would take the cores the generate runs on"
+    plan = ctx.plan()
+    t, generate = plan.trainer_per_device, plan.combo(True, bool(ctx.cfg.memory.offload_rollout)).generate_bytes
+    room = f"of {format_bytes(plan.budget)} usable per GPU"
+    if generate + t * plan.trainer_static <= plan.budget:
+        return "all", f"generate {format_bytes(generate + t * plan.trainer_static)} with the trainer's state {room}"
+    if generate + t * plan.trainer["weights"] <= plan.budget:
+        return (
+            "weights",
+            f"generate {format_bytes(generate + t * plan.trainer['weights'])} with the trainer's weights {room}",
+        )
+    return "off", f"generate {format_bytes(generate)} {room} leaves no room for the trainer's weights"
+
+
 def _host_policy(ctx: Context) -> tuple[str, str]:
     """retain when the pinned backups leave at least half of the host budget to everything else, else release."""
     if ctx.cfg.cluster.device != "cuda":

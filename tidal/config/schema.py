@@ -431,6 +431,13 @@ class MemoryConfig:
         choices=("release", "retain", "disk"),
     )
     offload_disk_dir: str | None = opt(None, "Directory for --offload-host-memory disk.")
+    train_resume_early: str | None = opt(
+        None,
+        "With --offload-train: what of the paused trainer comes back while the engines generate (its copy from the "
+        "host beside the decoding): all, its weights, or nothing until the generate ends (default: as much as the "
+        "memory plan fits beside the generate phase on GPU; off on CPU).",
+        choices=("off", "weights", "all"),
+    )
     check_memory_plan: bool = opt(
         True, "Refuse to start when the estimated memory plan does not fit the devices (see `tidal explain`)."
     )

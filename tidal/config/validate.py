@@ -431,6 +431,13 @@ rule(
 )(memory_rules.host_memory)
 
 rule(
+    "resume-early",
+    "`--train-resume-early` (with `--offload-train` only) defaults to all when the trainer's weights, gradients and "
+    "optimizer state fit beside the generate phase in the memory plan, weights when its weights do, else off; off on "
+    "CPU (the copy would take the cores the generate runs on) and without offload-train.",
+)(memory_rules.resume_early)
+
+rule(
     "grad-buffers",
     "`--disable-grad-buffers-cpu-backup` follows from `--offload-train` (slime PR #1924: a paused trainer's gradient "
     "buffers have no host backup, every step zeroes them); `--use-nccl-ub` with `--offload-train` is refused.",

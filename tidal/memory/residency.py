@@ -69,15 +69,20 @@ class TrainerResidency:
             self.state = TrainerState.WEIGHTS_ONLY if keep_weights else TrainerState.PAUSED
             return left
 
-    def resume(self) -> TrainerState:
-        """PAUSED or WEIGHTS_ONLY -> ACTIVE; returns the state it left."""
+    def resume(self, weights_only: bool = False) -> TrainerState:
+        """PAUSED or WEIGHTS_ONLY -> ACTIVE, or PAUSED -> WEIGHTS_ONLY (``weights_only``: the weights come back
+        first, the rest at a later resume); returns the state it left."""
         with self._lock:
             left = self.state
             if left is TrainerState.ACTIVE:
                 raise ResidencyError(
                     f"{self.name}: resume() of an ACTIVE trainer (nothing is paused); call pause() first"
                 )
-            self.state = TrainerState.ACTIVE
+            if weights_only and left is not TrainerState.PAUSED:
+                raise ResidencyError(
+                    f"{self.name}: resume(weights_only=True) while WEIGHTS_ONLY (the weights are live); call resume()"
+                )
+            self.state = TrainerState.WEIGHTS_ONLY if weights_only else TrainerState.ACTIVE
             return left
 
     def require_active(self, action: str) -> None:

@@ -231,16 +231,22 @@ class Trainer(ABC):
             free = psutil.virtual_memory().available
         return free >= need
 
-    def resume(self) -> MemoryResult:
+    def resume(self, weights_only: bool = False) -> MemoryResult:
         """Bring back what ``pause`` released, bit for bit (grads start from zero at the next step), then the
-        process groups when they were released. Memory metrics on rank 0."""
-        left = self.residency.resume()
+        process groups when they were released. ``weights_only`` (from PAUSED): the weights and the process
+        groups only, WEIGHTS_ONLY after it; a later ``resume()`` brings the rest (the colocated loop's early
+        resume, ``--train-resume-early weights``: the weights come back while the engines generate). Memory
+        metrics on rank 0."""
+        left = self.residency.resume(weights_only)
         if not self.offload:
             return MemoryResult({f"{_RESUME}/effective": 0})
         t0 = time.perf_counter()
         self._first_stage = None
         weights = left is TrainerState.PAUSED
-        classes = [c for c in STATE_CLASSES if weights or c is not StateClass.WEIGHTS]
+        if weights_only:
+            classes = [StateClass.WEIGHTS]
+        else:
+            classes = [c for c in STATE_CLASSES if weights or c is not StateClass.WEIGHTS]
         # The optimizer state's copy back may run beside the forward and backward: settled before the step.
         report = self.memory.resume(classes, defer=[StateClass.OPTIMIZER] if self.settles_optimizer else [])
         groups = self._rebuild_groups() if weights else {}
