@@ -14,7 +14,7 @@ from tidal.config.schema import MemoryConfig, ModelConfig, RolloutConfig, Weight
 from tidal.errors import ResidencyError, UserError, WeightSyncError
 from tidal.model import build_model, resolve_model
 from tidal.rollout.embedded import EmbeddedEngine
-from tidal.rollout.generate import finish_response, left_pad, shared_prefill, teacher_forced_logprobs
+from tidal.rollout.generate import decode_ids, finish_response, left_pad, shared_prefill, teacher_forced_logprobs
 from tidal.rollout.types import DecodeStats, Sample, SamplingParams
 from tidal.weight_sync.bucket import BucketHeader, pack, plan_buckets
 from tidal.weight_sync.checksum import tensor_checksum
@@ -85,6 +85,36 @@ def test_decode_stats_hold_the_engines_whole_generate_calls_beside_the_decoders(
     assert got.calls == 2 and got.engine_s >= got.call_s > 0
     assert eng.take_decode_stats().engine_s == 0.0
     assert DecodeStats.metrics([got])["decode/engine_s"] == got.engine_s
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe", "bpe-clean-up"])
+def test_decode_ids_is_the_tokenizers_decode(engine, kind):
+    """``decode_ids`` skips transformers' argument check only: the same text as ``decode(ids,
+    skip_special_tokens=True)`` for lists with special tokens, unknown ids and none, whatever the clean-up."""
+    import random
+
+    if kind == "char":
+        tok = engine.tokenizer
+    else:
+        from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
+
+        bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+        bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+        texts = ["12 + 34 = 46 .", "what is 9 - 4 ? it is 5 , isn't it ?", "abc def ghi"] * 20
+        bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "<s>", "</s>"]))
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=bpe,
+            unk_token="<unk>",
+            bos_token="<s>",
+            eos_token="</s>",
+            clean_up_tokenization_spaces=kind == "bpe-clean-up",
+        )
+    rng = random.Random(5)
+    vocab = len(tok)
+    for n in (0, 1, 7, 40):
+        ids = [rng.randrange(vocab) for _ in range(n)] + [tok.eos_token_id]
+        assert decode_ids(tok, ids) == tok.decode(ids, skip_special_tokens=True), ids
 
 
 def test_finish_response_cuts_after_eos_and_stop_strings(engine):

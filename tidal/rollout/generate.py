@@ -132,8 +132,21 @@ def finish_response(
     k = stop_prefix_len(ids, stop, tokenizer)
     if k is not None:
         ids, logprobs, status = ids[:k], logprobs[:k], "completed"
-    text = tokenizer.decode(ids, skip_special_tokens=True)
+    text = decode_ids(tokenizer, ids)
     return Finished(ids=ids, logprobs=[float(x) for x in logprobs], text=text, status=status)
+
+
+def decode_ids(tokenizer, ids: list[int]) -> str:
+    """``tokenizer.decode(ids, skip_special_tokens=True)`` of a list of ints, without its argument check.
+
+    transformers' ``decode`` first converts its argument to Python objects, testing every id of a list in
+    Python (``to_py_obj``), then calls the tokenizer's ``_decode``; for a list of ints that conversion is the
+    identity and costs more than the decode itself (512 responses of 256 tokens: ~7 of ~16 ms on a 2-core
+    CPU). Tokenizers without ``_decode`` (not transformers') go through ``decode``."""
+    inner = getattr(tokenizer, "_decode", None)
+    if inner is None:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    return inner(ids, skip_special_tokens=True)
 
 
 def stop_prefix_len(ids: Sequence[int], stop: Sequence[str], tokenizer) -> int | None:
@@ -143,7 +156,7 @@ def stop_prefix_len(ids: Sequence[int], stop: Sequence[str], tokenizer) -> int |
     stop = [s for s in stop if s]
 
     def holds(k: int) -> bool:
-        text = tokenizer.decode(ids[:k], skip_special_tokens=True)
+        text = decode_ids(tokenizer, ids[:k])
         return any(s in text for s in stop)
 
     if not stop or not ids or not holds(len(ids)):
