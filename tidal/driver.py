@@ -11,9 +11,8 @@ sync and the KV cache only after it, so the peak is weights + sync buffers, neve
     resume engine weights -> sync (live weights) -> pause trainer's weights -> resume engine KV
     [eval] [save]
 
-Where the memory plan fits the trainer's state (or its weights) beside the generate phase, the trainer's
-resume is sent before the generate and its copy from the host runs while the engines decode
-(``--train-resume-early``); the train still waits for it.
+With ``--train-resume-early`` (opt-in, where the memory plan fits it) the trainer's resume is sent before the
+generate and its copy from the host runs while the engines decode; the train still waits for it.
 
 Run it with ``tidal train`` (the embedded default: a tiny model on the built-in task). With
 ``--async one-step|full`` the same session runs ``tidal.driver_async`` instead (docs/async.md).
@@ -116,7 +115,7 @@ def _loop(s, on_step) -> dict:
         t = Timer()
         if rollout_id in profiled:
             arm_profiles(s, rollout_id)
-        early = resume_trainer_early(s, rollout_id, start)  # where the plan has room beside the generate
+        early = resume_trainer_early(s, rollout_id, start)  # --train-resume-early: beside the generate
         with t("generate", display):
             samples, gen_metrics = orchestrate.generate_rollout(s, rollout_id)
         s.cursor.finish_drawn()  # trained below, or dropped (dynamic sampling, over-sampling)

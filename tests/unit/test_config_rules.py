@@ -1225,16 +1225,23 @@ GPU8_64G = Environment(
 @pytest.mark.parametrize(
     "argv, env, expect, why",
     [
-        # The 0.5B preset on an 80 GiB GPU: its whole trainer state (8 GiB) fits beside the generate phase.
-        (HALF_0P5B, GPU1, {"train_resume_early": "all"}, "with the trainer's state"),
-        # 7B on 8 x 80 GiB: all of it; on 8 x 64 GiB the engine's weights and KV leave room for the trainer's
-        # weight shard, not its whole state.
-        (SEVEN_B + ["--offload"], GPU8, {"train_resume_early": "all"}, "with the trainer's state"),
-        (SEVEN_B + ["--offload"], GPU8_64G, {"train_resume_early": "weights"}, "with the trainer's weights"),
-        # On CPU the copy would compete with the generate for the cores; without offload nothing resumes.
-        (["--offload-train"], CPU, {"train_resume_early": "off"}, "CPU"),
+        # Opt-in: off unless asked, the provenance saying what the plan would fit. The 0.5B preset on an 80 GiB
+        # GPU fits its whole trainer state (8 GiB) beside the generate phase; 7B on 8 x 64 GiB its weight shard only.
+        (HALF_0P5B, GPU1, {"train_resume_early": "off"}, "opt-in; all fits"),
+        (SEVEN_B + ["--offload"], GPU8_64G, {"train_resume_early": "off"}, "opt-in; the weights fit"),
         ([], CPU, {"train_resume_early": "off"}, "never pauses"),
-        # Explicit values win (how CI runs the early resume on CPU); they need offload-train.
+        # Asked for: what the plan fits is accepted, more is refused with what does fit.
+        (HALF_0P5B + ["--train-resume-early", "all"], GPU1, {"train_resume_early": "all"}, None),
+        (SEVEN_B + ["--offload", "--train-resume-early", "weights"], GPU8_64G, {"train_resume_early": "weights"}, None),
+        (
+            SEVEN_B + ["--offload", "--train-resume-early", "all"],
+            GPU8_64G,
+            "--train-resume-early all: the memory plan does not fit it beside the generate phase (the weights fit: "
+            "generate 50.2 GiB",
+            None,
+        ),
+        (SEVEN_B + ["--offload", "--train-resume-early", "all", "--no-check-memory-plan"], GPU8_64G, {}, None),
+        # On CPU the host is the device: explicit values are how CI runs the early resume.
         (["--offload-train", "--train-resume-early", "weights"], CPU, {"train_resume_early": "weights"}, None),
         (["--train-resume-early", "all"], CPU, "--train-resume-early all needs --offload-train", None),
         (["--train-resume-early", "off"], CPU, {"train_resume_early": "off"}, None),

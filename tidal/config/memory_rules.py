@@ -88,32 +88,38 @@ def host_memory(ctx: Context) -> None:
 
 def resume_early(ctx: Context) -> None:
     m, c = ctx.cfg.memory, ctx.cfg.cluster
-    if m.train_resume_early not in (None, "off") and not m.offload_train:
+    asked = m.train_resume_early
+    if asked not in (None, "off") and not m.offload_train:
         raise ConfigError(
-            f"--train-resume-early {m.train_resume_early} needs --offload-train (a trainer that never pauses never "
-            "resumes); drop it"
+            f"--train-resume-early {asked} needs --offload-train (a trainer that never pauses never resumes); drop it"
         )
-    if m.train_resume_early is not None:
+    fits, room = _resume_early_room(ctx) if m.offload_train and c.colocate else ("off", "the trainer never pauses")
+    if asked is None:
+        ctx.derive("train_resume_early", "off", "resume-early", f"opt-in; {room}")
         return
-    value, why = _resume_early(ctx) if m.offload_train and c.colocate else ("off", "the trainer never pauses")
-    ctx.derive("train_resume_early", value, "resume-early", why)
+    order = ("off", "weights", "all")
+    if order.index(asked) > order.index(fits) and c.device == "cuda" and m.check_memory_plan:
+        raise ConfigError(
+            f"--train-resume-early {asked}: the memory plan does not fit it beside the generate phase ({room}); "
+            f"use {' or '.join(order[: order.index(fits) + 1][::-1])}, or --no-check-memory-plan if the estimate is wrong"
+        )
 
 
-def _resume_early(ctx: Context) -> tuple[str, str]:
-    """all when the trainer's whole state fits beside the generate phase, weights when its weights do, else off."""
-    if ctx.cfg.cluster.device != "cuda":
-        return "off", "CPU: the copy would take the cores the generate runs on"
+def _resume_early_room(ctx: Context) -> tuple[str, str]:
+    """What of the trainer fits beside the generate phase in the plan: all, weights or off, and the figures."""
     plan = ctx.plan()
     t, generate = plan.trainer_per_device, plan.combo(True, bool(ctx.cfg.memory.offload_rollout)).generate_bytes
-    room = f"of {format_bytes(plan.budget)} usable per GPU"
+    unit = "GPU" if plan.device == "cuda" else "host"
+    room = f"of {format_bytes(plan.budget)} usable per {unit}"
     if generate + t * plan.trainer_static <= plan.budget:
-        return "all", f"generate {format_bytes(generate + t * plan.trainer_static)} with the trainer's state {room}"
-    if generate + t * plan.trainer["weights"] <= plan.budget:
         return (
-            "weights",
-            f"generate {format_bytes(generate + t * plan.trainer['weights'])} with the trainer's weights {room}",
+            "all",
+            f"all fits: generate {format_bytes(generate + t * plan.trainer_static)} with the trainer's state {room}",
         )
-    return "off", f"generate {format_bytes(generate)} {room} leaves no room for the trainer's weights"
+    if generate + t * plan.trainer["weights"] <= plan.budget:
+        weights = format_bytes(generate + t * plan.trainer["weights"])
+        return "weights", f"the weights fit: generate {weights} with the trainer's weights {room}"
+    return "off", f"nothing fits: generate {format_bytes(generate)} {room}"
 
 
 def _host_policy(ctx: Context) -> tuple[str, str]:

@@ -434,8 +434,8 @@ class MemoryConfig:
     train_resume_early: str | None = opt(
         None,
         "With --offload-train: what of the paused trainer comes back while the engines generate (its copy from the "
-        "host beside the decoding): all, its weights, or nothing until the generate ends (default: as much as the "
-        "memory plan fits beside the generate phase on GPU; off on CPU).",
+        "host beside the decoding): all, its weights, or nothing until the generate ends (default: off; on GPU the "
+        "memory plan must fit what it brings back beside the generate phase).",
         choices=("off", "weights", "all"),
     )
     check_memory_plan: bool = opt(

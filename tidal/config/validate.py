@@ -432,9 +432,9 @@ rule(
 
 rule(
     "resume-early",
-    "`--train-resume-early` (with `--offload-train` only) defaults to all when the trainer's weights, gradients and "
-    "optimizer state fit beside the generate phase in the memory plan, weights when its weights do, else off; off on "
-    "CPU (the copy would take the cores the generate runs on) and without offload-train.",
+    "`--train-resume-early` (with `--offload-train` only) is opt-in (default off); on GPU the memory plan must fit "
+    "what it brings back beside the generate phase: all needs the trainer's weights, gradients and optimizer state "
+    "to fit beside it, weights its weights.",
 )(memory_rules.resume_early)
 
 rule(
