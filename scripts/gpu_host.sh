@@ -6,7 +6,7 @@
 #
 #   bash scripts/gpu_host.sh STEP ...
 #
-# Steps: env, tests, speed (issue 20's figures in one call), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled fused step with the attention call writing the cache, per batch bucket, with its pieces writing it), trainer-shapes (bench trainer at new shapes, both attention orders), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
+# Steps: env, tests, speed (issue 20's figures in one call), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled; PROFILE_TAG and TRAIN05_ARGS for a variant), offload-ab (the early resume's A/B and the offloaded train profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled fused step with the attention call writing the cache, per batch bucket, with its pieces writing it), trainer-shapes (bench trainer at new shapes, both attention orders), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
 # bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, bench-async-mps, profile-ipc, megatron (or its halves megatron-loop, megatron-state; megatron-2gpu: TP/PP = 2 on a two-GPU host), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); STARTUP05_RUNS, STARTUP05_ARGS, STARTUP05_TAG (startup-0.5b: its runs share one fresh compile cache, so the first is cold and the rest warm); MEM_GIB, MEM_CYCLES, MEM100_GIB
@@ -88,8 +88,21 @@ for s in "$@"; do
     profile-loop)
       # The preset's loop with rollouts 3 and 4 under torch.profiler (--profile-rollouts): each engine's generate and
       # the trainer's train as they run beside the other actors; the summaries' lines, the traces under the run.
-      TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-profile TRAIN05_ARGS="--profile-rollouts 3 4" TAIL=1 bash "$0" train-0.5b
-      for f in "$OUT"/run-0.5b-profile/profiles/*.json; do case $f in *.trace.json) ;; *) python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['profile'], 'wall', d['wall_s'], 'device', d['total_s'], d['by_category'])" "$f" ;; esac; done ;;
+      TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-profile${PROFILE_TAG:-} TRAIN05_ARGS="--profile-rollouts 3 4 ${TRAIN05_ARGS:-}" TAIL=1 bash "$0" train-0.5b
+      for f in "$OUT"/run-0.5b-profile${PROFILE_TAG:-}/profiles/*.json; do case $f in *.trace.json) ;; *) python3 -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(d['profile'], 'wall', d['wall_s'], 'device', d['total_s'], d['by_category'])
+for name, p in (d.get('phases') or {}).items():
+    print('   ', name, p)" "$f" ;; esac; done ;;
+    offload-ab)
+      # The offloaded loop's open questions on one machine (~7 min on an H100): the early resume off / all / weights,
+      # interleaved twice, then the offloaded train profiled (its phases' CUDA runtime calls: does the first
+      # micro-batch cudaMalloc the activations' blocks the pause freed?).
+      for round in 1 2; do for mode in off all weights; do
+        TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-ab-$mode$round TRAIN05_ARGS="--offload --train-resume-early $mode" TAIL=1 bash "$0" train-0.5b
+      done; done
+      PROFILE_TAG=-offload TRAIN05_ARGS="--offload" bash "$0" profile-loop ;;
     train-0.5b)
       run train-0.5b${TRAIN05_TAG:-} 200 python3 -m tidal.cli train --no-progress --preset qwen2.5-0.5b-1gpu --num-rollout ${TRAIN05_ROLLOUTS:-5} --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-0.5b${TRAIN05_TAG:-}" ${TRAIN05_ARGS:-}
       steps_table "$OUT/run-0.5b${TRAIN05_TAG:-}/metrics.jsonl" ;;

@@ -13,8 +13,9 @@ or the trainer's train of the rollouts named, each writing its summary and a Chr
 directory's ``profiles/``, so that a phase is seen as it runs in the loop, beside the other actors. Its
 summary adds ``phases``: per ``record_function`` label of tidal's own (the decoder's ``tidal.prefill`` and
 ``tidal.decode``, the trainer's ``tidal.old_logprobs``, ``tidal.micro_batch`` and ``tidal.optimizer``), the
-wall, the device's busy time inside it and the longest operators, read back from the trace
-(``trace_phases``), so a phase that waits on the host says so, and on what, without opening the trace.
+wall, the device's busy time inside it, the longest operators and the CUDA API calls that took the most host
+time, read back from the trace (``trace_phases``), so a phase that waits on the host says so, and on what,
+without opening the trace.
 """
 
 from __future__ import annotations
@@ -166,19 +167,24 @@ def profile_call(request: ProfileRequest, fn: Callable[[], Any], device: str) ->
 
 PHASE_PREFIX = "tidal."  # record_function labels of the code's own phases (decoder and trainer)
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_RUNTIME_CATS = ("cuda_runtime", "cuda_driver")  # host-side CUDA API calls (cudaMalloc, cudaLaunchKernel, ...)
 
 
 def trace_phases(path: str, top: int = 3) -> dict[str, dict]:
     """Per labelled phase of a Chrome trace (``record_function`` names starting ``PHASE_PREFIX``): its wall,
-    how much of it the device was busy (the union of kernel and copy intervals inside it), and its longest
-    operators. A phase whose device is idle most of its wall is waiting on the host: its longest operators
-    name the wait (a prefill that spent 70 ms building cuDNN's attention graph showed this way)."""
+    how much of it the device was busy (the union of kernel and copy intervals inside it), its longest
+    operators, and the CUDA runtime and driver calls it spent the most host time in (``runtime_calls``: name,
+    seconds, count, summed over the phase's calls). A phase whose device is idle most of its wall is waiting
+    on the host: its longest operators name the wait (a prefill that spent 70 ms building cuDNN's attention
+    graph showed this way), its runtime calls a wait inside CUDA (``cudaMalloc``, ``cudaFree``, a synchronize)."""
     events = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"]
     device = sorted(
         ((e["ts"], e["ts"] + e.get("dur", 0)) for e in events if e.get("cat") in _DEVICE_CATS), key=lambda iv: iv[0]
     )
     ops = [e for e in events if e.get("cat") == "cpu_op"]
+    runtime = [e for e in events if e.get("cat") in _RUNTIME_CATS]
     out: dict[str, dict] = {}
+    calls: dict[str, dict[str, list[float]]] = {}
     for label in (e for e in events if e.get("name", "").startswith(PHASE_PREFIX)):
         if label.get("cat") not in ("user_annotation", "cpu_op"):
             continue
@@ -190,9 +196,16 @@ def trace_phases(path: str, top: int = 3) -> dict[str, dict]:
         inside = [o for o in ops if a <= o["ts"] and o["ts"] + o.get("dur", 0) <= b]
         longest = sorted(inside, key=lambda o: -o.get("dur", 0))[:top]
         phase["longest_ops"] += [[o["name"][:80], round(o.get("dur", 0) / 1e6, 6)] for o in longest]
-    for phase in out.values():
+        totals = calls.setdefault(label["name"], {})
+        for r in (r for r in runtime if a <= r["ts"] and r["ts"] + r.get("dur", 0) <= b):
+            seconds_count = totals.setdefault(r["name"][:80], [0.0, 0])
+            seconds_count[0] += r.get("dur", 0) / 1e6
+            seconds_count[1] += 1
+    for name, phase in out.items():
         phase["wall_s"], phase["device_busy_s"] = round(phase["wall_s"], 6), round(phase["device_busy_s"], 6)
         phase["longest_ops"] = sorted(phase["longest_ops"], key=lambda r: -r[1])[:top]
+        ranked = sorted(calls.get(name, {}).items(), key=lambda kv: -kv[1][0])[:top]
+        phase["runtime_calls"] = [[n, round(sec, 6), count] for n, (sec, count) in ranked]
     return out
 
 

@@ -50,12 +50,19 @@ def test_device_busy_is_the_union_of_kernels_clipped_to_the_phase(tmp_path):
         x("aten::slow", "cpu_op", 1010, 60),
         x("aten::fast", "cpu_op", 1080, 5),
         x("aten::outside", "cpu_op", 900, 500),
+        x("cudaMalloc", "cuda_runtime", 1020, 30),
+        x("cudaMalloc", "cuda_runtime", 1060, 12),
+        x("cudaLaunchKernel", "cuda_runtime", 1075, 2),
+        x("cuMemMap", "cuda_driver", 1090, 4),
+        x("cudaFree", "cuda_runtime", 1150, 40),  # after the phase
     ]
     path = tmp_path / "t.trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     phase = trace_phases(str(path))["tidal.prefill"]
     assert phase["wall_s"] == 100e-6 and abs(phase["device_busy_s"] - 30e-6) < 1e-12, phase
     assert [n for n, _ in phase["longest_ops"]] == ["aten::slow", "aten::fast"]
+    # Host time in CUDA's API inside the phase, per call name (seconds, count), the most first.
+    assert phase["runtime_calls"] == [["cudaMalloc", 42e-6, 2], ["cuMemMap", 4e-6, 1], ["cudaLaunchKernel", 2e-6, 1]]
 
 
 def test_an_unreadable_trace_leaves_the_call_and_its_summary_standing(tmp_path, monkeypatch):
