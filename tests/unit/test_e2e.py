@@ -79,6 +79,8 @@ def _run(tmp_path, *flags):
     # Where each rollout's generate went: the fast decoder's own stats (on CPU no graph is captured).
     for r in rows:
         assert r["decode/prefill_s"] > 0 and r["decode/steps"] >= 0 and r["decode/graph_captures"] == 0, r
+        # The engine's whole calls hold the decoder's, and the rollout's generate holds the engine's calls.
+        assert r["decode/call_s"] <= r["decode/engine_s"] <= r["generate_s"], r
     assert os.path.exists(os.path.join(cfg.logging.output_dir, "curves.png"))
     _check_samples(cfg.logging.output_dir, steps=[0, 1], versions={0: 1, 1: 2})
     assert os.path.getsize(os.path.join(cfg.logging.output_dir, "memory.png")) > 0
