@@ -260,13 +260,15 @@ class AgentLoop:
         return Action(text=out.response_text, ids=list(out.response_ids), turn=turn, finished=out.status == "completed")
 
     def _finish(self, t: Trajectory) -> Sample:
+        from tidal.rollout.generate import decode_ids  # torch and transformers: the tokenizer needs them
+
         x = t.sample
         x.response_ids = t.response
         x.response_logprobs = t.logprobs
         x.loss_mask = t.mask
         x.turns = t.turns
         x.status = t.status
-        x.response_text = self.tokenizer.decode(x.response_ids, skip_special_tokens=True)
+        x.response_text = decode_ids(self.tokenizer, list(x.response_ids))
         x.metadata = {**x.metadata, "env_reward": t.env_reward, "policy_turns": t.policy_turns}
         return x
 

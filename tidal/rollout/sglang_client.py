@@ -180,7 +180,7 @@ def cut_at_stop(sample: Sample, stop: list[str], tokenizer) -> None:
     shortest prefix whose text holds one (``stop_prefix_len``, the embedded engine's rule too). The string
     stays in the response (SGLang's ``no_stop_trim``); the sample is then ``completed``, its log-probs and
     per-token versions cut with it. A response without a stop string is left as it is."""
-    from tidal.rollout.generate import stop_prefix_len  # torch and transformers: the tokenizer needs them anyway
+    from tidal.rollout.generate import decode_ids, stop_prefix_len  # torch and transformers: the tokenizer needs them
 
     ids = list(sample.response_ids)
     k = stop_prefix_len(ids, stop, tokenizer)
@@ -188,7 +188,7 @@ def cut_at_stop(sample: Sample, stop: list[str], tokenizer) -> None:
         return
     versions = sample.token_versions[:k]
     sample.response_ids, sample.response_logprobs = ids[:k], list(sample.response_logprobs[:k])
-    sample.response_text = tokenizer.decode(ids[:k], skip_special_tokens=True)
+    sample.response_text = decode_ids(tokenizer, ids[:k])
     sample.status = "completed"
     sample.response_versions = versions if len(set(versions)) > 1 else []
 
