@@ -7,7 +7,7 @@ the full tensor from the ranks' pieces.
 Where the pieces are read from depends on residency:
 
 - ACTIVE: the live local shards. On NCCL the gather is a DTensor ``full_tensor()`` (device to
-  device, fast); on CPU a gloo gather of the pieces.
+  device), and with one rank the local shard itself; on CPU a gloo gather of the pieces.
 - PAUSED: the memory backend's zero-copy host view of each local shard (device memory is released;
   reading it would return undefined bytes or fault). The gather runs over the host (gloo) group, so
   it works while the NCCL group is destroyed.
@@ -100,6 +100,12 @@ def iter_full_tensors(
 
     for name, t in named:
         want = dtype or t.dtype
+        if host_view is None and device_gather and world_size == 1:
+            # One rank holds every row: its live shard is the full tensor. No DTensor dispatch and no
+            # one-rank all-gather (the 0.5B preset's sync spent 0.07 s of host time there on an H100).
+            full = local_shard(t).detach()
+            yield name, (full if on_device else to_host(full, want))
+            continue
         if host_view is None and device_gather and _is_dtensor(t):
             with torch.no_grad():
                 full = t.detach().to(want).full_tensor()
