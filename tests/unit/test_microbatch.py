@@ -184,3 +184,39 @@ def test_old_logprobs_pass_builds_micro_batches_only_when_it_computes_something(
     TrainerActor._old_logprobs(rank, with_ref, None, None, recompute=False)
     assert sorted(with_ref[0]._built) == [0, 1]
     assert [tuple(mb.ref_logprobs.shape) for mb in with_ref[0]] == [(2, 4), (1, 2)]
+
+
+def test_a_staging_slot_sends_its_arrays_whole_and_is_reused():
+    """A staging slot packs arrays of every dtype the micro-batch sends (aligned, in one buffer) and gives them
+    back equal, shaped and typed as they were; refilled with larger arrays it grows, with smaller ones it keeps
+    its buffer, and what it gave before does not change when it is refilled (on the CPU, copies)."""
+    import numpy as np
+
+    from tidal.trainer.microbatch import HostStaging, StagingSlot
+
+    rng = np.random.default_rng(0)
+
+    def arrays(n):
+        return (
+            rng.integers(0, 1000, (3, 2, n), dtype=np.int64),
+            rng.random((2, 2, n - 1)) < 0.5,
+            rng.random((2, 2 * n - 1), dtype=np.float32),
+            np.flatnonzero(rng.random(n) < 0.5),
+        )
+
+    staging = HostStaging()
+    slot = staging.slot(2)
+    assert len(staging.slots) == 3 and staging.slot(2) is slot and isinstance(slot, StagingSlot)
+    sent = []
+    for n in (5, 40, 7):
+        a = arrays(n)
+        out = slot.send(a, torch.device("cpu"))
+        sent.append((a, out))
+        if n == 40:
+            big = slot.host.numel()
+        if n == 7:
+            assert slot.host.numel() == big  # kept, not shrunk
+    for a, out in sent:
+        for x, t in zip(a, out):
+            assert t.dtype == torch.from_numpy(x).dtype and tuple(t.shape) == x.shape
+            assert np.array_equal(t.numpy(), x)

@@ -52,7 +52,7 @@ from tidal.rollout.types import Sample, WarmUpReport
 from tidal.trainer.base import Trainer
 from tidal.trainer.fsdp_state import FSDPState, fsdp_modules, reshard
 from tidal.trainer.groups import place
-from tidal.trainer.microbatch import MicroBatches
+from tidal.trainer.microbatch import HostStaging, MicroBatches
 from tidal.trainer.objective import RolloutObjective
 from tidal.trainer.optim import build_adamw, clip_one_rank
 from tidal.trainer.packing import plan_rollout
@@ -108,6 +108,8 @@ class TrainerActor(Trainer):
         # (each micro-batch's is added to the unsharded one in fp32). Everywhere else as FSDP2 does by default.
         default = self.world_size == 1 and self.device_type == "cuda"
         self.one_rank_fsdp = default if one_rank_fsdp is None else one_rank_fsdp and self.world_size == 1
+        # Page-locked buffers the micro-batches cross to the device in, kept for the run (CUDA).
+        self._staging = HostStaging() if self.device_type == "cuda" else None
 
     # ---- setup ------------------------------------------------------------------------------
     def init(self) -> dict:
@@ -281,7 +283,11 @@ class TrainerActor(Trainer):
             max_tokens=self.cfg.max_tokens_per_gpu,
         )
         # Built as the loop reaches them (MicroBatches), so the host builds one while the device runs the last.
-        steps = [MicroBatches(samples, step[self.rank].micro_batches, self.pad_id, self.device) for step in plan]
+        steps, slots = [], 0
+        for step in plan:
+            mbs = step[self.rank].micro_batches
+            steps.append(MicroBatches(samples, mbs, self.pad_id, self.device, self._staging, first_slot=slots))
+            slots += len(mbs)
         self.model.train()
         # With one optimizer step per rollout the weights do not change before the training pass, so
         # the old log-probs are that pass's own, detached (ratio 1): no separate pass unless asked for.
