@@ -133,6 +133,33 @@ def test_finish_response_cuts_after_eos_and_stop_strings(engine):
     assert done.ids == ids and done.status == "truncated"
 
 
+def test_first_of_finds_the_first_wanted_id_as_a_scan_would():
+    """``first_of`` (list scans in C; a Python loop past 8 wanted ids) agrees with a scan of every id, for
+    rows holding none, one or several wanted ids, wanted sets of 1-20 ids, empty rows; and the decoder's
+    cut (``cut_at_stops``) keeps what a per-token cut keeps."""
+    import random
+
+    from tidal.rollout.fast.request import cut_at_stops
+    from tidal.rollout.generate import first_of
+
+    rng = random.Random(0)
+    rows = []
+    for _ in range(400):
+        wanted = set(rng.sample(range(50), rng.randint(1, 20)))
+        ids = [rng.randrange(50 if rng.random() < 0.5 else 200) for _ in range(rng.randint(0, 40))]
+        expect = next((k for k, t in enumerate(ids) if t in wanted), None)
+        assert first_of(ids, wanted) == expect
+        rows.append((ids, wanted, expect))
+    stops = {3, 7}
+    toks = [ids for ids, _, _ in rows]
+    lps = [[-0.5 * k for k in range(len(ids))] for ids in toks]
+    limits = [rng.randint(0, 40) for _ in toks]
+    for (tok, lp, hit), ids, lim in zip(cut_at_stops(toks, lps, limits, stops), toks, limits):
+        k = next((k for k, t in enumerate(ids[:lim]) if t in stops), None)
+        end = lim if k is None else k + 1
+        assert tok == ids[:end] and lp == [-0.5 * j for j in range(len(ids[:end]))] and hit == (k is not None)
+
+
 def test_stop_strings_end_generation(engine):
     stop = ["1", "2", "3", "a"]
     out = engine.generate(make_samples(engine), SamplingParams(max_new_tokens=16, stop=stop, seed=3))

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tidal.errors import UserError
+from tidal.rollout.generate import first_of
 
 
 def batch_buckets(rows: int) -> list[int]:
@@ -70,10 +71,6 @@ def cut_at_stops(
     out = []
     for row, lps, limit in zip(tokens, logprobs, limits):
         row = row[:limit]
-        cut, hit = limit, False
-        for k, tok in enumerate(row):
-            if tok in stops:
-                cut, hit = k + 1, True
-                break
-        out.append((row[:cut], lps[:cut], hit))
+        k = first_of(row, stops)
+        out.append((row, lps[:limit], False) if k is None else (row[: k + 1], lps[: k + 1], True))
     return out
