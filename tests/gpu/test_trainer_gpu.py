@@ -217,13 +217,13 @@ def test_compiled_layers_give_the_same_loss():
 
 
 def test_a_micro_batchs_loss_and_metrics_never_wait_for_the_device():
-    """What the trainer runs per micro-batch besides the model (the old policy and its correction, the
-    loss, its metrics, the rollout sums, the backward) makes no synchronising CUDA call: under the
-    sync debug mode's "error" any would raise. A tensor built from host data on the device (torch.tensor,
+    """What the trainer runs per micro-batch besides the model (its arrays sent from a reused staging slot, the
+    old policy and its correction, the loss, its metrics, the rollout sums, the backward) makes no
+    synchronising CUDA call: under the sync debug mode's "error" any would raise. A tensor built from host data on the device (torch.tensor,
     as_tensor) is one; the rollout's one transfer of its sums at the end is the only wait."""
     import torch
 
-    from tidal.trainer.microbatch import MicroBatch
+    from tidal.trainer.microbatch import MicroBatch, StagingSlot
     from tidal.trainer.objective import RolloutObjective
     from tidal.trainer.step import RolloutSums
 
@@ -231,12 +231,15 @@ def test_a_micro_batchs_loss_and_metrics_never_wait_for_the_device():
     samples = _samples(0, n=8)
     for s in samples:
         s.response_logprobs = [-1.0] * len(s.response_ids)
-    mb = MicroBatch(samples, list(range(8)), pad_id=0, device=dev)
+    slot = StagingSlot()
+    first = MicroBatch(samples, list(range(8)), pad_id=0, device=dev, stage=slot)
     algo = AlgorithmConfig(use_tis=True, use_kl_loss=True, kl_loss_coef=0.01, entropy_coef=0.01)
-    logits = torch.randn(*mb.mask.shape, device=dev, requires_grad=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
+        # Built again in its staging slot (reused, its last copy done): no wait either, and the same tensors.
+        mb = MicroBatch(samples, list(range(8)), pad_id=0, device=dev, stage=slot)
+        logits = torch.randn(*mb.mask.shape, device=dev, requires_grad=True)
         sums, objective = RolloutSums(dev), RolloutObjective(algo, dev)
         logprobs = torch.nn.functional.logsigmoid(logits)
         old = logprobs.detach().float()
@@ -249,3 +252,14 @@ def test_a_micro_batchs_loss_and_metrics_never_wait_for_the_device():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss) and logits.grad is not None
+    for name in (
+        "input_ids",
+        "next_ids",
+        "attention_mask",
+        "mask",
+        "has_engine_logprobs",
+        "engine_logprobs",
+        "advantages",
+        "trained_positions",
+    ):
+        assert torch.equal(getattr(mb, name), getattr(first, name)), name

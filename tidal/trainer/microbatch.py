@@ -155,7 +155,7 @@ class StagingSlot:
         for a in arrays:
             offsets.append(size)
             size += -(-a.nbytes // self.ALIGN) * self.ALIGN
-        if self.sent is not None:
+        if self.sent is not None and not self.sent.query():
             self.sent.synchronize()
         if self.host is None or self.host.numel() < size:
             grown = torch.empty(max(size, 2 * (0 if self.host is None else self.host.numel())), dtype=torch.uint8)
