@@ -156,7 +156,7 @@ def test_retained_optimizer_state_resumes_deferred_and_bit_exact(ray_cluster, tm
     actor, _ = _start(ray, host_memory="retain")
     ckpt = str(tmp_path / "ckpt")
     try:
-        ray.get(actor.train.remote(_samples(2), 0))
+        assert "train_reserved_bytes" not in ray.get(actor.train.remote(_samples(2), 0))  # no pause before it
         for rollout in (1, 2):
             state = ray.get(actor.state_checksums.remote())
             first = ray.get(actor.pause.remote(keep_weights=True)).metrics
@@ -174,6 +174,8 @@ def test_retained_optimizer_state_resumes_deferred_and_bit_exact(ray_cluster, tm
             assert ray.get(actor.state_checksums.remote()) == state  # settled first
             m = ray.get(actor.train.remote(_samples(2 + rollout), rollout))  # settled before its optimizer step
             assert all(math.isfinite(m[k]) for k in ("loss", "grad_norm")), m
+            # What the pause freed of the last train's blocks came back first, as one block.
+            assert m["train_reserved_bytes"] >= 2**26 and m["train_reserve_s"] < m["train_s"], m
         # A deferred state paused again before anything settled it: the pause settles, then backs up.
         trained = ray.get(actor.state_checksums.remote())
         ray.get(actor.pause.remote())

@@ -269,6 +269,7 @@ class TrainerActor(Trainer):
         after the recompute keeps ``logprob_recompute_s`` a wall-clock figure.)"""
         self.residency.require_active("train")
         clock = RolloutClock()
+        reserve = self.reserve_transients()  # inside the train's clock: its seconds count
         self._warned_oversized |= check_samples(
             samples,
             vocab=int(self.model.config.vocab_size),
@@ -302,7 +303,10 @@ class TrainerActor(Trainer):
             clock.optimizer_s += step_s
         reshard(self._models)  # the root keeps its all-gathered parameters after forward; free them
         self.last_rollout_id = rollout_id
-        return rollout_metrics(self, sums, objective, clock, steps=len(steps), recomputed=not old_from_train_pass)
+        out = rollout_metrics(self, sums, objective, clock, steps=len(steps), recomputed=not old_from_train_pass)
+        if out:
+            out.update(reserve)
+        return out
 
     def warm_up(self, recompute: bool = False) -> WarmUpReport:
         """The first rollout's compiling, done before it (``--warm-up``): the policy's training pass (forward,
