@@ -120,6 +120,7 @@ class Trainer(ABC):
         self.residency = TrainerResidency(f"trainer rank {rank}")
         # The first of a two-stage pause (its report and figures), merged into the second's metrics.
         self._first_stage: tuple[MemoryReport, dict[str, float]] | None = None
+        self._transient_bytes = 0  # what the last pause freed of the caching allocator (reserve_transients)
         self._profile: ProfileRequest | None = None  # the next train's (profile_next)
         self.version = 0
         self.strategy = None
@@ -227,7 +228,7 @@ class Trainer(ABC):
         calls, ~35 ms of host time in the 0.5B preset's train on an H100), and the next pause frees one block.
         At most what the device has free less 1 GiB; nothing without a pause since the last train. Metrics
         ``train_reserve_s`` and ``train_reserved_bytes``."""
-        want, self._transient_bytes = getattr(self, "_transient_bytes", 0), 0
+        want, self._transient_bytes = self._transient_bytes, 0
         if self.device_type != "cuda" or want < 2**26:
             return {}
         t0 = time.perf_counter()
