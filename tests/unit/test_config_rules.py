@@ -1225,10 +1225,19 @@ GPU8_64G = Environment(
 @pytest.mark.parametrize(
     "argv, env, expect, why",
     [
-        # Opt-in: off unless asked, the provenance saying what the plan would fit. The 0.5B preset on an 80 GiB
-        # GPU fits its whole trainer state (8 GiB) beside the generate phase; 7B on 8 x 64 GiB its weight shard only.
-        (HALF_0P5B, GPU1, {"train_resume_early": "off"}, "opt-in; all fits"),
-        (SEVEN_B + ["--offload"], GPU8_64G, {"train_resume_early": "off"}, "opt-in; the weights fit"),
+        # The default on GPU: the weights where the plan fits them, the provenance saying what it fits. The 0.5B
+        # preset on an 80 GiB GPU fits its whole trainer state (8 GiB) beside the generate phase (all stays
+        # opt-in); 7B on 8 x 64 GiB its weight shard only. Off where nothing fits, on CPU and without offload.
+        (HALF_0P5B, GPU1, {"train_resume_early": "weights"}, "all fits: generate"),
+        (HALF_0P5B, GPU1, {}, "; all is opt-in"),
+        (SEVEN_B + ["--offload"], GPU8_64G, {"train_resume_early": "weights"}, "the weights fit: generate"),
+        (
+            SEVEN_B + ["--offload", "--rollout-batch-size", "8192", "--no-check-memory-plan"],
+            GPU8_64G,
+            {"train_resume_early": "off"},
+            "nothing fits",
+        ),
+        (["--offload-train"], CPU, {"train_resume_early": "off"}, "off on CPU"),
         ([], CPU, {"train_resume_early": "off"}, "never pauses"),
         # Asked for: what the plan fits is accepted, more is refused with what does fit.
         (HALF_0P5B + ["--train-resume-early", "all"], GPU1, {"train_resume_early": "all"}, None),

@@ -434,8 +434,8 @@ class MemoryConfig:
     train_resume_early: str | None = opt(
         None,
         "With --offload-train: what of the paused trainer comes back while the engines generate (its copy from the "
-        "host beside the decoding): all, its weights, or nothing until the generate ends (default: off; on GPU the "
-        "memory plan must fit what it brings back beside the generate phase).",
+        "host beside the decoding): all, its weights, or nothing until the generate ends (default: weights on GPU where "
+        "the memory plan fits them beside the generate phase, else off; an asked-for value must fit there on GPU).",
         choices=("off", "weights", "all"),
     )
     check_memory_plan: bool = opt(

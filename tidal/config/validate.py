@@ -432,9 +432,10 @@ rule(
 
 rule(
     "resume-early",
-    "`--train-resume-early` (with `--offload-train` only) is opt-in (default off); on GPU the memory plan must fit "
-    "what it brings back beside the generate phase: all needs the trainer's weights, gradients and optimizer state "
-    "to fit beside it, weights its weights.",
+    "`--train-resume-early` (with `--offload-train` only): by default `weights` on GPU where the memory plan fits the "
+    "trainer's weights beside the generate phase, else off (always off on CPU); `all` is opt-in. On GPU the memory "
+    "plan must fit what an asked-for value brings back beside the generate phase: all needs the trainer's weights, "
+    "gradients and optimizer state to fit beside it, weights its weights.",
 )(memory_rules.resume_early)
 
 rule(
