@@ -6,12 +6,12 @@
 #
 #   bash scripts/gpu_host.sh STEP ...
 #
-# Steps: env, tests, speed (issue 20's figures in one call), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled; PROFILE_TAG and TRAIN05_ARGS for a variant), offload-ab (the early resume's A/B and the offloaded train profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled fused step with the attention call writing the cache, per batch bucket, with its pieces writing it), trainer-shapes (bench trainer at new shapes, both attention orders), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
+# Steps: env, tests, speed (issue 20's figures in one call), ab-train (the loop from an earlier commit's copy and this tree, interleaved), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled; PROFILE_TAG and TRAIN05_ARGS for a variant), offload-ab (the early resume's A/B and the offloaded train profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled fused step with the attention call writing the cache, per batch bucket, with its pieces writing it), trainer-shapes (bench trainer at new shapes, both attention orders), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
 # bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, bench-async-mps, profile-ipc, megatron (or its halves megatron-loop, megatron-state; megatron-2gpu: TP/PP = 2 on a two-GPU host), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); STARTUP05_RUNS, STARTUP05_ARGS, STARTUP05_TAG (startup-0.5b: its runs share one fresh compile cache, so the first is cold and the rest warm); MEM_GIB, MEM_CYCLES, MEM100_GIB
 # (bench-memory*); SYNC_MODELS, SYNC_MODES, SYNC_SOURCES, SYNC_ARGS (bench-sync); TRAINER_ARGS, TRAINER_TAG
-# (bench-trainer); DECODE_TAGS (decode-experiments: any of default, static, kvwrite); ROLLOUT_ARGS, ROLLOUT_TAG (bench-rollout, e.g. ROLLOUT_ARGS='--paths fast --profile'); FAST_CASES, FAST_ARGS, FAST_TAG (bench-fast); SERVE_ARGS (bench-serve); MEGATRON_K (megatron: a pytest -k expression); MULTITURN_ARGS (bench-multiturn); ASYNC_MODES, ASYNC_ROLLOUTS, ASYNC_ARGS, ASYNC_TAG (bench-async, bench-async-mps); TAIL (lines of each log printed).
+# (bench-trainer); AB_BASE, AB_ARGS, AB_ROUNDS (ab-train); DECODE_TAGS (decode-experiments: any of default, static, kvwrite); ROLLOUT_ARGS, ROLLOUT_TAG (bench-rollout, e.g. ROLLOUT_ARGS='--paths fast --profile'); FAST_CASES, FAST_ARGS, FAST_TAG (bench-fast); SERVE_ARGS (bench-serve); MEGATRON_K (megatron: a pytest -k expression); MULTITURN_ARGS (bench-multiturn); ASYNC_MODES, ASYNC_ROLLOUTS, ASYNC_ARGS, ASYNC_TAG (bench-async, bench-async-mps); TAIL (lines of each log printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -106,6 +106,30 @@ for name, p in (d.get('phases') or {}).items():
     train-0.5b)
       run train-0.5b${TRAIN05_TAG:-} 200 python3 -m tidal.cli train --no-progress --preset qwen2.5-0.5b-1gpu --num-rollout ${TRAIN05_ROLLOUTS:-5} --rollout-batch-size 64 --rollout-max-response-len 256 --output-dir "$OUT/run-0.5b${TRAIN05_TAG:-}" ${TRAIN05_ARGS:-}
       steps_table "$OUT/run-0.5b${TRAIN05_TAG:-}/metrics.jsonl" ;;
+    ab-train)
+      # The preset's loop from a copy of an earlier commit (AB_BASE: a folder made by scripts/ab_base.sh) and from
+      # this tree, interleaved AB_ROUNDS times (default 2) on one machine, with AB_ARGS (e.g. --offload); then each
+      # run's mean step and phases, so that a change is compared on one host.
+      [ -d "${AB_BASE:-}" ] || { echo "ab-train: AB_BASE must name a folder made by scripts/ab_base.sh"; exit 2; }
+      [ -e "$AB_BASE/.whl" ] || [ ! -d .whl ] || ln -sfn "$PWD/.whl" "$AB_BASE/.whl"
+      out=$(realpath "$OUT")
+      for round in $(seq "${AB_ROUNDS:-2}"); do
+        TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-ab-head$round TRAIN05_ARGS="${AB_ARGS:-}" TAIL=0 bash "$0" train-0.5b | grep "^==="
+        (cd "$AB_BASE" && OUT=$out TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-ab-base$round TRAIN05_ARGS="${AB_ARGS:-}" TAIL=0 \
+          bash scripts/gpu_host.sh train-0.5b | grep "^===")
+      done
+      python3 - "$OUT" <<'PY'
+import glob, json, os, statistics, sys
+keys = ("generate_s", "train_s", "sync_s", "pause_s", "resume_s")
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "run-0.5b-ab-*", "metrics.jsonl"))):
+    rows = [json.loads(line) for line in open(path)]
+    if len(rows) < 3:
+        print(os.path.basename(os.path.dirname(path)), "unfinished"); continue
+    step = (rows[-1]["elapsed_s"] - rows[1]["elapsed_s"]) / (len(rows) - 2)  # steps 1.. (step 0 compiles)
+    means = {k: statistics.mean(r[k] for r in rows[1:]) for k in keys if all(k in r for r in rows[1:])}
+    print(os.path.basename(os.path.dirname(path)), f"step={step:.4f}", " ".join(f"{k}={v:.4f}" for k, v in means.items()))
+PY
+      ;;
     decode-experiments)
       # The compiled fused decode step with the cache written by the attention call (two eager index_copy a layer;
       # one dynamic graph per piece), the same with a graph per batch bucket specialised to its size, and with the
