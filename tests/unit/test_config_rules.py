@@ -1229,8 +1229,9 @@ GPU8_64G = Environment(
         # preset on an 80 GiB GPU fits its whole trainer state (8 GiB) beside the generate phase (all stays
         # opt-in); 7B on 8 x 64 GiB its weight shard only. Off where nothing fits, on CPU and without offload.
         (HALF_0P5B, GPU1, {"train_resume_early": "weights"}, "all fits: generate"),
-        (HALF_0P5B, GPU1, {}, "; all is opt-in"),
+        (HALF_0P5B, GPU1, {}, "; so weights (all is opt-in)"),
         (SEVEN_B + ["--offload"], GPU8_64G, {"train_resume_early": "weights"}, "the weights fit: generate"),
+        (SEVEN_B + ["--offload"], GPU8_64G, {}, "usable per GPU; so weights"),
         (
             SEVEN_B + ["--offload", "--rollout-batch-size", "8192", "--no-check-memory-plan"],
             GPU8_64G,

@@ -100,7 +100,12 @@ def resume_early(ctx: Context) -> None:
         # as much as the resume saved), so it stays opt-in. On CPU the host is the device: nothing to hide.
         gpu = c.device == "cuda"
         pick = "weights" if fits != "off" and gpu else "off"
-        note = "" if fits == "off" else "; all is opt-in" if gpu else "; off on CPU (the host is the device)"
+        if fits == "off":
+            note = ""
+        elif gpu:
+            note = "; so weights (all is opt-in)" if fits == "all" else "; so weights"
+        else:
+            note = "; off on CPU (the host is the device)"
         ctx.derive("train_resume_early", pick, "resume-early", room + note)
         return
     order = ("off", "weights", "all")
