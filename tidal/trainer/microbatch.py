@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from tidal.dtypes import dtype_of
 from tidal.rollout.types import Sample
 
 # On CUDA every micro-batch's width (tokens a row) is a multiple of this. Compiled layers (``--compile-layers``)
@@ -167,10 +168,7 @@ class StagingSlot:
         if cuda:
             self.sent = torch.cuda.Event()
             self.sent.record()
-        return [out[o : o + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape) for a, o in zip(arrays, offsets)]
-
-
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.bool_): torch.bool, np.dtype(np.float32): torch.float32}
+        return [out[o : o + a.nbytes].view(dtype_of(a.dtype.name)).view(a.shape) for a, o in zip(arrays, offsets)]
 
 
 class HostStaging:
