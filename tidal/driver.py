@@ -11,8 +11,9 @@ sync and the KV cache only after it, so the peak is weights + sync buffers, neve
     resume engine weights -> sync (live weights) -> pause trainer's weights -> resume engine KV
     [eval] [save]
 
-With ``--train-resume-early`` (opt-in, where the memory plan fits it) the trainer's resume is sent before the
-generate and its copy from the host runs while the engines decode; the train still waits for it.
+With ``--train-resume-early`` (by default the weights on GPU where the memory plan fits them) the trainer's
+resume is sent before the generate and its copy from the host runs while the engines decode; the train still
+waits for it.
 
 Run it with ``tidal train`` (the embedded default: a tiny model on the built-in task). With
 ``--async one-step|full`` the same session runs ``tidal.driver_async`` instead (docs/async.md).

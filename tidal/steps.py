@@ -68,8 +68,8 @@ class EarlyResume:
 
 def resume_trainer_early(s, rollout_id: int, first_rollout: int) -> EarlyResume | None:
     """Send the paused trainer's resume before the generate, so its copy from the host runs while the engines
-    decode (``--train-resume-early all`` or ``weights``, opt-in where the memory plan fits it beside the generate
-    phase); None where it waits for the generate's end. Never on a run's first rollout: the engines' first generate
+    decode (``--train-resume-early all`` or ``weights``: rule ``resume-early`` derives weights on GPU where the
+    memory plan fits them beside the generate phase); None where it waits for the generate's end. Never on a run's first rollout: the engines' first generate
     compiles and captures, with more memory than the plan counts for them."""
     mode = s.cfg.memory.train_resume_early
     if not s.cfg.memory.offload_train or mode in (None, "off") or rollout_id == first_rollout:
