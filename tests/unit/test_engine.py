@@ -273,6 +273,26 @@ def test_a_warm_up_leaves_no_trace_in_later_calls():
     assert make_engine(rollout_fast_decode=False).warm_up(20, sp).warmed == []
 
 
+def test_a_warm_up_compiles_the_prefill_a_rollout_runs():
+    """With the fused step compiled, the warm-up's prefill (two distinct prompts) compiles the graphs that a
+    rollout's prefill of other distinct prompts and lengths runs: the rollout after it compiles nothing (a
+    warm-up of one distinct prompt would leave a graph specialised to one row). ``aot_eager`` traces what
+    inductor would compile, without a C++ compiler."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    engine = make_engine(rollout_fused_decode=True)
+    engine._decoder()._fused.set_compiled(True, backend="aot_eager")
+    sp = SamplingParams(max_new_tokens=6)
+    engine.warm_up(20, sp)
+    assert counters["stats"]["unique_graphs"] == 6  # three pieces, for the prefill and for the decode steps
+    out = engine.generate(make_samples(engine), sp)
+    assert counters["stats"]["unique_graphs"] == 6 and all(s.response_ids for s in out)
+    assert engine._decoder().compile_fallback_reason is None
+    torch._dynamo.reset()
+
+
 def test_a_fast_decode_chunk_is_one_wave_of_its_cache_whatever_the_free_memory():
     """With the fast decoder a chunk is one wave of the rows its KV cache holds: a chunk budget (on a GPU the free
     device memory, less whenever the trainer holds more) too small for one row of transformers ``generate``

@@ -533,23 +533,26 @@ def test_fused_projections_match_the_model_and_follow_weight_changes(models, nam
 
 def test_compiled_fused_pieces_trace_without_graph_breaks(models):
     """The fused forward compiled in pieces between the attention calls: three graphs for any number of
-    layers (the weights are arguments), no graph break, and the same greedy tokens as the eager model
-    (``aot_eager`` traces what inductor would compile, without a C++ compiler)."""
+    layers (the weights are arguments) for the decode steps and three for the prefill (its rows and prompt
+    width symbolic: a later call with other prompts compiles nothing), no graph break, and the same greedy
+    tokens as the eager model (``aot_eager`` traces what inductor would compile, without a C++ compiler)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     model = models["tiny-qwen2"]
-    prompts = _prompts(6, seed=5)
     dec = FastDecoder(model, max_batch=8, max_seq_len=48, fused=True)
     dec._fused.set_compiled(True, backend="aot_eager")
-    res = dec.generate(prompts, max_new_tokens=7, temperature=0)
-    ref = FastDecoder(model, max_batch=8, max_seq_len=48).generate(prompts, max_new_tokens=7, temperature=0)
-    assert res.stats["compiled"] and dec.compile_fallback_reason is None
-    assert res.tokens == ref.tokens
-    assert _max_diff(res.logprobs, ref.logprobs) < 1e-5
-    assert sum(counters["graph_break"].values()) == 0
-    assert counters["stats"]["unique_graphs"] == 3
+    plain = FastDecoder(model, max_batch=8, max_seq_len=48)
+    for n, seed in ((6, 5), (4, 6)):
+        prompts = _prompts(n, seed=seed, lo=3 + seed, hi=8 + 2 * seed)
+        res = dec.generate(prompts, max_new_tokens=7, temperature=0)
+        ref = plain.generate(prompts, max_new_tokens=7, temperature=0)
+        assert res.stats["compiled"] and dec.compile_fallback_reason is None
+        assert res.tokens == ref.tokens
+        assert _max_diff(res.logprobs, ref.logprobs) < 1e-5
+        assert sum(counters["graph_break"].values()) == 0
+        assert counters["stats"]["unique_graphs"] == 6
     torch._dynamo.reset()
 
 

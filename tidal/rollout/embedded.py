@@ -322,7 +322,8 @@ class EmbeddedEngine(EngineWeights):
 
         One fast-decode call of two new tokens at as many rows as that call's first wave (``_rows_per_chunk``
         at the longest prompt, the decoder's rows) and ``sampling``'s mode: the step is compiled and its graph
-        captured for that batch bucket. Nothing of it reaches later calls: the prompts are pad tokens, no
+        captured for that batch bucket, and the prefill (two distinct prompts) compiled where it runs through
+        the compiled pieces. Nothing of it reaches later calls: the prompts are pad tokens, no
         stop id can end a row before its step, the call count that seeds each call is unchanged, and a graph
         captured here restores the device RNG as a capture inside the call would. Later batch buckets (rows
         that end early) are still captured when reached. Nothing to warm: the fast path is off (transformers
@@ -334,10 +335,13 @@ class EmbeddedEngine(EngineWeights):
         dec = self._decoder()
         if dec == OFF or rows < 1:
             return WarmUpReport()
-        prompt_len = max(1, min(self.rollout.rollout_max_prompt_len, 8))
+        prompt_len = max(2, min(self.rollout.rollout_max_prompt_len, 8))
         n = min(rows, self._rows_per_chunk(self.rollout.rollout_max_prompt_len, sampling.max_new_tokens, []))
         warm = dataclasses.replace(sampling, max_new_tokens=2, stop=[], stop_token_ids=[])
-        self._generate_chunk([[self._pad_id] * prompt_len] * n, warm, [], [2] * n)
+        # Two distinct prompts (lengths prompt_len and prompt_len - 1): a compiled prefill then sees rows and
+        # width it may not specialise on, as a rollout's prefill of many distinct prompts will.
+        prompts = [[self._pad_id] * (prompt_len - i % 2) for i in range(n)]
+        self._generate_chunk(prompts, warm, [], [2] * n)
         stats = dec.last_stats
         dec.take_totals()  # the first rollout's decode/* metrics are its own
         if dec.prefixes is not None:

@@ -6,9 +6,9 @@ model code runs every layer) and generates a batch of prompts:
 1. Rows go in waves of at most ``rows`` (what the memory budget allows, ``plan_rows``). A wave is
    left-padded to its longest prompt ``W``, so every row decodes at the same cache column and one
    column index serves the batch.
-2. Prefill runs eagerly, in chunks of rows whose distinct prompts fill at most ``prefill_tokens``
-   (``prefix.prefill_chunks``): one forward pass per chunk
-   with a 4-D boolean mask (causal, padding excluded; a padding query sees itself so that no row of
+2. Prefill runs in chunks of rows whose distinct prompts fill at most ``prefill_tokens``
+   (``prefix.prefill_chunks``): one forward pass per chunk (the model's, eager; with ``fused``, the fused
+   step's pieces, compiled when the step is) with a 4-D boolean mask (causal, padding excluded; a padding query sees itself so that no row of
    the softmax is empty), keys/values written straight into the cache, last-position logits only.
    Equal prompts of a chunk (the samples of a GRPO group) go through it once; their rows copy the keys
    and values and sample from the same logits.
@@ -570,8 +570,8 @@ class FastDecoder:
         report(rows, self.s_out_tok[pick, :columns].tolist(), self.s_out_lp[pick, :columns].tolist())
 
     def _prefill(self, prompts: list[Sequence[int]], row0: int, width: int, mode: SamplingMode) -> int:
-        """One eager forward over a chunk of left-padded prompts; samples each row's first token. Returns the
-        rows the forward covered.
+        """One forward over a chunk of left-padded prompts (``_prefill_logits``); samples each row's first token.
+        Returns the rows the forward covered.
 
         Rows with equal prompts (a GRPO group's samples) are computed once (``share_prompts``): the forward
         covers the chunk's distinct prompts, in its first rows; every row then takes its prompt's keys,
@@ -599,9 +599,7 @@ class FastDecoder:
         pos = (col[None, from_col:] - start[:, None]).clamp(min=0)
         ctx = attention.AttnContext(cache=self.cache, decode=False, rows=d, row0=row0, prefill_from=from_col)
         with attention.active(self.model, ctx), attention.prefill_kernels():
-            logits = self.model(
-                input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=1
-            ).logits[:, -1]
+            logits = self._prefill_logits(ids, mask, pos)
         if self.prefixes is not None:
             for k, p in enumerate(distinct):
                 self.prefixes.put(p, take_prompt(self.cache, row0 + k, width - len(p), width))
@@ -613,6 +611,17 @@ class FastDecoder:
         self.s_out_tok[row0 : row0 + m, 0] = tok
         self.s_out_lp[row0 : row0 + m, 0] = lp
         return d
+
+    def _prefill_logits(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Last-position logits of a prefill chunk: through the fused step's pieces when the decoder has them
+        (compiled, a few dozen calls instead of the model's ~50 eager operations a layer, each launched from
+        Python while the device waits: the prefill's cost is host time), else the model's own forward. Pieces
+        compiled per batch bucket (``compile_dynamic`` off) would compile again for every new prompt shape, so
+        those prefills take the model's forward too."""
+        if self._fused is not None and (self._dynamic or not self._fused.compiled):
+            return self._logits(ids, mask, pos)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=1)
+        return out.logits[:, -1]
 
     def _reuse_prefixes(self, prompts: list[Sequence[int]], row0: int, width: int) -> int:
         """Copy each row's stored prefix KV into its cache row; returns the chunk's first column to compute."""
