@@ -13,7 +13,9 @@ sync and the KV cache only after it, so the peak is weights + sync buffers, neve
 
 With ``--train-resume-early`` (by default the weights on GPU where the memory plan fits them) the trainer's
 resume is sent before the generate and its copy from the host runs while the engines decode; the train still
-waits for it.
+waits for it. Where the weights would so come back at the next generate, the sync keeps them instead of pausing
+them (``keep_trainer_weights``; not before an evaluation, a checkpoint or the end): the trainer stays
+WEIGHTS_ONLY beside the KV cache, as it would be once resumed early, and its weights are never copied out and back.
 
 Run it with ``tidal train`` (the embedded default: a tiny model on the built-in task). With
 ``--async one-step|full`` the same session runs ``tidal.driver_async`` instead (docs/async.md).
@@ -28,7 +30,15 @@ import logging
 
 from tidal.config.schema import TidalConfig
 from tidal.rollout.types import SampleBatch
-from tidal.steps import Timer, finish_step, pause_after_early_resume, resume_trainer, resume_trainer_early, sync_weights
+from tidal.steps import (
+    Timer,
+    finish_step,
+    keep_trainer_weights,
+    pause_after_early_resume,
+    resume_trainer,
+    resume_trainer_early,
+    sync_weights,
+)
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +121,13 @@ def _loop(s, on_step) -> dict:
     if cfg.rollout.eval_interval and start == 0:
         initial = {f"{k}_initial": v for k, v in orchestrate.evaluate(s).items()}
         initial["eval_initial_elapsed_s"] = round(s.run.elapsed(), 3)
+    kept = False  # the last sync kept the paused trainer's weights on the device (keep_trainer_weights)
     for rollout_id in range(start, cfg.rollout.num_rollout):
         s.check_stop(rollout_id - 1)  # the safe point: SIGTERM saves the last finished step and stops
         t = Timer()
         if rollout_id in profiled:
             arm_profiles(s, rollout_id)
-        early = resume_trainer_early(s, rollout_id, start)  # --train-resume-early: beside the generate
+        early = resume_trainer_early(s, rollout_id, start, kept)  # --train-resume-early: beside the generate
         with t("generate", display):
             samples, gen_metrics = orchestrate.generate_rollout(s, rollout_id)
         s.cursor.finish_drawn()  # trained below, or dropped (dynamic sampling, over-sampling)
@@ -139,9 +150,10 @@ def _loop(s, on_step) -> dict:
                     s.timeline_mark("trainer state paused", paused.after)
                 train_metrics.update(paused.metrics)
         else:
-            train_metrics.update(pause_after_early_resume(s, early))
+            train_metrics.update(pause_after_early_resume(s, early, kept))
+        kept = bool(samples) and keep_trainer_weights(s, rollout_id)
         with t("sync", display):
-            sync_metrics = sync_weights(s, release_trainer=offload_train and bool(samples))
+            sync_metrics = sync_weights(s, release_trainer=offload_train and bool(samples), keep_weights=kept)
         metrics = {**initial, **gen_metrics, **train_metrics, **sync_metrics, **t, **s.memory_metrics()}
         metrics["train_samples"] = len(samples)
         initial = {}

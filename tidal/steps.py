@@ -66,16 +66,32 @@ class EarlyResume:
     weights_only: bool
 
 
-def resume_trainer_early(s, rollout_id: int, first_rollout: int) -> EarlyResume | None:
+def resume_trainer_early(s, rollout_id: int, first_rollout: int, weights_kept: bool = False) -> EarlyResume | None:
     """Send the paused trainer's resume before the generate, so its copy from the host runs while the engines
     decode (``--train-resume-early all`` or ``weights``: rule ``resume-early`` derives weights on GPU where the
-    memory plan fits them beside the generate phase); None where it waits for the generate's end. Never on a run's first rollout: the engines' first generate
-    compiles and captures, with more memory than the plan counts for them."""
+    memory plan fits them beside the generate phase); None where it waits for the generate's end. Never on a
+    run's first rollout: the engines' first generate compiles and captures, with more memory than the plan counts
+    for them. ``weights_kept``: the last sync kept the weights on the device (``keep_trainer_weights``), so
+    ``weights`` has nothing to send and ``all`` sends the rest."""
     mode = s.cfg.memory.train_resume_early
     if not s.cfg.memory.offload_train or mode in (None, "off") or rollout_id == first_rollout:
         return None
+    if weights_kept:
+        return None if mode == "weights" else EarlyResume(s.trainer.call_async("resume"), False)
     weights_only = mode == "weights"
     return EarlyResume(s.trainer.call_async("resume", weights_only=weights_only), weights_only)
+
+
+def keep_trainer_weights(s, rollout_id: int) -> bool:
+    """Whether the sync ending ``rollout_id``'s step keeps the paused trainer's weights on the device: where the
+    next generate would resume them early anyway (``--train-resume-early weights`` or ``all``; the memory plan
+    fits them beside a generate), which then holds what it would have held, without their copy out and back.
+    Not before an evaluation or a checkpoint (a save reads every state class from one place, an evaluation's
+    first generate may capture graphs the plan does not count), nor after the last rollout."""
+    cfg = s.cfg
+    if not cfg.memory.offload_train or cfg.memory.train_resume_early not in ("weights", "all"):
+        return False
+    return rollout_id + 1 < cfg.rollout.num_rollout and not eval_due(cfg, rollout_id) and not s.should_save(rollout_id)
 
 
 def resume_trainer(s, early: EarlyResume | None) -> MemoryResult:
@@ -96,25 +112,29 @@ def resume_trainer(s, early: EarlyResume | None) -> MemoryResult:
     return MemoryResult(metrics, later.after)
 
 
-def pause_after_early_resume(s, early: EarlyResume | None) -> dict:
-    """A rollout that trains nothing (every group dropped) leaves the trainer paused: an early resume is undone.
-    Returns that pause's metrics (``memory/trainer_pause/...``; none without an early resume)."""
+def pause_after_early_resume(s, early: EarlyResume | None, weights_kept: bool = False) -> dict:
+    """A rollout that trains nothing (every group dropped) leaves the trainer paused: an early resume is undone,
+    and weights the last sync kept are paused. Returns that pause's metrics (``memory/trainer_pause/...``; none
+    where the trainer was paused already)."""
     from tidal.cluster.groups import get
 
-    if early is None:
+    if early is None and not weights_kept:
         return {}
-    get(early.refs)
+    if early is not None:
+        get(early.refs)
     return s.trainer.call("pause").metrics
 
 
-def sync_weights(s, first: bool = False, release_trainer: bool = False) -> dict:
+def sync_weights(s, first: bool = False, release_trainer: bool = False, keep_weights: bool = False) -> dict:
     """Resume engine weights -> trainer pushes the new version -> [trainer pauses its weights] -> resume engine
     KV cache.
 
     ``release_trainer``: the trainer is WEIGHTS_ONLY (``pause(keep_weights=True)`` after training), so the push
     reads its weights on the device; they are paused once the engines hold them and before the engines' KV
     cache comes back, so the device never holds the trainer's weights beside a KV cache. Its pause figures
-    (``memory/trainer_pause/...``, both stages) join the sync's metrics.
+    (``memory/trainer_pause/...``, both stages) join the sync's metrics. With ``keep_weights``
+    (``keep_trainer_weights``) the second stage only finishes the first (``settle_pause``): the weights stay
+    beside the KV cache, where the next generate's early resume would have brought them back.
 
     An engine that dies during it is restarted and every engine resynced with the trainer's weights
     (``Session.survive_engine_death``: a new version when the trainer had not begun to push this one)."""
@@ -129,13 +149,13 @@ def sync_weights(s, first: bool = False, release_trainer: bool = False) -> dict:
         if any(v != report.version for v in versions):
             raise WeightSyncError(f"engines report weight versions {versions} after syncing version {report.version}")
         if release_trainer:
-            released = trainer.call("pause")
+            released = trainer.call("settle_pause" if keep_weights else "pause")
         if cfg.memory.offload_rollout:
             engines.call("resume_memory", ["kv_cache"])
     except Exception as e:  # noqa: BLE001 - only an engine's death is survived
         report = s.survive_engine_death(e, "syncing weights", new_version=not pushing)
     if release_trainer and released is None:  # an engine died before: the resync read the live weights
-        released = trainer.call("pause")
+        released = trainer.call("settle_pause" if keep_weights else "pause")
     if first and cfg.weight_sync.check_weight_update_equal:
         s.check_weights_equal()
     if released is None:

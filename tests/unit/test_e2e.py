@@ -122,6 +122,34 @@ def test_a_rollout_that_trains_nothing_pauses_a_trainer_resumed_early_again(ray_
     assert versions == [2, 3, 4]
 
 
+def test_the_sync_keeps_the_trainers_weights_unless_an_evaluation_or_the_end_follows(ray_cluster, tmp_path):
+    """--offload --train-resume-early weights: a sync keeps the paused trainer's weights on the device where the
+    next generate would resume them early (``keep_trainer_weights``), so nothing resumes beside that generate;
+    before an evaluation (``--eval-interval 2``: after rollout 1) and after the last rollout it pauses them, and
+    the generate after that evaluation resumes them early. The engine's weights equal the trainer's after every
+    sync either way."""
+    argv = ["--colocate", "--offload", "--train-resume-early", "weights", "--eval-interval", "2", "--num-rollout", "3"]
+    argv += ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "3"]
+    argv += ["--device", "cpu", "--no-progress", "--output-dir", str(tmp_path / "run")]
+    cfg, prov = parse(argv)
+    cfg = resolve(cfg, prov)
+    rows = []
+
+    def on_step(s, rollout_id, row):
+        s.check_weights_equal()
+        if rollout_id >= 0:
+            rows.append(row)
+
+    train(cfg, on_step=on_step)
+    kept = [r.get("memory/trainer_pause/weights_kept", 0) for r in rows]
+    paused = ["memory/trainer_pause/weights/backup_bytes" in r for r in rows]
+    early = [r.get("memory/trainer_resume/early", 0) for r in rows]
+    resumed = ["memory/trainer_resume/weights/backup_bytes" in r for r in rows]
+    assert (kept, paused) == ([1, 0, 0], [False, True, True])
+    assert (early, resumed) == ([0, 0, 1], [True, False, True])
+    assert "eval_accuracy" in rows[1] and all(r["sync/from_backup"] == 0 for r in rows)
+
+
 @pytest.mark.slow
 def test_debug_rollout_only_generates_and_scores_without_a_trainer(ray_cluster, tmp_path):
     """--debug-rollout-only: no trainer actor (no trainer memory), engines keep their initial weights."""
@@ -146,22 +174,22 @@ def test_debug_rollout_only_generates_and_scores_without_a_trainer(ray_cluster, 
 
 @pytest.mark.slow
 def test_colocated_two_ranks_paused_and_synced(ray_cluster, tmp_path):
-    # The trainer's weights come back while the engine generates (from the second rollout), the rest after it.
+    # Where the next generate would resume the trainer's weights early (--train-resume-early weights), the sync
+    # keeps them on the device instead (not after the last rollout); the rest comes back after the generate.
     cfg = _run(tmp_path, "--colocate", "--offload", "--profile-rollouts", "1", "--train-resume-early", "weights")
     assert cfg.weight_sync.update_weight_transport == "tensor"
     assert cfg.memory.offload_train and cfg.memory.offload_rollout
     # Each step's row says what the trainer's pause and resume moved, per state class (grads: discarded).
     rows = [json.loads(x) for x in open(os.path.join(cfg.logging.output_dir, "metrics.jsonl"))]
     for r in rows:
+        kept_before, kept_after = r["step"] > 0, r["step"] < len(rows) - 1
         for op in ("pause", "resume"):
             p = f"memory/trainer_{op}"
-            assert r[f"{p}/effective"] == 1 and r[f"{p}/total_s"] > 0, r
-            assert r[f"{p}/weights/backup_bytes"] > 0 and r[f"{p}/grads/backup_bytes"] == 0, r
-        early = r["step"] > 0  # the run's first generate compiles: nothing resumes beside it
-        assert (
-            r.get("memory/trainer_resume/early", 0) == early
-            and (r.get("memory/trainer_resume/early_s", 0) > 0) == early
-        )
+            assert r[f"{p}/effective"] == 1 and r[f"{p}/total_s"] > 0 and r[f"{p}/grads/backup_bytes"] == 0, r
+        assert ("memory/trainer_resume/weights/backup_bytes" in r) == (not kept_before), r
+        assert ("memory/trainer_pause/weights/backup_bytes" in r) == (not kept_after), r
+        assert r.get("memory/trainer_pause/weights_kept", 0) == kept_after, r
+        assert "memory/trainer_resume/early" not in r, r  # the weights were there: nothing to resume beside it
         assert r["memory/trainer_pause/optimizer/backup_bytes"] > 0, r  # AdamW's moments exist after a step
         # Paused in two stages around the sync: it read the live weights, not their host backups.
         assert r["sync/from_backup"] == 0, r

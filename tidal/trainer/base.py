@@ -217,6 +217,34 @@ class Trainer(ABC):
         out[f"{_PAUSE}/effective"] = 1
         return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
 
+    def settle_pause(self) -> MemoryResult:
+        """The second pause stage with the weights kept (WEIGHTS_ONLY before and after): finish what the first stage
+        left running (the optimizer state's late release, its copy awaited) and return both stages' figures, as
+        ``pause()``'s second stage does. The colocated loop calls it instead of ``pause()`` where the next generate
+        would bring the weights back early anyway (``--train-resume-early``): the device then holds through that
+        generate what the early resume would have brought back, without the weights' copy out and back."""
+        if self.residency.state is not TrainerState.WEIGHTS_ONLY:
+            raise ResidencyError(
+                f"{self.residency.name}: settle_pause() while {self.residency.state.value}; it ends a "
+                "pause(keep_weights=True), which comes first"
+            )
+        if not self.offload:
+            return MemoryResult({f"{_PAUSE}/effective": 0})
+        t0 = time.perf_counter()
+        self.memory.settle()
+        report = self.memory.pause([])  # no class: the process's memory now, after the settled release
+        extra = {"settle_s": time.perf_counter() - t0}
+        if self._first_stage is not None:
+            first, first_extra = self._first_stage
+            self._first_stage = None
+            report = first.then(report)
+            extra = {**first_extra, **extra, "total_s": first_extra["total_s"] + extra["settle_s"]}
+        out = report.metrics(_PAUSE)
+        out.update({f"{_PAUSE}/{k}": v for k, v in extra.items()})
+        out[f"{_PAUSE}/effective"] = 1
+        out[f"{_PAUSE}/weights_kept"] = 1
+        return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
+
     def _reserved_bytes(self) -> int:
         """What the CUDA caching allocator holds (in use and cached); 0 elsewhere."""
         return torch.cuda.memory_reserved(self.device) if self.device_type == "cuda" else 0
