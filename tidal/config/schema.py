@@ -435,7 +435,9 @@ class MemoryConfig:
         None,
         "With --offload-train: what of the paused trainer comes back while the engines generate (its copy from the "
         "host beside the decoding): all, its weights, or nothing until the generate ends (default: weights on GPU where "
-        "the memory plan fits them beside the generate phase, else off; an asked-for value must fit there on GPU).",
+        "the memory plan fits them beside the generate phase, else off; an asked-for value must fit there on GPU). With "
+        "weights or all the sync keeps the weights where this would bring them back (not before an evaluation, a "
+        "checkpoint or the end).",
         choices=("off", "weights", "all"),
     )
     check_memory_plan: bool = opt(
