@@ -299,6 +299,39 @@ def test_the_optimizer_state_deferred_is_settled_before_it_is_used(ray_cluster):
     assert states[0] == states[1]
 
 
+def test_settle_pause_finishes_the_first_stage_and_keeps_the_weights(ray_cluster):
+    """The sync's second stage where the weights stay (``settle_pause``, the loop's ``keep_trainer_weights``): the
+    optimizer state's late release finished, the first stage's figures returned with ``weights_kept``, nothing of
+    the weights paused (read live; no checkpoint while WEIGHTS_ONLY); the next resume brings the rest back bit
+    for bit. Only after ``pause(keep_weights=True)``."""
+    ray = ray_cluster
+    actors = start_group(ray, world_size=1, host_memory="retain", late_release=True)
+    try:
+        call(ray, actors, "train", make_samples(8), 0)
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"settle_pause\(\) while ACTIVE"):
+            call(ray, actors, "settle_pause")
+        state = call(ray, actors, "state_checksums")[0]
+        live = call(ray, actors, "weight_checksums", "float32")[0]
+        first = call(ray, actors, "pause", keep_weights=True)[0].metrics
+        assert first["memory/trainer_pause/optimizer/deferred"] == 1
+        both = call(ray, actors, "settle_pause")[0].metrics
+        assert both["memory/trainer_pause/weights_kept"] == 1 and both["memory/trainer_pause/settle_s"] >= 0
+        for key in ("optimizer/backup_bytes", "optimizer/deferred", "free_transients_s"):
+            assert both[f"memory/trainer_pause/{key}"] == first[f"memory/trainer_pause/{key}"], key
+        assert "memory/trainer_pause/weights/bytes" not in both and "memory/trainer_pause/groups_released" not in both
+        assert call(ray, actors, "weight_checksums", "float32")[0] == live
+        with pytest.raises(ray.exceptions.RayTaskError, match="save while WEIGHTS_ONLY"):
+            call(ray, actors, "save", "/nonexistent")
+        resumed = call(ray, actors, "resume")[0].metrics
+        assert "memory/trainer_resume/weights/bytes" not in resumed
+        assert resumed["memory/trainer_resume/optimizer/backup_bytes"] > 0
+        assert call(ray, actors, "state_checksums")[0] == state
+        assert math.isfinite(call(ray, actors, "train", make_samples(9), 1)[0]["loss"])
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
 def test_token_outside_vocabulary_is_a_user_error(ray_cluster, group):
     bad = make_samples(5)
     bad[2].response_ids = [64]  # the tiny preset's vocabulary is 64
