@@ -131,10 +131,10 @@ def sync_weights(s, first: bool = False, release_trainer: bool = False, keep_wei
 
     ``release_trainer``: the trainer is WEIGHTS_ONLY (``pause(keep_weights=True)`` after training), so the push
     reads its weights on the device; they are paused once the engines hold them and before the engines' KV
-    cache comes back, so the device never holds the trainer's weights beside a KV cache. Its pause figures
-    (``memory/trainer_pause/...``, both stages) join the sync's metrics. With ``keep_weights``
-    (``keep_trainer_weights``) the second stage only finishes the first (``settle_pause``): the weights stay
-    beside the KV cache, where the next generate's early resume would have brought them back.
+    cache comes back, so the device holds the trainer's weights beside a KV cache only where it would anyway:
+    with ``keep_weights`` (``keep_trainer_weights``) the second stage only finishes the first
+    (``settle_pause``) and the weights stay, where the next generate's early resume would have brought them
+    back. Its pause figures (``memory/trainer_pause/...``, both stages) join the sync's metrics.
 
     An engine that dies during it is restarted and every engine resynced with the trainer's weights
     (``Session.survive_engine_death``: a new version when the trainer had not begun to push this one)."""

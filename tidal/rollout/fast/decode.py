@@ -8,8 +8,9 @@ model code runs every layer) and generates a batch of prompts:
    column index serves the batch.
 2. Prefill runs in chunks of rows whose distinct prompts fill at most ``prefill_tokens``
    (``prefix.prefill_chunks``): one forward pass per chunk (the model's, eager; with ``fused``, the fused
-   step's pieces, compiled when the step is) with a 4-D boolean mask (causal, padding excluded; a padding query sees itself so that no row of
-   the softmax is empty), keys/values written straight into the cache, last-position logits only.
+   step's pieces, compiled when the step is) with a 4-D boolean mask (causal, padding excluded; a padding
+   query sees itself so that no row of the softmax is empty), keys/values written straight into the cache,
+   last-position logits only.
    Equal prompts of a chunk (the samples of a GRPO group) go through it once; their rows copy the keys
    and values and sample from the same logits.
 3. Decode steps feed one token per row. A step is a fixed sequence of kernels over static buffers
