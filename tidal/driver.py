@@ -123,6 +123,9 @@ def _loop(s, on_step) -> dict:
         initial["eval_initial_elapsed_s"] = round(s.run.elapsed(), 3)
     kept = False  # the last sync kept the paused trainer's weights on the device (keep_trainer_weights)
     for rollout_id in range(start, cfg.rollout.num_rollout):
+        if kept and s.stop.requested:  # the save below reads a whole trainer: the kept weights are paused first
+            s.trainer.call("pause")
+            kept = False
         s.check_stop(rollout_id - 1)  # the safe point: SIGTERM saves the last finished step and stops
         t = Timer()
         if rollout_id in profiled:

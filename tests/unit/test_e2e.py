@@ -150,6 +150,29 @@ def test_the_sync_keeps_the_trainers_weights_unless_an_evaluation_or_the_end_fol
     assert "eval_accuracy" in rows[1] and all(r["sync/from_backup"] == 0 for r in rows)
 
 
+def test_a_safe_stop_after_a_sync_that_kept_the_weights_saves_a_whole_trainer(ray_cluster, tmp_path):
+    """SIGTERM's safe point after a sync that kept the trainer's weights (WEIGHTS_ONLY, which a save refuses):
+    the weights are paused first, the checkpoint of the last finished rollout is written and loads."""
+    from tidal.checkpoint.manifest import find_loadable
+    from tidal.signals import Stopped
+
+    ck = tmp_path / "ck"
+    argv = ["--colocate", "--offload", "--train-resume-early", "weights", "--num-rollout", "4", "--save", str(ck)]
+    argv += ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "3"]
+    argv += ["--device", "cpu", "--no-progress", "--output-dir", str(tmp_path / "run")]
+    cfg, prov = parse(argv)
+    cfg = resolve(cfg, prov)
+
+    def on_step(s, rollout_id, row):
+        if rollout_id == 1:
+            assert row["memory/trainer_pause/weights_kept"] == 1, row
+            s.stop.requested = True  # what SIGTERM's handler sets
+
+    with pytest.raises(Stopped, match="checkpoint of rollout 1"):
+        train(cfg, on_step=on_step)
+    assert find_loadable(str(ck)).path == str(ck / "iter_0000001")
+
+
 @pytest.mark.slow
 def test_debug_rollout_only_generates_and_scores_without_a_trainer(ray_cluster, tmp_path):
     """--debug-rollout-only: no trainer actor (no trainer memory), engines keep their initial weights."""
