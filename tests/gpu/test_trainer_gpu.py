@@ -150,8 +150,9 @@ def test_gpu_train_pause_resume_bitwise_and_nccl_rebuilt(ray_cluster, tmp_path):
 
 def test_retained_optimizer_state_resumes_deferred_and_bit_exact(ray_cluster, tmp_path):
     """Under retain the optimizer state has tidal's own backup: its release is left to the second pause stage
-    and its resume is deferred (the copy beside the next train's passes), and what a settled read, a
-    checkpoint saved while paused and the next pause see is the state as it was paused."""
+    (``pause()``, or ``settle_pause()`` where the weights stay) and its resume is deferred (the copy beside the
+    next train's passes), and what a settled read, a checkpoint saved while paused and the next pause see is the
+    state as it was paused."""
     ray = ray_cluster
     actor, _ = _start(ray, host_memory="retain")
     ckpt = str(tmp_path / "ckpt")
@@ -163,10 +164,19 @@ def test_retained_optimizer_state_resumes_deferred_and_bit_exact(ray_cluster, tm
             # A small model on a large device: room for the engines' weights beside the optimizer state, whose
             # release waits for the second stage (its copy out beside the sync).
             assert first["memory/trainer_pause/optimizer/deferred"] == 1
-            ray.get(actor.pause.remote())
             if rollout == 1:
+                ray.get(actor.pause.remote())
                 saved = state
                 ray.get(actor.save.remote(ckpt, {"rollout_id": 0}))  # the moments read from tidal's own backup
+            else:
+                # The sync's second stage where the weights stay (settle_pause): the late release finished, the
+                # optimizer state's device memory handed back, the weights kept.
+                kept = ray.get(actor.settle_pause.remote()).metrics
+                assert (
+                    kept["memory/trainer_pause/weights_kept"] == 1 and "memory/trainer_pause/weights/bytes" not in kept
+                )
+                freed = kept["memory/trainer_pause/device_used_before"] - kept["memory/trainer_pause/device_used_after"]
+                assert freed >= kept["memory/trainer_pause/optimizer/bytes"], kept
             r = ray.get(actor.resume.remote()).metrics
             assert (
                 r["memory/trainer_resume/optimizer/deferred"] == 1 and "memory/trainer_resume/weights/deferred" not in r
