@@ -207,15 +207,9 @@ class Trainer(ABC):
         extra["total_s"] = time.perf_counter() - t0
         if keep_weights:
             self._first_stage = (report, dict(extra))
-        elif left is TrainerState.WEIGHTS_ONLY and self._first_stage is not None:
-            first, first_extra = self._first_stage
-            self._first_stage = None
-            report = first.then(report)
-            extra = {**first_extra, **extra, "total_s": first_extra["total_s"] + extra["total_s"]}
-        out = report.metrics(_PAUSE)
-        out.update({f"{_PAUSE}/{k}": v for k, v in extra.items()})
-        out[f"{_PAUSE}/effective"] = 1
-        return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
+        elif left is TrainerState.WEIGHTS_ONLY:
+            report, extra = self._after_first_stage(report, extra)
+        return self._pause_result(report, extra)
 
     def settle_pause(self) -> MemoryResult:
         """The second pause stage with the weights kept (WEIGHTS_ONLY before and after): finish what the first stage
@@ -233,16 +227,24 @@ class Trainer(ABC):
         t0 = time.perf_counter()
         self.memory.settle()
         report = self.memory.pause([])  # no class: the process's memory now, after the settled release
-        extra = {"settle_s": time.perf_counter() - t0}
-        if self._first_stage is not None:
-            first, first_extra = self._first_stage
-            self._first_stage = None
-            report = first.then(report)
-            extra = {**first_extra, **extra, "total_s": first_extra["total_s"] + extra["settle_s"]}
+        seconds = time.perf_counter() - t0
+        report, extra = self._after_first_stage(report, {"settle_s": seconds, "total_s": seconds})
+        return self._pause_result(report, {**extra, "weights_kept": 1})
+
+    def _after_first_stage(self, report: MemoryReport, extra: dict[str, float]) -> tuple[MemoryReport, dict]:
+        """A second pause stage's report and figures joined to the first stage's (kept by ``pause(keep_weights=True)``,
+        then forgotten): every class of both, the seconds summed; as they are when no first stage is kept."""
+        if self._first_stage is None:
+            return report, extra
+        first, first_extra = self._first_stage
+        self._first_stage = None
+        return first.then(report), {**first_extra, **extra, "total_s": first_extra["total_s"] + extra["total_s"]}
+
+    def _pause_result(self, report: MemoryReport, extra: dict[str, float]) -> MemoryResult:
+        """A pause's step metrics (``memory/trainer_pause/...``: the report's, then ``extra``'s) on rank 0."""
         out = report.metrics(_PAUSE)
         out.update({f"{_PAUSE}/{k}": v for k, v in extra.items()})
         out[f"{_PAUSE}/effective"] = 1
-        out[f"{_PAUSE}/weights_kept"] = 1
         return MemoryResult(out, report.after) if self.rank == 0 else MemoryResult()
 
     def _reserved_bytes(self) -> int:
