@@ -621,8 +621,7 @@ class FastDecoder:
         those prefills take the model's forward too."""
         if self._fused is not None and (self._dynamic or not self._fused.compiled):
             return self._logits(ids, mask, pos)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=1)
-        return out.logits[:, -1]
+        return self._model_logits(ids, mask, pos)
 
     def _reuse_prefixes(self, prompts: list[Sequence[int]], row0: int, width: int) -> int:
         """Copy each row's stored prefix KV into its cache row; returns the chunk's first column to compute."""
@@ -691,6 +690,10 @@ class FastDecoder:
         """Last-position logits ``[rows, vocab]`` of one decode step (attention through the active context)."""
         if self._fused is not None:
             return self._fused(ids, mask, pos)
+        return self._model_logits(ids, mask, pos)
+
+    def _model_logits(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Last-position logits through the model's own forward (attention through the active context)."""
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=1)
         return out.logits[:, -1]
 
