@@ -688,3 +688,38 @@ def test_attention_told_the_cache_is_written_only_reads_it(models):
             attention.fast_attention(attn, q, k, v, mask)
         stored = cache.keys(0)[:, :, 3:4]
         assert torch.equal(stored, torch.zeros_like(k) if written else k)
+
+
+def test_inductor_options_reach_every_graph_the_decoder_compiles(models, monkeypatch):
+    """``compile_options`` (the fast bench's --inductor-options) go to every ``torch.compile`` the decoder makes: the
+    fused pieces and the sampling cores; an option inductor does not know fails at once, naming it."""
+    calls = []
+    real = torch.compile
+
+    def spy(fn, **kw):
+        calls.append((getattr(fn, "__name__", fn), kw.get("options")))
+        return real(fn, **kw)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    opts = {"coordinate_descent_tuning": True}
+    model = models["tiny-qwen2"]
+    dec = FastDecoder(model, max_batch=8, max_seq_len=48, fused=True, compile=True, sampler_noise="blocks",
+                      compile_options=opts)  # fmt: skip
+    names = {name for name, _ in calls}
+    assert {"_enter", "_between", "_leave", "plain_core", "blocked_core"} <= names
+    assert all(o == opts for _, o in calls) and dec.compile_options == opts
+    monkeypatch.setattr(torch, "compile", real)
+    with pytest.raises(RuntimeError, match="no_such_option"):
+        FastDecoder(model, max_batch=8, max_seq_len=48, fused=True, compile=True, compile_options={"no_such_option": 1})
+
+
+def test_fast_bench_option_sets_are_json_objects():
+    """The fast bench's repeatable option flags: JSON objects or lists of them, ``{}`` for the defaults; anything
+    else ends the run with the flag named."""
+    from tidal.rollout.fast.bench import _option_sets
+
+    assert _option_sets(None, "--inductor-options") == [None]
+    assert _option_sets(["{}", '[{"a": 1}, {}]'], "--inductor-options") == [None, {"a": 1}, None]
+    for bad in (["[1]"], ["{not json"]):
+        with pytest.raises(SystemExit, match="--inductor-options"):
+            _option_sets(bad, "--inductor-options")

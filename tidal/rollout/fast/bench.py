@@ -177,6 +177,7 @@ def _line(case: str, args, dec: FastDecoder, res, seconds: float, peak: int, hf_
         "kv_block": dec.kv_block,
         "decode_attention": dec.decode_attention,
         "flex_kernel_options": dec._flex.kernel_options if dec._flex is not None else None,
+        "inductor_options": dec.compile_options,
     }
     # The hardware's limit for this batch over the rows' actual lengths (tidal.roofline), measured once a run.
     line.update(
@@ -277,8 +278,18 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
             ("fast-compiled", dict(cuda_graphs=True, compile=True)),
         ]
     # --flex-kernel-options: each fixed case once per set of FlexAttention kernel options (one model, one job).
-    option_sets = _flex_option_sets(args.flex_kernel_options) if args.decode_attention == "flex" else [None]
-    fixed_cases = [(case, {**opts, "flex_kernel_options": ko}) for ko in option_sets for case, opts in fixed_cases]
+    # --inductor-options: the compiled cases once per set of inductor options (the same model), for each of those.
+    option_sets = (
+        _option_sets(args.flex_kernel_options, "--flex-kernel-options") if args.decode_attention == "flex" else [None]
+    )
+    inductor_sets = _option_sets(args.inductor_options, "--inductor-options")
+    fixed_cases = [
+        (case, {**opts, "flex_kernel_options": ko, **({"compile_options": io} if opts.get("compile") else {})})
+        for ko in option_sets
+        for io in inductor_sets
+        for case, opts in fixed_cases
+        if io is None or opts.get("compile")
+    ]
     for case, opts in fixed_cases:
         try:
             if case not in wanted:
@@ -329,14 +340,18 @@ def _prefill_case(run: _Run) -> dict:
     }
 
 
-def _flex_option_sets(texts: list[str] | None) -> list[dict | None]:
-    """``--flex-kernel-options`` (repeatable): each a JSON object or a list of them (``{}``: FlexAttention's defaults)."""
+def _option_sets(texts: list[str] | None, flag: str) -> list[dict | None]:
+    """A repeatable options flag (``--flex-kernel-options``, ``--inductor-options``): each a JSON object or a list of
+    them (``{}``: the defaults); ``[None]`` when not given."""
     sets: list = []
-    for text in texts or []:
-        value = json.loads(text)
-        sets += value if isinstance(value, list) else [value]
+    try:
+        for text in texts or []:
+            value = json.loads(text)
+            sets += value if isinstance(value, list) else [value]
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"{flag} {texts!r}: not JSON ({exc}); give JSON objects (or lists of them)") from None
     if not all(isinstance(s, dict) for s in sets):
-        raise SystemExit(f"--flex-kernel-options {texts!r}: give JSON objects (or lists of them)")
+        raise SystemExit(f"{flag} {texts!r}: give JSON objects (or lists of them)")
     return [s or None for s in sets] or [None]
 
 
@@ -524,6 +539,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         help="with flex, repeatable: JSON kernel options for flex_attention (or a list of them); each fixed case "
         "runs once per set, e.g. --flex-kernel-options {} --flex-kernel-options '{\"num_warps\":4}'",
+    )
+    p.add_argument(
+        "--inductor-options",
+        action="append",
+        help="repeatable: JSON inductor options for the compiled cases' graphs (torch.compile options; or a list of "
+        "them); each compiled fixed case runs once per set, e.g. --inductor-options {} --inductor-options "
+        "'{\"coordinate_descent_tuning\":true}'",
     )
     p.add_argument(
         "--compile-static",

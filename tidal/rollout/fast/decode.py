@@ -141,6 +141,7 @@ class FastDecoder:
         share_prompts: bool = True,
         compile_dynamic: bool = True,
         fused_kv_write: bool = False,
+        compile_options: dict | None = None,
     ) -> None:
         reason = attention.check_supported(model)
         if reason is not None:
@@ -192,6 +193,9 @@ class FastDecoder:
         self.compile_fallback_reason: str | None = None
         self._compiled_forward = None
         self._dynamic = compile_dynamic
+        # compile_options: inductor settings for every graph the decoder compiles (torch.compile's ``options``; for
+        # comparing them: the fast bench's --inductor-options).
+        self.compile_options = dict(compile_options) if compile_options else None
         self._samplers(sampler_noise, compile)
         self._fused: FusedDecodeForward | None = None
         self.fused_fallback_reason: str | None = None
@@ -199,7 +203,7 @@ class FastDecoder:
             self.fused_fallback_reason = unsupported_reason(model)
             if self.fused_fallback_reason is None:
                 self._fused = FusedDecodeForward(
-                    model, compile=compile, dynamic=compile_dynamic, write_kv=fused_kv_write
+                    model, compile=compile, dynamic=compile_dynamic, write_kv=fused_kv_write, options=compile_options
                 )
             else:
                 log.info("fast decode: projections not fused (%s)", self.fused_fallback_reason)
@@ -207,7 +211,7 @@ class FastDecoder:
             attention.register()
             # The fused forward compiles its own pieces between the attention calls (one graph each).
             if self._fused is None:
-                self._compiled_forward = torch.compile(self._forward_logits, dynamic=compile_dynamic)
+                self._compiled_forward = self._compile(self._forward_logits)
         if not cuda_graphs and self.graphs.enabled:
             self.graphs.enabled = False
             self.graphs.fallback_reason = "turned off"
@@ -718,18 +722,21 @@ class FastDecoder:
         compiled ``plain_core`` (greedy and unfiltered with a noise buffer) and ``drawn_core`` for drawn;
         ``blocked_core`` for blocks, compiled or not, where a block size divides the vocabulary (else the
         buffer, with ``sampler_fallback_reason``)."""
-        dyn = self._dynamic
-        self._fused_sampler = torch.compile(plain_core, dynamic=dyn) if compile else None
-        self._drawn_sampler = torch.compile(drawn_core, dynamic=dyn) if compile and noise == "drawn" else None
+        self._fused_sampler = self._compile(plain_core) if compile else None
+        self._drawn_sampler = self._compile(drawn_core) if compile and noise == "drawn" else None
         self._blocked_sampler = None
         self.sampler_fallback_reason: str | None = None
         if noise == "blocks":
             vocab = int(self.config.vocab_size)
             if vocab_block(vocab):
-                self._blocked_sampler = torch.compile(blocked_core, dynamic=dyn) if compile else blocked_core
+                self._blocked_sampler = self._compile(blocked_core) if compile else blocked_core
             else:
                 self.sampler_fallback_reason = f"no block of 32-256 words divides the vocabulary ({vocab})"
                 log.info("fast decode: sampler noise blocks off (%s)", self.sampler_fallback_reason)
+
+    def _compile(self, fn: Callable) -> Callable:
+        """``fn`` through ``torch.compile`` with the decoder's sizes (``compile_dynamic``) and inductor options."""
+        return torch.compile(fn, dynamic=self._dynamic, options=self.compile_options)
 
     def _sampler_noise(self) -> str:
         """The unfiltered sampler's noise in effect: blocks, drawn or buffer."""

@@ -86,7 +86,13 @@ class FusedDecodeForward:
     """Last-position logits of one decode step, with stacked q/k/v and gate/up weights (see the module docstring)."""
 
     def __init__(
-        self, model: torch.nn.Module, *, compile: bool = False, dynamic: bool = True, write_kv: bool = False
+        self,
+        model: torch.nn.Module,
+        *,
+        compile: bool = False,
+        dynamic: bool = True,
+        write_kv: bool = False,
+        options: dict | None = None,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -105,6 +111,7 @@ class FusedDecodeForward:
         self.compiled = False
         self.dynamic = dynamic
         self.write_kv = write_kv
+        self.options = options  # inductor's (torch.compile ``options``), for every piece
         self.set_compiled(compile)
 
     def set_compiled(self, on: bool, backend: str = "inductor") -> None:
@@ -112,7 +119,10 @@ class FusedDecodeForward:
         serves every batch bucket and every layer, whose weights are arguments; else one graph per batch bucket
         (still every layer), specialised to its size."""
         self.compiled = bool(on)
-        wrap = (lambda f: torch.compile(f, dynamic=self.dynamic, backend=backend)) if on else (lambda f: f)
+        opts = self.options if backend == "inductor" else None
+        wrap = (
+            (lambda f: torch.compile(f, dynamic=self.dynamic, backend=backend, options=opts)) if on else (lambda f: f)
+        )
         self._enter, self._between, self._leave = wrap(_enter), wrap(_between), wrap(_leave)
 
     def _groups(self) -> list[tuple[list[torch.nn.Linear], list[torch.nn.Linear]]]:
