@@ -8,6 +8,7 @@ tests/test_megatron_argument_validation.py, including the cases that file is mis
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -1261,3 +1262,17 @@ def test_rule_resume_early(argv, env, expect, why):
     prov = check(argv, env, expect)
     if why is not None:
         assert why in prov.of("train_resume_early").detail
+
+
+def test_rule_compile_options():
+    """Combo kernels for the compiled decode step with CUDA, nothing on CPU or without the compiled step; a user's
+    options are kept, as JSON scalars, and need the compiled step."""
+    check([], CPU, {"rollout_compile_options": {}})
+    check(TINY_GPU, GPU1, {"rollout_compile_options": {"combo_kernels": True}})
+    check(TINY_GPU + ["--no-rollout-compile"], GPU1, {"rollout_compile_options": {}})
+    mine = {"combo_kernels": False, "max_autotune": True}
+    check(TINY_GPU + ["--rollout-compile-options", json.dumps(mine)], GPU1, {"rollout_compile_options": mine})
+    check(TINY_GPU + ["--rollout-compile-options", '{"a": [1]}'], GPU1, "--rollout-compile-options: a is [1]")
+    check(["--rollout-compile-options", '{"combo_kernels": true}'], CPU, "--rollout-compile-options sets the compiled")
+    check(["--rollout-compile", "--rollout-compile-options", '{"combo_kernels": true}'], CPU,
+          {"rollout_compile_options": {"combo_kernels": True}})  # fmt: skip

@@ -723,3 +723,14 @@ def test_fast_bench_option_sets_are_json_objects():
     for bad in (["[1]"], ["{not json"]):
         with pytest.raises(SystemExit, match="--inductor-options"):
             _option_sets(bad, "--inductor-options")
+
+
+def test_engine_decoder_takes_the_configs_compile_options():
+    """``build_decoder``'s inductor options: the config's own, or for a config built in code and not resolved,
+    the device's default (combo kernels with CUDA, none on CPU)."""
+    from tidal.config.schema import RolloutConfig
+    from tidal.rollout.fast.plug import _compile_options
+
+    assert _compile_options(RolloutConfig(), "cuda") == {"combo_kernels": True}
+    assert _compile_options(RolloutConfig(), "cpu") == {}
+    assert _compile_options(RolloutConfig(rollout_compile_options={}), "cuda") == {}

@@ -139,7 +139,11 @@ def test_megatron_trains_like_fsdp_on_cpu(tmp_path):
         assert adopted["tensors"] > 0 and adopted["adopted"] == adopted["tensors"], (backend, adopted)
     dist_opt = res["distributed_optimizer"]
     assert dist_opt["param_buffers_moved"] > 0
-    assert dist_opt["rollouts"] == [meg for meg, _ in res["rollouts"]]
+    # Loss, KL and entropy bit for bit (they read the weights the first step made); the gradient norm sums the
+    # same squares in the distributed optimizer's buffer order, which may round the last bit differently.
+    for dist, (meg, _) in zip(dist_opt["rollouts"], res["rollouts"], strict=True):
+        assert {k: v for k, v in dist.items() if k != "grad_norm"} == {k: v for k, v in meg.items() if k != "grad_norm"}
+        assert abs(dist["grad_norm"] - meg["grad_norm"]) <= 1e-6 * meg["grad_norm"], (dist, meg)
     # Megatron's process groups: destroyed at the pause, rebuilt at the resume, no reference to an old one
     # left anywhere, and the rollout after the resume (above) trained like FSDP2's through the new ones.
     groups = res["groups"]

@@ -107,6 +107,7 @@ def fields() -> list[FieldInfo]:
 DERIVED = {
     "rollout_num_gpus", "offload_train", "offload_rollout", "update_weight_transport",
     "global_batch_size", "eps_clip_high", "output_dir", "memory_snapshot_dir", "rollout_compile",
+    "rollout_compile_options",
     "offload_host_memory", "use_critic", "critic_lr", "init_on_device", "trained_logits_only", "warm_up",
 }  # fmt: skip
 

@@ -40,6 +40,7 @@ from tidal.config.schema import (
     decode_attention_default,
     init_on_device_default,
     rollout_compile_default,
+    rollout_compile_options_default,
     sampler_noise_default,
     trained_logits_only_default,
 )
@@ -168,6 +169,29 @@ def _rollout_compile(ctx: Context) -> None:
     if ctx.cfg.rollout.rollout_compile is None:
         on = rollout_compile_default(ctx.cfg.cluster.device)
         ctx.derive("rollout_compile", on, "rollout-compile", f"default on {ctx.cfg.cluster.device}")
+
+
+@rule(
+    "compile-options",
+    "`--rollout-compile-options` defaults to combo kernels with CUDA and to nothing on CPU; its values are JSON "
+    "scalars, and options need the compiled step (`--rollout-compile`).",
+)
+def _rollout_compile_options(ctx: Context) -> None:
+    r = ctx.cfg.rollout
+    if r.rollout_compile_options is None:
+        opts = rollout_compile_options_default(ctx.cfg.cluster.device) if r.rollout_compile else {}
+        ctx.derive("rollout_compile_options", opts, "compile-options", f"default on {ctx.cfg.cluster.device}")
+        return
+    for key, value in r.rollout_compile_options.items():
+        if not isinstance(value, (bool, int, float, str)):
+            raise ConfigError(
+                f'--rollout-compile-options: {key} is {value!r}; give each option a JSON scalar (true, 4, "name")'
+            )
+    if r.rollout_compile_options and not r.rollout_compile:
+        raise ConfigError(
+            "--rollout-compile-options sets the compiled decode step's inductor options, and the step is not "
+            "compiled; turn --rollout-compile on or drop --rollout-compile-options"
+        )
 
 
 @rule(

@@ -45,6 +45,7 @@ ENGINE_ROLLOUT_FIELDS = (
     "rollout_max_batch",
     "rollout_kv_block",
     "rollout_compile",
+    "rollout_compile_options",
     "rollout_prefix_cache_mb",  # multi-turn: the server keeps prompt KV between turns too
     "rollout_fused_decode",
     "rollout_fused_kv_write",

@@ -21,6 +21,7 @@ Settings, read from the engine's ``RolloutConfig`` when it has them (defaults ot
     rollout_max_batch     int    512    rows decoded together (the cache holds at most this many)
     rollout_kv_block      int    256    attention length granularity of a decode step
     rollout_compile       bool   CUDA   torch.compile the decode step (attention stays eager); on with CUDA
+    rollout_compile_options dict CUDA   inductor options of its graphs; combo kernels with CUDA, none on CPU
     rollout_prefix_cache_mb int  0      prompt KV kept between calls for multi-turn requests (tidal.rollout.fast.prefix)
     rollout_fused_decode  bool   False  stacked q/k/v and gate/up matmuls in decode steps (tidal.rollout.fast.fused)
     rollout_fused_kv_write bool  False  with it, its compiled pieces write the KV cache (the attention only reads)
@@ -33,7 +34,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from tidal.config.schema import decode_attention_default, rollout_compile_default, sampler_noise_default
+from tidal.config.schema import (
+    decode_attention_default,
+    rollout_compile_default,
+    rollout_compile_options_default,
+    sampler_noise_default,
+)
 from tidal.errors import UserError
 from tidal.memory.base import StateClass
 from tidal.rollout.fast.decode import FastDecoder
@@ -67,6 +73,7 @@ def build_decoder(model, cfg, *, device_type: str, pad_id: int, backend, name: s
             prefix_cache_bytes=int(getattr(cfg, "rollout_prefix_cache_mb", None) or 0) << 20,
             fused=bool(getattr(cfg, "rollout_fused_decode", False)),
             fused_kv_write=bool(getattr(cfg, "rollout_fused_kv_write", False)),
+            compile_options=_compile_options(cfg, device_type),
             sampler_noise=_auto(getattr(cfg, "rollout_sampler_noise", "auto"), sampler_noise_default, device_type),
             decode_attention=_auto(
                 getattr(cfg, "rollout_decode_attention", "auto"), decode_attention_default, device_type
@@ -77,6 +84,13 @@ def build_decoder(model, cfg, *, device_type: str, pad_id: int, backend, name: s
         return OFF
     backend.register(StateClass.KV_CACHE, dec.kv_tensors)
     return dec
+
+
+def _compile_options(cfg, device_type: str) -> dict | None:
+    """The decode step's inductor options: the config's, or for a config built in code and not resolved, the
+    resolved default for the device."""
+    opts = getattr(cfg, "rollout_compile_options", None)
+    return rollout_compile_options_default(device_type) if opts is None else opts
 
 
 def _auto(choice: str, default: Callable[[str], str], device_type: str) -> str:
