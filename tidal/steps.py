@@ -140,9 +140,10 @@ def sync_weights(s, first: bool = False, release_trainer: bool = False, keep_wei
     (``Session.survive_engine_death``: a new version when the trainer had not begun to push this one)."""
     cfg, trainer, engines = s.cfg, s.trainer, s.engines
     pushing, released = False, None
+    resumed: dict[str, float] = {}  # engine 0's resume seconds, weights and KV cache: the sync's time beside the push
     try:
         if cfg.memory.offload_rollout:
-            engines.call("resume_memory", ["weights"])
+            resumed["sync/engine_resume_weights_s"] = _seconds(engines.call("resume_memory", ["weights"]))
         pushing = True
         report: SyncReport = trainer.call("update_weights")
         versions = engines.call("get_weight_version")
@@ -151,7 +152,7 @@ def sync_weights(s, first: bool = False, release_trainer: bool = False, keep_wei
         if release_trainer:
             released = trainer.call("settle_pause" if keep_weights else "pause")
         if cfg.memory.offload_rollout:
-            engines.call("resume_memory", ["kv_cache"])
+            resumed["sync/engine_resume_kv_s"] = _seconds(engines.call("resume_memory", ["kv_cache"]))
     except Exception as e:  # noqa: BLE001 - only an engine's death is survived
         report = s.survive_engine_death(e, "syncing weights", new_version=not pushing)
     if release_trainer and released is None:  # an engine died before: the resync read the live weights
@@ -159,6 +160,12 @@ def sync_weights(s, first: bool = False, release_trainer: bool = False, keep_wei
     if first and cfg.weight_sync.check_weight_update_equal:
         s.check_weights_equal()
     if released is None:
-        return report.metrics()
+        return {**report.metrics(), **resumed}
     s.timeline_mark("trainer paused", released.after)
-    return {**report.metrics(), **released.metrics}
+    return {**report.metrics(), **resumed, **released.metrics}
+
+
+def _seconds(reports: list) -> float:
+    """Engine 0's seconds in a release or resume (its ``MemoryReport``), 0 where it reports none."""
+    metrics = reports[0].metrics if reports else {}
+    return float(next((v for k, v in metrics.items() if k.endswith("/seconds") and k.count("/") == 2), 0.0))

@@ -148,6 +148,9 @@ def test_the_sync_keeps_the_trainers_weights_unless_an_evaluation_or_the_end_fol
     assert (kept, paused) == ([1, 0, 0], [False, True, True])
     assert (early, resumed) == ([0, 0, 1], [True, False, True])
     assert "eval_accuracy" in rows[1] and all(r["sync/from_backup"] == 0 for r in rows)
+    # The engines' resumes around the push, engine 0's seconds: part of the sync's time.
+    for r in rows:
+        assert 0 < r["sync/engine_resume_weights_s"] < r["sync_s"] and 0 < r["sync/engine_resume_kv_s"] < r["sync_s"]
 
 
 def test_a_safe_stop_after_a_sync_that_kept_the_weights_saves_a_whole_trainer(ray_cluster, tmp_path):
