@@ -6,7 +6,7 @@
 #
 #   bash scripts/gpu_host.sh STEP ...
 #
-# Steps: env, tests, speed (issue 20's figures in one call), ab-train (the loop from an earlier commit's copy and this tree, interleaved), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled; PROFILE_TAG and TRAIN05_ARGS for a variant), offload-ab (the early resume's A/B and the offloaded train profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled fused step with the attention call writing the cache, per batch bucket, with its pieces writing it), trainer-shapes (bench trainer at new shapes, both attention orders), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
+# Steps: env, tests, speed (issue 20's figures in one call), ab-train (the loop from an earlier commit's copy and this tree, interleaved), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled; PROFILE_TAG and TRAIN05_ARGS for a variant), offload-ab (the early resume's A/B and the offloaded train profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled fused step with the attention call writing the cache, per batch bucket, with its pieces writing it), trainer-shapes (bench trainer at new shapes, both attention orders), compile-options-ab (the loop and the cold first step with the decode step's default inductor options and with none), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
 # bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, bench-async-mps, profile-ipc, megatron (or its halves megatron-loop, megatron-state; megatron-2gpu: TP/PP = 2 on a two-GPU host), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); STARTUP05_RUNS, STARTUP05_ARGS, STARTUP05_TAG (startup-0.5b: its runs share one fresh compile cache, so the first is cold and the rest warm); MEM_GIB, MEM_CYCLES, MEM100_GIB
@@ -136,6 +136,13 @@ PY
       # pieces writing the cache (the preset's since round eight); at fixed and variable lengths.
       for tag in ${DECODE_TAGS:-default static kvwrite}; do extra=""; [ $tag = static ] && extra=--compile-static; [ $tag = kvwrite ] && extra=--fused-kv-write
         TAIL=3 FAST_CASES=fast-compiled,fast-varlen-compiled FAST_ARGS="--fused --decode-attention flex --sampler-noise blocks --skip-hf $extra" FAST_TAG=-$tag bash "$0" bench-fast; done ;;
+    compile-options-ab)
+      # The preset's loop with the decode step's default inductor options (combo kernels with CUDA) and with none
+      # (--rollout-compile-options {}), one after the other, then a cold first step of each (~5 min on an H100).
+      TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-opts-default TAIL=1 bash "$0" train-0.5b
+      TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-opts-none TRAIN05_ARGS="--rollout-compile-options {}" TAIL=1 bash "$0" train-0.5b
+      STARTUP05_RUNS=1 STARTUP05_TAG=-opts-default bash "$0" startup-0.5b
+      STARTUP05_RUNS=1 STARTUP05_TAG=-opts-none STARTUP05_ARGS="--rollout-compile-options {}" bash "$0" startup-0.5b ;;
     bench-attention) TAIL=4 run bench-attention 120 python3 -m tidal.bench.attention ;;
     trainer-shapes)
       # The trainer with new micro-batch shapes at every call (responses of 64-512 tokens), in its own SDPA order and
