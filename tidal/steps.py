@@ -166,6 +166,6 @@ def sync_weights(s, first: bool = False, release_trainer: bool = False, keep_wei
 
 
 def _seconds(reports: list) -> float:
-    """Engine 0's seconds in a release or resume (its ``MemoryReport``), 0 where it reports none."""
-    metrics = reports[0].metrics if reports else {}
-    return float(next((v for k, v in metrics.items() if k.endswith("/seconds") and k.count("/") == 2), 0.0))
+    """Engine 0's seconds in a resume (its ``MemoryReport``: ``memory/engine_resume/seconds``), 0 where it reports
+    none."""
+    return float(reports[0].metrics.get("memory/engine_resume/seconds", 0.0)) if reports else 0.0

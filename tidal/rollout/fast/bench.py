@@ -284,7 +284,7 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
     )
     inductor_sets = _option_sets(args.inductor_options, "--inductor-options")
     fixed_cases = [
-        (case, {**opts, "flex_kernel_options": ko, **({"compile_options": io} if opts.get("compile") else {})})
+        (case, {**opts, "flex_kernel_options": ko, "compile_options": io})
         for ko in option_sets
         for io in inductor_sets
         for case, opts in fixed_cases

@@ -203,7 +203,11 @@ class FastDecoder:
             self.fused_fallback_reason = unsupported_reason(model)
             if self.fused_fallback_reason is None:
                 self._fused = FusedDecodeForward(
-                    model, compile=compile, dynamic=compile_dynamic, write_kv=fused_kv_write, options=compile_options
+                    model,
+                    compile=compile,
+                    dynamic=compile_dynamic,
+                    write_kv=fused_kv_write,
+                    options=self.compile_options,
                 )
             else:
                 log.info("fast decode: projections not fused (%s)", self.fused_fallback_reason)
