@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from tidal.background import in_background
 from tidal.cluster.groups import EngineGroup, TrainerGroup
 from tidal.cluster.placement import Placement, create_placement_group, plan_placement
-from tidal.cluster.ray_cluster import start_ray, start_warm, stop_ray
+from tidal.cluster.ray_cluster import start_ray, start_warm, started_cluster_env, stop_ray
 from tidal.compile_cache import cache_env
 from tidal.config.schema import TidalConfig
 from tidal.dtypes import default_dtype_name
@@ -151,8 +151,9 @@ class Session:
             worker_env=env,
             preload=preload,
         )
-        if self._ray_started:
-            placement.cluster_env = env
+        # A cluster started here, by this session or earlier in this process (started_cluster_env): actors whose
+        # environment its workers have need no runtime env.
+        placement.cluster_env = env if self._ray_started else started_cluster_env()
         self.stop.install()  # after ray.init, which installs its own exit-at-once SIGTERM handler
         self._placement = create_placement_group(placement)
 

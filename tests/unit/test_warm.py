@@ -4,8 +4,9 @@ The cluster test runs in its own process (a Ray cluster of its own, as ``tidal t
 in a fork of the warm process with the workers' environment and the preloaded module (frozen out of its collector);
 Ray's processes and the driver's inputs thread run below the warm process's priority, the driver's own thread not;
 no worker is prestarted (ray.init does not wait for the forks); the raylet's agents are light stand-ins, and the runtime-env one becomes Ray's agent when an actor with a runtime env
-of its own is started (by Ray, as usual); a worker dies with its handle; the warm process stops with ``stop_ray``,
-without the interpreter's teardown.
+of its own is started (by Ray, as usual); a worker dies with its handle, even a stopped one; the warm process stops with ``stop_ray``,
+without the interpreter's teardown, and not at the end of a session that joined the cluster (whose actors took
+its forks too).
 """
 
 from __future__ import annotations
@@ -94,9 +95,11 @@ CLUSTER = textwrap.dedent(
     # That runtime env was set up by Ray's own agent, which the stand-in became (same process, Ray's command).
     assert "runtime_env" in command(standins["runtime-env"]) or "RuntimeEnvAgent" in command(standins["runtime-env"])
     assert "ray_agents.py" not in command(standins["runtime-env"]), command(standins["runtime-env"])
-    # The raylet's handles on the forked workers: killed outright, their workers die too.
+    # The raylet's handles on the forked workers: killed outright, their workers die too, even one that is stopped
+    # (whose own thread waiting for its handle cannot run: the warm process kills it).
     handles = [p for p in psutil.Process().children(recursive=True) if "warm_worker.py" in command(p)]
     assert handles
+    os.kill(pid, signal.SIGSTOP)
     for h in handles:
         h.send_signal(signal.SIGKILL)
     def gone(pid):
@@ -111,8 +114,13 @@ CLUSTER = textwrap.dedent(
         time.sleep(0.1)
     else:
         raise AssertionError("a forked worker outlived its handle")
+    # A session that joins this cluster knows its workers' environment, and its end leaves the warm process.
+    assert ray_cluster.started_cluster_env() == env
+    stop_ray(False)
+    assert ray_cluster._warm is not None and warm.poll() is None
     stop_ray(started)
     assert warm.wait(timeout=10) == 0 and ray_cluster._warm is None
+    assert ray_cluster.started_cluster_env() is None
     # It exits without the interpreter's teardown (where an atexit handler of a preloaded module would run).
     assert not os.path.exists("finalized")
     print("warm ok")
@@ -134,9 +142,27 @@ def test_workers_of_a_local_cluster_are_forks_of_the_warm_process(tmp_path):
 def test_a_worker_forks_only_when_its_environment_matches():
     warm = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
     assert differing({**warm, "RAY_JOB_ID": "01000000", "SPT_NOENV": "1", "TIDAL_WARM_SOCKET": "/s"}, warm) == []
-    assert differing({**warm, "OMP_NUM_THREADS": "2"}, warm) == ["OMP_NUM_THREADS"]
+    # A thread count the fork sets itself (warm.apply_in_fork), where the warm process had one too.
+    assert differing({**warm, "OMP_NUM_THREADS": "2"}, warm) == []
+    assert differing({**warm, "OMP_NUM_THREADS": "0"}, warm) == ["OMP_NUM_THREADS"]
+    assert differing({**warm, "OMP_NUM_THREADS": "two"}, warm) == ["OMP_NUM_THREADS"]
+    assert differing({"PATH": "/bin", "OMP_NUM_THREADS": "2"}, {"PATH": "/bin"}) == ["OMP_NUM_THREADS"]
     assert differing({**warm, "LD_PRELOAD": "/x.so"}, warm) == ["LD_PRELOAD"]
     assert differing({"PATH": "/bin"}, warm) == ["OMP_NUM_THREADS"]
+
+
+def test_a_fork_takes_its_workers_thread_count():
+    """OpenMP read the warm process's OMP_NUM_THREADS when torch was imported; a fork told another count sets it."""
+    code = (
+        "import os, sys; os.environ['OMP_NUM_THREADS'] = '2'; import torch; "
+        "from tidal.cluster.warm import apply_in_fork; assert torch.get_num_threads() == 2; "
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    apply_in_fork({'OMP_NUM_THREADS': '1'}); os._exit(0 if torch.get_num_threads() == 1 else 3)\n"
+        "_, status = os.waitpid(pid, 0); sys.exit(os.waitstatus_to_exitcode(status))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
 
 
 def test_actors_need_no_runtime_env_when_the_cluster_already_has_their_variables():
@@ -172,6 +198,7 @@ def test_no_warm_process_where_its_socket_cannot_be_made(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(deep))
     monkeypatch.setattr("tempfile.tempdir", None)
     monkeypatch.delitem(sys.modules, "ray", raising=False)  # as in a driver before Ray starts (the suite's Ray is up)
+    monkeypatch.setattr(ray_cluster, "_warm", None)  # nor the suite's cluster's warm process
     assert not ray_cluster.start_warm(None, {}, ["colorsys"]) and ray_cluster._warm is None
     assert list(deep.iterdir()) == []
 
@@ -244,3 +271,26 @@ def test_agent_standins_take_the_raylets_agent_commands_and_write_ports_as_ray_d
         name = f"{ray_agents.RUNTIME_ENV_PORT}_{node}"
         assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "ray" / name).read_bytes()
     assert port_files_fit()
+
+
+def test_a_run_that_joins_a_cluster_started_in_its_process_takes_the_warm_forks(ray_cluster, tmp_path):
+    """The test session's cluster (tests/conftest.py) is started here with a warm process: a run that joins it
+    creates its actors without a runtime env where their environment is the workers', so they are forks."""
+    import psutil
+
+    from tidal.cluster import ray_cluster as rc
+    from tidal.config import parse, resolve
+    from tidal.driver import train
+
+    argv = ["--colocate", "--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"]
+    argv += ["--rollout-max-response-len", "2", "--device", "cpu", "--no-progress", "--output-dir", str(tmp_path)]
+    cfg, prov = parse(argv)
+    forks: list[str] = []
+
+    def on_step(s, rollout_id, row):
+        if rollout_id < 0:
+            forks.extend(p.name() for p in psutil.Process(rc._warm.proc.pid).children())
+
+    train(resolve(cfg, prov), on_step=on_step)
+    assert any("TrainerActor" in n for n in forks) and any("EngineActor" in n for n in forks), forks
+    assert rc._warm is not None and rc._warm.proc.poll() is None  # the run's end left it to the cluster

@@ -34,6 +34,8 @@ IDLE_WORKER_KEEP_MS = 60_000
 # How much lower than the warm process the rest of the start runs (``yield_to_warm``): nice 5 weighs a third of nice 0.
 START_NICE = 5
 _warm = None  # the warm process of the cluster started here (tidal.cluster.warm), if any
+# The cluster start_ray started here: its GCS address and the environment every one of its workers has.
+_started: tuple[str, dict[str, str]] | None = None
 
 # Environment every tidal process should see; set before Ray starts so actors inherit it.
 BASE_ENV = {
@@ -84,15 +86,34 @@ def start_ray(
                 _init_local(logical_cpus, num_gpus, [], warm=True)
         else:
             _init_local(logical_cpus, num_gpus, list(preload))
+    global _started
+    _started = (ray.get_runtime_context().gcs_address, dict(worker_env or {}))
     log.info("started a local Ray cluster: %d CPUs, %d GPUs", int(logical_cpus), num_gpus)
     return True
 
 
-def start_warm(address: str | None, worker_env: dict[str, str], preload: Sequence[str]) -> bool:
+def started_cluster_env() -> dict[str, str] | None:
+    """The environment every worker of the cluster this process is connected to has, where ``start_ray`` started
+    that cluster here (and it still runs); None for a cluster joined, or started by anything else. A session in
+    a process that keeps one cluster across runs (a test session's) then creates the actors that need nothing
+    more without a runtime env, as on a cluster it started itself: they take the warm process's forks."""
+    import ray
+
+    if _started is None or not ray.is_initialized():
+        return None
+    address, env = _started
+    return dict(env) if ray.get_runtime_context().gcs_address == address else None
+
+
+def start_warm(
+    address: str | None, worker_env: dict[str, str], preload: Sequence[str], *, forks_import: bool = True
+) -> bool:
     """Start the warm process (``tidal.cluster.warm``) for the local cluster ``start_ray`` will start,
     as early as possible: it imports ``preload`` while the driver starts Ray. Only for a cluster
     started here, on Linux, with modules to preload (``prestart_modules``; none with ``--warm-process off``).
-    Returns whether it started one; ``stop_ray`` stops it."""
+    ``forks_import``: the modules only one kind of actor needs (``ONE_ACTOR_ONLY``) are left to the forks; off,
+    the warm process imports them too, for a cluster that outlives many runs (a test session's), whose start
+    is not on any run's path. Returns whether it started one; ``stop_ray`` stops it."""
     global _warm
     ray = sys.modules.get("ray")  # not imported for this: the warm process should start first
     if address or not preload or _warm is not None or not sys.platform.startswith("linux"):
@@ -105,7 +126,8 @@ def start_warm(address: str | None, worker_env: dict[str, str], preload: Sequenc
     _set_base_env()
     try:
         with shielded(), _environ(worker_env):
-            _warm = WarmProcess.start([m for m in preload if m not in RAY_IMPORTING + ONE_ACTOR_ONLY])
+            skip = RAY_IMPORTING + (ONE_ACTOR_ONLY if forks_import else ())
+            _warm = WarmProcess.start([m for m in preload if m not in skip])
     except OSError as e:  # e.g. a temp folder whose path is too long for a Unix socket: Ray starts the workers
         log.info("no warm process (%s); Ray starts each worker itself", e)
         return False
@@ -348,11 +370,15 @@ def _ray_init_local(logical_cpus: float, num_gpus: int, system_config: dict) -> 
 
 
 def stop_ray(started: bool) -> None:
+    """Stop the cluster this process started (``started``), and the warm process unless it serves a cluster
+    started here that still runs (one a session joined: ``started_cluster_env``)."""
     import ray
 
-    global _warm
+    global _warm, _started
     if started and ray.is_initialized():
         ray.shutdown()
-    if _warm is not None:
+    if not ray.is_initialized():
+        _started = None
+    if _warm is not None and _started is None:
         _warm.stop()
         _warm = None

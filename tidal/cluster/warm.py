@@ -15,8 +15,9 @@ How Ray reaches it: the raylet's worker command names ``tidal/cluster/warm_worke
 Ray's ``default_worker.py`` (``worker_command``, while ``ray.init`` starts the raylet). That small
 script hands its command line, environment and standard streams to this process over a Unix
 socket and stays as the raylet's handle on the forked worker (signals forwarded, exit status
-returned); a worker whose environment must be set before its process starts (a runtime env's
-variables, ``LD_PRELOAD`` for torch_memory_saver) is started by Ray as usual. The socket listens
+returned, and the worker killed here should the handle be killed outright); a worker whose environment must
+be set before its process starts (a runtime env's variables, ``LD_PRELOAD`` for torch_memory_saver) is started
+by Ray as usual, except for a thread count (``OMP_NUM_THREADS``), which a fork sets itself (``apply_in_fork``). The socket listens
 before Ray starts: the workers Ray starts for the actors wait for the imports instead of doing their own.
 
 Only on a cluster started here with embedded engines (``--warm-process auto``, the default, or ``on``), CPU or
@@ -192,6 +193,7 @@ def _become_worker(req: _Request, default_worker: str) -> None:
         os.close(fd)
     os.environ.clear()
     os.environ.update(req.env)
+    apply_in_fork(req.env)
     os.chdir(req.cwd)
 
     def exit_with_handle() -> None:
@@ -203,6 +205,16 @@ def _become_worker(req: _Request, default_worker: str) -> None:
     threading.Thread(target=exit_with_handle, daemon=True, name="warm-handle").start()
     sys.argv = [default_worker, *req.argv]
     runpy.run_path(default_worker, run_name="__main__")
+
+
+def apply_in_fork(env: dict[str, str]) -> None:
+    """What a fork sets itself of its worker's environment (``warm_worker.APPLIED_IN_FORK``): OpenMP read the warm
+    process's ``OMP_NUM_THREADS`` as torch was imported there, so a worker told another count sets it through
+    torch (OpenMP's and torch's own pools; none of them has started a thread in the warm process)."""
+    threads = env.get("OMP_NUM_THREADS", "")
+    torch = sys.modules.get("torch")
+    if torch is not None and threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
+        torch.set_num_threads(int(threads))
 
 
 def serve(listen_fd: int, alive_fd: int, modules: Sequence[str]) -> _Request | None:
@@ -239,9 +251,11 @@ def serve(listen_fd: int, alive_fd: int, modules: Sequence[str]) -> _Request | N
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the run through the driver
     children: dict[int, socket.socket] = {}
     while True:
-        ready, _, _ = select.select([listener, alive_fd, wake_r], [], [])
+        handles = {conn: pid for pid, conn in children.items()}
+        ready, _, _ = select.select([listener, alive_fd, wake_r, *handles], [], [])
         if alive_fd in ready:
             return None
+        _kill_orphans([handles[c] for c in ready if c in handles])
         if wake_r in ready:
             with contextlib.suppress(BlockingIOError):
                 os.read(wake_r, 512)
@@ -274,6 +288,15 @@ def serve(listen_fd: int, alive_fd: int, modules: Sequence[str]) -> _Request | N
             children[pid] = conn
             with contextlib.suppress(OSError):
                 conn.sendall(struct.pack("!i", pid))
+
+
+def _kill_orphans(pids: list[int]) -> None:
+    """Workers whose handle's connection became readable: a handle sends nothing, so its end closed (the raylet
+    killed it outright). Each worker is killed here too: its own thread that waits for the same (``_become_worker``)
+    cannot run while the worker is stopped or holds the GIL in a hung call. Its exit is reaped as any other."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _reap(children: dict[int, socket.socket]) -> None:

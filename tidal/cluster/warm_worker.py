@@ -30,6 +30,8 @@ DEFAULT_WORKER_ENV = "TIDAL_WARM_DEFAULT_WORKER"  # Ray's default_worker.py, the
 ENV_KEYS_ENV = "TIDAL_WARM_ENV"  # JSON: the variables the warm process was started with (name -> value)
 # Variables the raylet sets per worker: they differ from the warm process's and do not matter before start.
 PER_WORKER_PREFIXES = ("RAY_", "TIDAL_WARM", "SPT_NOENV", "CUDA_VISIBLE_DEVICES", "OLDPWD", "PWD", "_")
+# Variables a fork applies itself (``warm.apply_in_fork``): a worker may set them otherwise and still be a fork.
+APPLIED_IN_FORK = ("OMP_NUM_THREADS",)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -43,9 +45,17 @@ def _fallback(argv: list[str]) -> None:
 
 def differing(env: dict[str, str], warm_env: dict[str, str]) -> list[str]:
     """The variables that keep a worker with ``env`` from being a fork of the warm process started
-    with ``warm_env``: those set differently in the two, except the ones the raylet sets per worker."""
+    with ``warm_env``: those set differently in the two, except the ones the raylet sets per worker and
+    those a fork applies itself where both set them (``APPLIED_IN_FORK``; a thread count must be a positive
+    integer)."""
     keys = set(env) | set(warm_env)
-    return sorted(k for k in keys if env.get(k) != warm_env.get(k) and not k.startswith(PER_WORKER_PREFIXES))
+
+    def applied(k: str) -> bool:
+        return k in APPLIED_IN_FORK and k in warm_env and env.get(k, "").isdigit() and int(env[k]) > 0
+
+    return sorted(
+        k for k in keys if env.get(k) != warm_env.get(k) and not k.startswith(PER_WORKER_PREFIXES) and not applied(k)
+    )
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
