@@ -6,7 +6,7 @@
 #
 #   bash scripts/gpu_host.sh STEP ...
 #
-# Steps: env, tests, speed (issue 20's figures in one call), ab-train (the loop from an earlier commit's copy and this tree, interleaved), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled; PROFILE_TAG and TRAIN05_ARGS for a variant), offload-ab (the early resume's A/B and the offloaded train profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled fused step with the attention call writing the cache, per batch bucket, with its pieces writing it), trainer-shapes (bench trainer at new shapes, both attention orders), compile-options-ab (the loop and the cold first step with the decode step's default inductor options and with none), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
+# Steps: env, tests, speed (issue 20's figures in one call), ab-train (the loop from an earlier commit's copy and this tree, interleaved), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled; PROFILE_TAG and TRAIN05_ARGS for a variant), offload-ab (the early resume's A/B and the offloaded train profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled fused step with the attention call writing the cache, per batch bucket, with its pieces writing it), trainer-shapes (bench trainer at new shapes, both attention orders), compile-options-ab (the loop and the cold first step with the decode step's default inductor options and with none), first-job (what is open of issue 20, most urgent first), loop-summary (each loop run's step and phases' means), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
 # bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, bench-async-mps, profile-ipc, megatron (or its halves megatron-loop, megatron-state; megatron-2gpu: TP/PP = 2 on a two-GPU host), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); STARTUP05_RUNS, STARTUP05_ARGS, STARTUP05_TAG (startup-0.5b: its runs share one fresh compile cache, so the first is cold and the rest warm); MEM_GIB, MEM_CYCLES, MEM100_GIB
@@ -180,6 +180,33 @@ PY
       k=${s#megatron}; k=${k#-}
       case $k in loop) expr="loop or matches_fsdp" ;; state) expr="pause_resume or checkpoint" ;; 2gpu) expr="two_gpus" ;; *) expr="${MEGATRON_K:-}" ;; esac
       TAIL=100 run "$s" 600 python3 -m pytest -q -s -m gpu tests/gpu/test_megatron_gpu.py -k "$expr" -p no:cacheprovider -o addopts="" -rfE --durations=6 ;;
+    first-job)
+      # What is open of issue 20 in one call, most urgent first, each run's log packed as it ends (~8 min on an
+      # H100): a cold first step with the decode step's default inductor options (combo kernels) and with none, the
+      # offloaded loop (its sync split: the engines' resumes beside the push), the resident loop with and without
+      # combo kernels; then every loop's means (loop-summary).
+      STARTUP05_RUNS=1 STARTUP05_TAG=-combo TAIL=2 bash "$0" startup-0.5b
+      STARTUP05_RUNS=1 STARTUP05_TAG=-nocombo STARTUP05_ARGS="--rollout-compile-options {}" TAIL=2 bash "$0" startup-0.5b
+      TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-offload TRAIN05_ARGS=--offload TAIL=1 bash "$0" train-0.5b
+      TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-combo TAIL=1 bash "$0" train-0.5b
+      TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-nocombo TRAIN05_ARGS="--rollout-compile-options {}" TAIL=1 bash "$0" train-0.5b
+      bash "$0" loop-summary ;;
+    loop-summary)
+      # Each loop run's step (steps 1.., step 0 compiles) and its phases' means, with the offloaded sync's split.
+      python3 - "$OUT" <<'PY'
+import glob, json, os, statistics, sys
+keys = ("generate_s", "decode/decode_s", "decode/prefill_s", "train_s", "sync_s", "pause_s", "resume_s", "release_s",
+        "sync/seconds", "sync/engine_resume_weights_s", "sync/engine_resume_kv_s", "memory/trainer_pause/settle_s",
+        "memory/trainer_pause/free_transients_s")
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "run-0.5b-*", "metrics.jsonl"))):
+    rows = [json.loads(line) for line in open(path)]
+    if len(rows) < 3:
+        print(os.path.basename(os.path.dirname(path)), "unfinished"); continue
+    step = (rows[-1]["elapsed_s"] - rows[1]["elapsed_s"]) / (len(rows) - 2)
+    means = {k: statistics.mean(r[k] for r in rows[1:]) for k in keys if all(k in r for r in rows[1:])}
+    print(os.path.basename(os.path.dirname(path)), f"step={step:.4f}", " ".join(f"{k.split('/')[-1]}={v:.4f}" for k, v in means.items()))
+PY
+      ;;
     train-megatron) run train-megatron 200 python3 -m tidal.bench.reward_curve --train-backend megatron --num-rollout 40 --output-dir "$OUT/run-megatron" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac

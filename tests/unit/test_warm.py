@@ -4,9 +4,9 @@ The cluster test runs in its own process (a Ray cluster of its own, as ``tidal t
 in a fork of the warm process with the workers' environment and the preloaded module (frozen out of its collector);
 Ray's processes and the driver's inputs thread run below the warm process's priority, the driver's own thread not;
 no worker is prestarted (ray.init does not wait for the forks); the raylet's agents are light stand-ins, and the runtime-env one becomes Ray's agent when an actor with a runtime env
-of its own is started (by Ray, as usual); a worker dies with its handle, even a stopped one; the warm process stops with ``stop_ray``,
-without the interpreter's teardown, and not at the end of a session that joined the cluster (whose actors took
-its forks too).
+of its own is started (by Ray, as usual); a worker dies with its handle, even a stopped one; the warm process
+stops with ``stop_ray``, without the interpreter's teardown, and not at the end of a session that joined the
+cluster (whose actors took its forks too).
 """
 
 from __future__ import annotations

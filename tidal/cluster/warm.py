@@ -15,10 +15,11 @@ How Ray reaches it: the raylet's worker command names ``tidal/cluster/warm_worke
 Ray's ``default_worker.py`` (``worker_command``, while ``ray.init`` starts the raylet). That small
 script hands its command line, environment and standard streams to this process over a Unix
 socket and stays as the raylet's handle on the forked worker (signals forwarded, exit status
-returned, and the worker killed here should the handle be killed outright); a worker whose environment must
-be set before its process starts (a runtime env's variables, ``LD_PRELOAD`` for torch_memory_saver) is started
-by Ray as usual, except for a thread count (``OMP_NUM_THREADS``), which a fork sets itself (``apply_in_fork``). The socket listens
-before Ray starts: the workers Ray starts for the actors wait for the imports instead of doing their own.
+returned, and the worker killed here should the handle be killed outright); a worker whose environment
+must be set before its process starts (a runtime env's variables, ``LD_PRELOAD`` for torch_memory_saver) is
+started by Ray as usual, except for a thread count (``OMP_NUM_THREADS``), which a fork sets itself
+(``apply_in_fork``). The socket listens before Ray starts: the workers Ray starts for the actors wait for the
+imports instead of doing their own.
 
 Only on a cluster started here with embedded engines (``--warm-process auto``, the default, or ``on``), CPU or
 GPU: the warm process imports torch and the model's code without touching CUDA (each fork initialises it as its actor's GPU is known), and an actor whose environment must be set before
