@@ -6,9 +6,9 @@
 #
 #   bash scripts/gpu_host.sh STEP ...
 #
-# Steps: env, tests, speed (issue 20's figures in one call), ab-train (the loop from an earlier commit's copy and this tree, interleaved), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled; PROFILE_TAG and TRAIN05_ARGS for a variant), offload-ab (the early resume's A/B and the offloaded train profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled fused step with the attention call writing the cache, per batch bucket, with its pieces writing it), trainer-shapes (bench trainer at new shapes, both attention orders), compile-options-ab (the loop and the cold first step with the decode step's default inductor options and with none), first-job (what is open of issue 20, most urgent first), loop-summary (each loop run's step and phases' means), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
+# Steps: env, tests, speed (issue 20's figures in one call), ab-train (the loop from an earlier commit's copy and this tree, interleaved), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled; PROFILE_TAG and TRAIN05_ARGS for a variant), offload-ab (the early resume's A/B and the offloaded train profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled fused step with the attention call writing the cache, per batch bucket, with its pieces writing it), trainer-shapes (bench trainer at new shapes, both attention orders), first-job (what is open of issue 20, most urgent first: cold first steps and loops with the decode step's default inductor options and with none, the offloaded loop), loop-summary (each loop run's step and phases' means; LOOP_RUNS: a glob of run folders), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
 # bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, bench-async-mps, profile-ipc, megatron (or its halves megatron-loop, megatron-state; megatron-2gpu: TP/PP = 2 on a two-GPU host), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
-# Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
+# Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); LOOP_RUNS (loop-summary); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); STARTUP05_RUNS, STARTUP05_ARGS, STARTUP05_TAG (startup-0.5b: its runs share one fresh compile cache, so the first is cold and the rest warm); MEM_GIB, MEM_CYCLES, MEM100_GIB
 # (bench-memory*); SYNC_MODELS, SYNC_MODES, SYNC_SOURCES, SYNC_ARGS (bench-sync); TRAINER_ARGS, TRAINER_TAG
 # (bench-trainer); AB_BASE, AB_ARGS, AB_ROUNDS (ab-train); DECODE_TAGS (decode-experiments: any of default, static, kvwrite); ROLLOUT_ARGS, ROLLOUT_TAG (bench-rollout, e.g. ROLLOUT_ARGS='--paths fast --profile'); FAST_CASES, FAST_ARGS, FAST_TAG (bench-fast); SERVE_ARGS (bench-serve); MEGATRON_K (megatron: a pytest -k expression); MULTITURN_ARGS (bench-multiturn); ASYNC_MODES, ASYNC_ROLLOUTS, ASYNC_ARGS, ASYNC_TAG (bench-async, bench-async-mps); TAIL (lines of each log printed).
@@ -118,31 +118,13 @@ for name, p in (d.get('phases') or {}).items():
         (cd "$AB_BASE" && OUT=$out TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-ab-base$round TRAIN05_ARGS="${AB_ARGS:-}" TAIL=0 \
           bash scripts/gpu_host.sh train-0.5b | grep "^===")
       done
-      python3 - "$OUT" <<'PY'
-import glob, json, os, statistics, sys
-keys = ("generate_s", "train_s", "sync_s", "pause_s", "resume_s")
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "run-0.5b-ab-*", "metrics.jsonl"))):
-    rows = [json.loads(line) for line in open(path)]
-    if len(rows) < 3:
-        print(os.path.basename(os.path.dirname(path)), "unfinished"); continue
-    step = (rows[-1]["elapsed_s"] - rows[1]["elapsed_s"]) / (len(rows) - 2)  # steps 1.. (step 0 compiles)
-    means = {k: statistics.mean(r[k] for r in rows[1:]) for k in keys if all(k in r for r in rows[1:])}
-    print(os.path.basename(os.path.dirname(path)), f"step={step:.4f}", " ".join(f"{k}={v:.4f}" for k, v in means.items()))
-PY
-      ;;
+      LOOP_RUNS="run-0.5b-ab-*" bash "$0" loop-summary ;;
     decode-experiments)
       # The compiled fused decode step with the cache written by the attention call (two eager index_copy a layer;
       # one dynamic graph per piece), the same with a graph per batch bucket specialised to its size, and with the
       # pieces writing the cache (the preset's since round eight); at fixed and variable lengths.
       for tag in ${DECODE_TAGS:-default static kvwrite}; do extra=""; [ $tag = static ] && extra=--compile-static; [ $tag = kvwrite ] && extra=--fused-kv-write
         TAIL=3 FAST_CASES=fast-compiled,fast-varlen-compiled FAST_ARGS="--fused --decode-attention flex --sampler-noise blocks --skip-hf $extra" FAST_TAG=-$tag bash "$0" bench-fast; done ;;
-    compile-options-ab)
-      # The preset's loop with the decode step's default inductor options (combo kernels with CUDA) and with none
-      # (--rollout-compile-options {}), one after the other, then a cold first step of each (~5 min on an H100).
-      TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-opts-default TAIL=1 bash "$0" train-0.5b
-      TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-opts-none TRAIN05_ARGS="--rollout-compile-options {}" TAIL=1 bash "$0" train-0.5b
-      STARTUP05_RUNS=1 STARTUP05_TAG=-opts-default bash "$0" startup-0.5b
-      STARTUP05_RUNS=1 STARTUP05_TAG=-opts-none STARTUP05_ARGS="--rollout-compile-options {}" bash "$0" startup-0.5b ;;
     bench-attention) TAIL=4 run bench-attention 120 python3 -m tidal.bench.attention ;;
     trainer-shapes)
       # The trainer with new micro-batch shapes at every call (responses of 64-512 tokens), in its own SDPA order and
@@ -193,12 +175,12 @@ PY
       bash "$0" loop-summary ;;
     loop-summary)
       # Each loop run's step (steps 1.., step 0 compiles) and its phases' means, with the offloaded sync's split.
-      python3 - "$OUT" <<'PY'
+      python3 - "$OUT" "${LOOP_RUNS:-run-0.5b-*}" <<'PY'
 import glob, json, os, statistics, sys
 keys = ("generate_s", "decode/decode_s", "decode/prefill_s", "train_s", "sync_s", "pause_s", "resume_s", "release_s",
         "sync/seconds", "sync/engine_resume_weights_s", "sync/engine_resume_kv_s", "memory/trainer_pause/settle_s",
         "memory/trainer_pause/free_transients_s")
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "run-0.5b-*", "metrics.jsonl"))):
+for path in sorted(glob.glob(os.path.join(sys.argv[1], sys.argv[2], "metrics.jsonl"))):
     rows = [json.loads(line) for line in open(path)]
     if len(rows) < 3:
         print(os.path.basename(os.path.dirname(path)), "unfinished"); continue

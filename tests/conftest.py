@@ -20,17 +20,16 @@ def ray_cluster():
     import ray
 
     from tidal.cluster import ray_cluster as rc
+    from tidal.cluster.placement import Placement, worker_env
+    from tidal.config.schema import ModelConfig
+    from tidal.model import resolve_model
 
     started = False
     if not ray.is_initialized():
-        # The environment of the default placement's actors (tidal.cluster.placement.worker_env: one colocated
-        # trainer rank, which may use every core).
-        env = {
-            "TOKENIZERS_PARALLELISM": "false",
-            "OMP_NUM_THREADS": str(os.cpu_count() or 1),
-            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
-        }
-        preload = rc.prestart_modules("llama", actors=2, trainer=True, num_gpus=0, any_host=True)
+        # The environment of the default placement's actors: one colocated trainer rank, which may use every core.
+        env = worker_env(Placement(colocated=True, device="cpu", bundles=[{"CPU": 1}], trainers=[], engines=[]))
+        model_type = resolve_model(ModelConfig().model, None, False).config_dict().get("model_type")
+        preload = rc.prestart_modules(model_type, actors=2, trainer=True, num_gpus=0, any_host=True)
         rc.start_warm(None, env, preload, forks_import=False)
         started = rc.start_ray(None, num_cpus=8, num_gpus=0, worker_env=env)
     yield ray

@@ -151,9 +151,9 @@ class Session:
             worker_env=env,
             preload=preload,
         )
-        # A cluster started here, by this session or earlier in this process (started_cluster_env): actors whose
+        # A cluster started here, by this session (with ``env``) or earlier in this process: actors whose
         # environment its workers have need no runtime env.
-        placement.cluster_env = env if self._ray_started else started_cluster_env()
+        placement.cluster_env = started_cluster_env()
         self.stop.install()  # after ray.init, which installs its own exit-at-once SIGTERM handler
         self._placement = create_placement_group(placement)
 
