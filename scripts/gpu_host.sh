@@ -163,11 +163,11 @@ for name, p in (d.get('phases') or {}).items():
       case $k in loop) expr="loop or matches_fsdp" ;; state) expr="pause_resume or checkpoint" ;; 2gpu) expr="two_gpus" ;; *) expr="${MEGATRON_K:-}" ;; esac
       TAIL=100 run "$s" 600 python3 -m pytest -q -s -m gpu tests/gpu/test_megatron_gpu.py -k "$expr" -p no:cacheprovider -o addopts="" -rfE --durations=6 ;;
     first-job)
-      # What is open of issue 20 in one call, most urgent first, each run's log packed as it ends (~8 min on an
-      # H100): a cold first step with the decode step's default inductor options (combo kernels) and with none, the
+      # What is open of issue 20 in one call, most urgent first, each run's log packed as it ends (~9 min on an
+      # H100): a cold and a warm first step with the decode step's default inductor options (combo kernels), a cold one with none, the
       # offloaded loop (its sync split: the engines' resumes beside the push), the resident loop with and without
       # combo kernels; then every loop's means (loop-summary).
-      STARTUP05_RUNS=1 STARTUP05_TAG=-combo TAIL=2 bash "$0" startup-0.5b
+      STARTUP05_RUNS=2 STARTUP05_TAG=-combo TAIL=3 bash "$0" startup-0.5b
       STARTUP05_RUNS=1 STARTUP05_TAG=-nocombo STARTUP05_ARGS="--rollout-compile-options {}" TAIL=2 bash "$0" startup-0.5b
       TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-offload TRAIN05_ARGS=--offload TAIL=1 bash "$0" train-0.5b
       TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-combo TAIL=1 bash "$0" train-0.5b
