@@ -397,8 +397,10 @@ def trained_logits_only_default(device: str) -> bool:
 
 def rollout_compile_options_default(device: str) -> dict:
     """``--rollout-compile-options`` when unset: combo kernels with CUDA (the decode step's independent small
-    kernels, e.g. the rotary embedding of the queries and of the keys, launched together: +3 % decode on an
-    H100, the same log-probs), nothing elsewhere (inductor's C++ backend has no combo kernels)."""
+    kernels, e.g. the rotary embedding of the queries and of the keys, launched together: in the 0.5B preset's
+    loop on an H100 the decode steps took 0.597 s a rollout against 0.660 s and the step 1.66 s against 1.73 s,
+    the same log-probs, for ~1 s more of a cold first compile), nothing elsewhere (inductor's C++ backend has no
+    combo kernels)."""
     return {"combo_kernels": True} if device == "cuda" else {}
 
 
