@@ -6,7 +6,7 @@
 #
 #   bash scripts/gpu_host.sh STEP ...
 #
-# Steps: env, tests, speed (issue 20's figures in one call), ab-train (the loop from an earlier commit's copy and this tree, interleaved), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled; PROFILE_TAG and TRAIN05_ARGS for a variant), offload-ab (the early resume's A/B and the offloaded train profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled fused step with the attention call writing the cache, per batch bucket, with its pieces writing it), trainer-shapes (bench trainer at new shapes, both attention orders), decode-options (inductor options beside combo kernels for the decode step), first-job (what is open of issue 20, most urgent first: cold first steps and loops with the decode step's default inductor options and with none, the offloaded loop), loop-summary (each loop run's step and phases' means; LOOP_RUNS: a glob of run folders), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
+# Steps: env, tests, speed (issue 20's figures in one call), ab-train (the loop from an earlier commit's copy and this tree, interleaved), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled; PROFILE_TAG and TRAIN05_ARGS for a variant), offload-ab (the early resume's A/B and the offloaded train profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled fused step with the attention call writing the cache, per batch bucket, with its pieces writing it), trainer-shapes (bench trainer at new shapes, both attention orders), decode-options (inductor options beside combo kernels for the decode step), offload-split (the offloaded loop with and without the late release: what the engines' weights resume waits for), first-job (what is open of issue 20, most urgent first: cold first steps and loops with the decode step's default inductor options and with none, the offloaded loop), loop-summary (each loop run's step and phases' means; LOOP_RUNS: a glob of run folders), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
 # bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, bench-async-mps, profile-ipc, megatron (or its halves megatron-loop, megatron-state; megatron-2gpu: TP/PP = 2 on a two-GPU host), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); LOOP_RUNS (loop-summary); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); STARTUP05_RUNS, STARTUP05_ARGS, STARTUP05_TAG (startup-0.5b: its runs share one fresh compile cache, so the first is cold and the rest warm); MEM_GIB, MEM_CYCLES, MEM100_GIB
@@ -173,6 +173,13 @@ for name, p in (d.get('phases') or {}).items():
       TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-combo TAIL=1 bash "$0" train-0.5b
       TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-nocombo TRAIN05_ARGS="--rollout-compile-options {}" TAIL=1 bash "$0" train-0.5b
       bash "$0" loop-summary ;;
+    offload-split)
+      # Whether the engines' weights resume waits behind the trainer's optimizer copy out (round fifteen: 49 ms
+      # against 3 ms for the KV cache): the offloaded loop with the retained host copy (the late release) and with
+      # --offload-host-memory release (the copy ends inside the pause), then both loops' means (~3 min on an H100).
+      TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-offload-release TRAIN05_ARGS="--offload --offload-host-memory release" TAIL=1 bash "$0" train-0.5b
+      TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-offload-retain TRAIN05_ARGS=--offload TAIL=1 bash "$0" train-0.5b
+      LOOP_RUNS="run-0.5b-offload-*" bash "$0" loop-summary ;;
     decode-options)
       # More of inductor's options for the preset's decode step beside combo kernels (the CUDA default), in one process
       # (~3 min on an H100): fusing nodes that share no memory, combining kernels of mixed sizes, timing each
