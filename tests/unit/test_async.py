@@ -113,19 +113,20 @@ def test_full_learns_within_max_staleness_across_sigterm_resume_and_an_engine_re
     assert end["restarts"] == 1
 
 
-def _resume_without_async(tmp_path, at_end: dict, done: set[int], *flags) -> None:
-    """The async run's last checkpoint resumed by the synchronous loop (one step, nothing saved): it draws the
-    first prompts not done, past the data position, skipping those the async run finished out of order."""
+def _resume_without_async(tmp_path, step: int, at_end: dict, done: set[int], *flags) -> None:
+    """The async run's checkpoint of ``step`` resumed by the synchronous loop (one step, nothing saved): it draws
+    the first prompts not done, past the data position, skipping those the async run finished out of order."""
     import itertools
 
     drawn: list[int] = []
 
     def spy(s, rollout_id, row):
-        if rollout_id == 2:  # after the resumed run's first sync: record the serials its step draws
+        if rollout_id == step:  # after the resumed run's first sync: record the serials its step draws
             real = s.cursor.draw
             s.cursor.draw = lambda n: [drawn.append(x[0]) or x for x in real(n)]
 
-    train(_cfg(tmp_path, "sync", "--load", str(tmp_path / "ck"), "--num-rollout", "4", *flags), on_step=spy)
+    load = str(tmp_path / "ck" / f"iter_{step:07d}")
+    train(_cfg(tmp_path, "sync", "--load", load, "--num-rollout", str(step + 2), *flags), on_step=spy)
     skip = set(at_end["done"])
     assert skip and min(skip) > at_end["low"]  # finished out of order: done past the first prompt not done
     assert drawn == list(itertools.islice((x for x in itertools.count(at_end["low"]) if x not in skip), 8))
@@ -138,8 +139,8 @@ def test_full_partial_rollout_continues_requests_on_new_weights_under_dynamic_sa
     (engine 0 waits part-decoded for each pause: ``engine_plugins.held_until_paused``, a custom generate
     function around the built-in step, so rows with tokens are always there to continue). The same small run
     checks over-sampling and dynamic sampling in the full loop, and an engine frozen (SIGSTOP) with a call
-    out: its health probe finds it, it is restarted, and its call runs again. Its last checkpoint, resumed
-    without ``--async``, draws the prompts not done, skipping those finished out of order."""
+    out: its health probe finds it, it is restarted, and its call runs again. Its latest checkpoint that holds
+    groups finished out of order, resumed without ``--async``, draws the prompts not done, skipping those."""
     import signal
 
     import ray
@@ -162,14 +163,17 @@ def test_full_partial_rollout_continues_requests_on_new_weights_under_dynamic_sa
         "3",
         "--save",
         str(tmp_path / "ck"),
+        "--save-interval",
+        "1",
     )
-    rows, end = [], {}
+    rows, end, by_step = [], {}, {}
 
     def on_step(s, rollout_id, row):
         if rollout_id >= 0:
             rows.append(row)
             end.update(low=s.cursor.low, done=list(s.async_loop.dropped_serials))
-            end["done_after"] = s.cursor.state_dict()["done_after"]  # what the checkpoint of this step holds
+            # What the checkpoint of this step holds, and what the run had done by then.
+            by_step[rollout_id] = {**end, "done_after": s.cursor.state_dict()["done_after"]}
         if rollout_id == 1:  # the engines were sent their next calls before this hook: freeze one with a call out
             calls = s.async_loop.flight.calls
             running = [c for ref, c in calls.items() if not ray.wait([ref], timeout=0)[0]]  # not already done
@@ -202,11 +206,17 @@ def test_full_partial_rollout_continues_requests_on_new_weights_under_dynamic_sa
     assert sum(r["async/filtered_groups"] for r in rows) > 0
     assert len(groups) == 3 * 8 and not set(groups) & set(end["done"])
     assert set(range(end["low"])) <= set(groups) | set(end["done"])
-    # The last checkpoint (groups buffered below others done: filtered, or trained first) resumed without --async.
+    # The latest checkpoint holding groups done past a group not done (buffered below others: filtered, or trained
+    # first), resumed without --async; which step's does depends on the actors' timing.
+    step = max((k for k, e in by_step.items() if e["done_after"]), default=None)
+    assert step is not None, f"no checkpoint held a group finished out of order: {by_step}"
     sync = ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--rollout-batch-size", "8"]
     sync += ["--rollout-max-response-len", "24", "--custom-rm-path", rm]
-    at_end = {"low": end["low"], "done": end["done_after"]}
-    _resume_without_async(tmp_path, at_end, set(groups) | set(end["done"]), *sync)
+    at = by_step[step]
+    trained = {rec["group"] for rec in recs if rec["step"] <= step}
+    _resume_without_async(
+        tmp_path, step, {"low": at["low"], "done": at["done_after"]}, trained | set(at["done"]), *sync
+    )
 
 
 def test_bench_summary_figures_from_step_rows():

@@ -12,9 +12,12 @@ cluster (whose actors took its forks too).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 from tidal.cluster.placement import ActorSlot, Placement, actor_options, worker_env
 from tidal.cluster.warm_worker import differing
@@ -137,6 +140,19 @@ def test_workers_of_a_local_cluster_are_forks_of_the_warm_process(tmp_path):
     )
     assert out.returncode == 0 and "warm ok" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
     assert "hello from a warm worker" in out.stdout + out.stderr  # actor output still reaches the driver
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_handle_ends_as_its_worker_ended(sig):
+    """The raylet sees a forked worker's end in its handle's: killed by the same signal, SIGKILL included (which no
+    handler can be set for; the handle has one for each signal it forwards), or returning the same exit code."""
+    code = (
+        "import signal, sys; from tidal.cluster.warm_worker import exit_as; "
+        "signal.signal(signal.SIGTERM, lambda *a: None); sys.exit(exit_as(int(sys.argv[1])))"
+    )
+    killed = subprocess.run([sys.executable, "-c", code, str(-sig)], capture_output=True, text=True)
+    assert killed.returncode == -sig, killed.stderr[-2000:]
+    assert subprocess.run([sys.executable, "-c", code, "3"]).returncode == 3
 
 
 def test_a_worker_forks_only_when_its_environment_matches():

@@ -101,9 +101,18 @@ def main(argv: list[str]) -> int:
     for s in FORWARDED:
         signal.signal(s, forward)
     status = _recv_exact(conn, 4)  # the worker's exit status, when it exits
-    code = struct.unpack("!i", status)[0] if len(status) == 4 else 1
-    if code < 0:  # killed by a signal: so is its handle, as the raylet would have seen it
-        signal.signal(-code, signal.SIG_DFL)
+    return exit_as(struct.unpack("!i", status)[0] if len(status) == 4 else 1)
+
+
+def exit_as(code: int) -> int:
+    """End as the worker ended, for the raylet to see: killed by the same signal (a negative ``code``), else
+    returning its exit code. A signal this script forwards has a handler here, reset first; SIGKILL has none
+    and cannot be given one."""
+    if code < 0:
+        try:
+            signal.signal(-code, signal.SIG_DFL)
+        except (OSError, ValueError):  # SIGKILL: no handler to reset
+            pass
         os.kill(os.getpid(), -code)
     return code
 
