@@ -113,9 +113,10 @@ def test_full_learns_within_max_staleness_across_sigterm_resume_and_an_engine_re
     assert end["restarts"] == 1
 
 
-def _resume_without_async(tmp_path, step: int, at_end: dict, done: set[int], *flags) -> None:
+def _resume_without_async(tmp_path, step: int, low: int, skip: set[int], done: set[int], *flags) -> None:
     """The async run's checkpoint of ``step`` resumed by the synchronous loop (one step, nothing saved): it draws
-    the first prompts not done, past the data position, skipping those the async run finished out of order."""
+    the first prompts not done, past the data position ``low``, skipping those the async run finished out of
+    order (``skip``); none of them is one the async run had done by then (``done``)."""
     import itertools
 
     drawn: list[int] = []
@@ -127,9 +128,8 @@ def _resume_without_async(tmp_path, step: int, at_end: dict, done: set[int], *fl
 
     load = str(tmp_path / "ck" / f"iter_{step:07d}")
     train(_cfg(tmp_path, "sync", "--load", load, "--num-rollout", str(step + 2), *flags), on_step=spy)
-    skip = set(at_end["done"])
-    assert skip and min(skip) > at_end["low"]  # finished out of order: done past the first prompt not done
-    assert drawn == list(itertools.islice((x for x in itertools.count(at_end["low"]) if x not in skip), 8))
+    assert skip and min(skip) > low  # finished out of order: done past the first prompt not done
+    assert drawn == list(itertools.islice((x for x in itertools.count(low) if x not in skip), 8))
     assert not set(drawn) & done
 
 
@@ -214,9 +214,7 @@ def test_full_partial_rollout_continues_requests_on_new_weights_under_dynamic_sa
     sync += ["--rollout-max-response-len", "24", "--custom-rm-path", rm]
     at = by_step[step]
     trained = {rec["group"] for rec in recs if rec["step"] <= step}
-    _resume_without_async(
-        tmp_path, step, {"low": at["low"], "done": at["done_after"]}, trained | set(at["done"]), *sync
-    )
+    _resume_without_async(tmp_path, step, at["low"], set(at["done_after"]), trained | set(at["done"]), *sync)
 
 
 def test_bench_summary_figures_from_step_rows():

@@ -47,7 +47,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from tidal.cluster.warm_worker import DEFAULT_WORKER_ENV, ENV_KEYS_ENV, SOCKET_ENV
+from tidal.cluster.warm_worker import DEFAULT_WORKER_ENV, ENV_KEYS_ENV, SOCKET_ENV, thread_count
 
 log = logging.getLogger(__name__)
 
@@ -212,10 +212,9 @@ def apply_in_fork(env: dict[str, str]) -> None:
     """What a fork sets itself of its worker's environment (``warm_worker.APPLIED_IN_FORK``): OpenMP read the warm
     process's ``OMP_NUM_THREADS`` as torch was imported there, so a worker told another count sets it through
     torch (OpenMP's and torch's own pools; none of them has started a thread in the warm process)."""
-    threads = env.get("OMP_NUM_THREADS", "")
-    torch = sys.modules.get("torch")
-    if torch is not None and threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
-        torch.set_num_threads(int(threads))
+    threads, torch = thread_count(env), sys.modules.get("torch")
+    if torch is not None and threads > 0 and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 def serve(listen_fd: int, alive_fd: int, modules: Sequence[str]) -> _Request | None:

@@ -43,6 +43,12 @@ def _fallback(argv: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, worker, *argv])
 
 
+def thread_count(env: dict[str, str]) -> int:
+    """The positive thread count ``env`` sets (``OMP_NUM_THREADS``), 0 where it sets none or something else."""
+    threads = env.get("OMP_NUM_THREADS", "")
+    return int(threads) if threads.isdigit() else 0
+
+
 def differing(env: dict[str, str], warm_env: dict[str, str]) -> list[str]:
     """The variables that keep a worker with ``env`` from being a fork of the warm process started
     with ``warm_env``: those set differently in the two, except the ones the raylet sets per worker and
@@ -51,7 +57,7 @@ def differing(env: dict[str, str], warm_env: dict[str, str]) -> list[str]:
     keys = set(env) | set(warm_env)
 
     def applied(k: str) -> bool:
-        return k in APPLIED_IN_FORK and k in warm_env and env.get(k, "").isdigit() and int(env[k]) > 0
+        return k in APPLIED_IN_FORK and k in warm_env and thread_count(env) > 0
 
     return sorted(
         k for k in keys if env.get(k) != warm_env.get(k) and not k.startswith(PER_WORKER_PREFIXES) and not applied(k)
