@@ -120,7 +120,7 @@ class Trainer(ABC):
         self.residency = TrainerResidency(f"trainer rank {rank}")
         # The first of a two-stage pause (its report and figures), merged into the second's metrics.
         self._first_stage: tuple[MemoryReport, dict[str, float]] | None = None
-        self._transient_bytes = 0  # what the last pause freed of the caching allocator (reserve_transients)
+        self._transient_bytes = 0  # what the last train needed of the caching allocator (reserve_transients)
         self._profile: ProfileRequest | None = None  # the next train's (profile_next)
         self.version = 0
         self.strategy = None
@@ -195,10 +195,10 @@ class Trainer(ABC):
         extra: dict[str, float] = {}
         classes = [c for c in STATE_CLASSES if c is not StateClass.WEIGHTS] if left is TrainerState.ACTIVE else []
         if left is TrainerState.ACTIVE:
-            reserved = self._reserved_bytes()
+            reserved, needed = self._reserved_bytes(), self._peak_transient_bytes()
             self._free_transients()
             extra["free_transients_s"] = time.perf_counter() - t0
-            self._transient_bytes = reserved - self._reserved_bytes()
+            self._transient_bytes = min(reserved - self._reserved_bytes(), needed + needed // 16)
         if not keep_weights:
             extra.update(self._release_groups())
             classes.append(StateClass.WEIGHTS)
@@ -251,13 +251,24 @@ class Trainer(ABC):
         """What the CUDA caching allocator holds (in use and cached); 0 elsewhere."""
         return torch.cuda.memory_reserved(self.device) if self.device_type == "cuda" else 0
 
+    def _peak_transient_bytes(self) -> int:
+        """What the last train needed beside what is still allocated at its end (the state classes, the gradients):
+        the device's peak allocated bytes since the last reset (the reserve, the step's memory figures) less those
+        now in use; 0 elsewhere. The caching allocator holds more than this after a train (the blocks it freed, the
+        state's own pools), and a reserve sized on what the pause frees would take the gradients' bytes again each
+        step, growing by them until the device is full."""
+        if self.device_type != "cuda":
+            return 0
+        return max(0, torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device))
+
     def reserve_transients(self) -> dict[str, float]:
-        """Before the first micro-batch after a pause: take back, in one ``cudaMalloc``, the device memory the
-        pause's ``_free_transients`` handed back (the last train's activations and temporaries), and leave it
-        cached. The train then splits that one block instead of allocating its blocks anew (327 ``cudaMalloc``
-        calls, ~35 ms of host time in the 0.5B preset's train on an H100), and the next pause frees one block.
-        At most what the device has free less 1 GiB; nothing without a pause since the last train. Metrics
-        ``train_reserve_s`` and ``train_reserved_bytes``."""
+        """Before the first micro-batch after a pause: take back, in one ``cudaMalloc``, the device memory the last
+        train needed for its activations and temporaries (``_peak_transient_bytes``, and 1/16 more for the
+        allocator's splits; at most what the pause's ``_free_transients`` handed back), and leave it cached. The
+        train then splits that one block instead of allocating its blocks anew (327 ``cudaMalloc`` calls, ~35 ms of
+        host time in the 0.5B preset's train on an H100), and the next pause frees one block; both calls take
+        longer the larger the block (~0.45 ms a GB each on an H100). At most what the device has free less 1 GiB;
+        nothing without a pause since the last train. Metrics ``train_reserve_s`` and ``train_reserved_bytes``."""
         want, self._transient_bytes = self._transient_bytes, 0
         if self.device_type != "cuda" or want < 2**26:
             return {}
