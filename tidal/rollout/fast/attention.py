@@ -6,7 +6,8 @@ with the layer's query, key and value after RoPE. The decoder registers ``fast_a
 calls the model without a transformers cache. The function then owns the KV cache:
 
 - prefill (``ctx.decode`` false): writes the prompt's keys/values into cache rows
-  ``[ctx.row0, ctx.row0 + rows)``, columns ``[ctx.prefill_from, width)``, and attends with
+  ``[ctx.row0, ctx.row0 + rows)``, columns ``[ctx.prefill_from, width)`` (unless ``ctx.kv_written``: the fused
+  forward's compiled pieces wrote them), and attends with
   transformers' own SDPA function over the 4-D mask the decoder built (over the cache's columns
   ``[0, width)`` when an earlier part of the prompt was reused from ``tidal.rollout.fast.prefix``),
   with cuDNN's kernel left out (``prefill_kernels``: it would build a graph for every new shape);
@@ -58,7 +59,8 @@ class AttnContext:
     prefill_from: int = 0  # prefill: first cache column of this pass (earlier ones hold a reused prefix)
     flex: FlexDecode | None = None  # decode through FlexAttention (kv_len is then the whole cache)
     block_mask: BlockMask | None = None  # the step's block mask, built once per step for every layer
-    kv_written: bool = False  # decode: the caller wrote this step's keys and values already (fused, write_kv)
+    kv_written: bool = False  # the caller wrote this pass's keys and values already (fused, write_kv)
+    origin: torch.Tensor | None = None  # decode: [0, 1] (first row, tokens a row), where fused pieces write (write_kv)
 
 
 class _Active:
@@ -88,8 +90,9 @@ def fast_attention(
         lo, end = ctx.prefill_from, ctx.prefill_from + key.shape[2]
         keys = ctx.cache.keys(layer)[ctx.row0 : ctx.row0 + ctx.rows]
         values = ctx.cache.values(layer)[ctx.row0 : ctx.row0 + ctx.rows]
-        keys[:, :, lo:end].copy_(key)
-        values[:, :, lo:end].copy_(value)
+        if not ctx.kv_written:
+            keys[:, :, lo:end].copy_(key)
+            values[:, :, lo:end].copy_(value)
         if lo:  # attend to the reused prefix in the cache as well
             key, value = keys[:, :, :end], values[:, :, :end]
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling)

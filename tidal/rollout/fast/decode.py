@@ -275,6 +275,7 @@ class FastDecoder:
             self.s_cpos = torch.zeros(1, dtype=torch.long, device=dev)
             self.s_step = torch.zeros(1, dtype=torch.long, device=dev)
             self.s_cols = torch.arange(max_len, dtype=torch.long, device=dev)
+            self.s_origin = torch.arange(2, dtype=torch.long, device=dev)  # fused pieces' cache writes: row 0, 1 token
             self.s_stop = torch.full((self.max_stop_ids,), -1, dtype=torch.long, device=dev)
             self.s_temp = torch.ones(1, dtype=torch.float32, device=dev)
             self.s_top_p = torch.ones(1, dtype=torch.float32, device=dev)
@@ -298,7 +299,16 @@ class FastDecoder:
         if self.cache is None:
             return []
         stacked = self._fused.buffers if self._fused is not None else []
-        return [self.cache.buf, *self._state(), self.s_start, self.s_limit, self.s_rowmap, self.s_cols, *stacked]
+        return [
+            self.cache.buf,
+            *self._state(),
+            self.s_start,
+            self.s_limit,
+            self.s_rowmap,
+            self.s_cols,
+            self.s_origin,
+            *stacked,
+        ]
 
     def _state(self) -> list[torch.Tensor]:
         """Buffers a decode step mutates (saved around graph warm-up) or reads per call."""
@@ -456,6 +466,7 @@ class FastDecoder:
         # Buffers whose contents a step trusts are rewritten every call: a memory backend may have
         # handed them back uninitialised (the cache is cleared per wave, in ``_wave``).
         torch.arange(self.max_seq_len, out=self.s_cols)
+        torch.arange(2, out=self.s_origin)
         mode = sampling_mode(temperature, top_p, top_k, self.vocab)
         self.s_temp.fill_(float(temperature) if temperature > 0 else 1.0)
         self.s_top_p.fill_(float(top_p))
@@ -650,6 +661,7 @@ class FastDecoder:
             decode=True,
             rows=bs,
             cpos=self.s_cpos,
+            origin=self.s_origin,
             kv_len=kv_len,
             flex=self._flex,
             block_mask=block_mask,

@@ -166,39 +166,43 @@ class FusedDecodeForward:
                     torch.cat([p.bias for p in parts], dim=0, out=b)
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` for one token per row (``ids``, ``pos``: ``[rows, 1]``; ``mask``: additive).
+        """Last-position logits ``[rows, vocab]`` of ``ids`` (``ids``, ``pos``: ``[rows, seq]``; ``mask``: additive):
+        one token per row in a decode step, a chunk of prompts in a prefill.
 
         The layers' arithmetic runs in three pieces around the attention calls (see the module docstring):
         ``enter`` before layer 0's, ``between`` from each layer's attention output to the next layer's
-        query/key/value, ``leave`` from the last attention output to the logits."""
+        query/key/value, ``leave`` from the last attention output to the logits. The pieces see the tokens as one
+        flat dimension (``rows * seq``); only the attention calls see rows and positions apart."""
         base = self.base
-        hidden = base.embed_tokens(ids)
-        cos, sin = base.rotary_emb(hidden, pos)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rows, seq = ids.shape
+        hidden = base.embed_tokens(ids.reshape(-1))
+        cos, sin = base.rotary_emb(hidden[None], pos.reshape(1, -1))  # [1, tokens, dim], reshaped in the pieces
         layers = list(zip(base.layers, self._qkv, self._gate_up))
         ctx = attention.current() if self.write_kv else None
-        ctx = ctx if ctx is not None and ctx.decode else None
+        where = _where(ctx, rows, seq) if ctx is not None else None
         if ctx is not None:
             ctx.kv_written = True  # each piece writes the next layer's keys and values (``_kv_args``)
-        q, k, v = self._enter(hidden, *self._pre(layers[0]), cos, sin, *self._kv_args(ctx, 0, ids), **self._dims)
+        q, k, v = self._enter(hidden, *self._pre(layers[0]), cos, sin, *self._kv_args(ctx, 0, where), **self._dims)
         for i, (layer, _, _) in enumerate(layers):
-            out, _ = attention.fast_attention(layer.self_attn, q, k, v, mask, scaling=layer.self_attn.scaling)
+            heads = (t.view(rows, seq, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+            out, _ = attention.fast_attention(layer.self_attn, *heads, mask, scaling=layer.self_attn.scaling)
+            out = _unviewed(out, (rows * seq, out.shape[-2] * out.shape[-1]))
             if i + 1 < len(layers):
                 hidden, q, k, v = self._between(
                     hidden, out, *self._post(layers[i]), *self._pre(layers[i + 1]), cos, sin,
-                    *self._kv_args(ctx, i + 1, ids), **self._dims,
+                    *self._kv_args(ctx, i + 1, where), **self._dims,
                 )  # fmt: skip
         head = self.model.lm_head
+        hidden, out = _last_position(hidden, rows, seq), _last_position(out, rows, seq)
         return self._leave(hidden, out, *self._post(layers[-1]), base.norm.weight, head.weight, head.bias, self._eps)
 
-    def _kv_args(self, ctx, layer: int, ids: torch.Tensor) -> tuple:
-        """The cache arguments of a piece that writes layer ``layer``'s keys and values: its rows of the batch
-        (keys and values stacked, ``[2, rows, kv_heads, len, dim]``) and the column; Nones when the attention
-        call writes them."""
+    def _kv_args(self, ctx, layer: int, where: tuple | None) -> tuple:
+        """The cache arguments of a piece that writes layer ``layer``'s keys and values: the layer's whole cache
+        (keys and values stacked, ``[2, cache rows, kv_heads, len, dim]``) and where the tokens go (``_where``);
+        Nones when the attention call writes them."""
         if ctx is None:
-            return None, None
-        idx = self.base.layers[layer].self_attn.layer_idx
-        return ctx.cache.buf[idx][:, : ids.shape[0]], ctx.cpos
+            return None, None, None
+        return ctx.cache.buf[self.base.layers[layer].self_attn.layer_idx], *where
 
     def _pre(self, entry) -> tuple:
         """Layer arguments of ``_qkv``: input norm weight, stacked q/k/v weight and bias, q/k norm weights."""
@@ -223,62 +227,89 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _qkv(hidden, norm_w, wqkv, bqkv, q_norm, k_norm, cos, sin, *, heads, kv_heads, head_dim, eps):
-    """A layer's attention inputs from the residual stream: input RMSNorm, one q/k/v matmul, Qwen3's per-head
-    q/k norms, the rotary embedding (``x cos + rotate_half(x) sin``); q ``[rows, heads, 1, dim]``, k and v
-    ``[rows, kv_heads, 1, dim]``, the layout ``fast_attention`` takes."""
-    rows, seq, _ = hidden.shape
+    """A layer's attention inputs from the residual stream ``[tokens, hidden]``: input RMSNorm, one q/k/v matmul,
+    Qwen3's per-head q/k norms, the rotary embedding (``x cos + rotate_half(x) sin``); q ``[tokens, heads, dim]``,
+    k and v ``[tokens, kv_heads, dim]``."""
+    tokens = hidden.shape[0]
+    cos, sin = cos.view(tokens, 1, -1), sin.view(tokens, 1, -1)
     x = _rms_norm(hidden, norm_w, eps)
     q, k, v = F.linear(x, wqkv, bqkv).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q = q.view(rows, seq, heads, head_dim)
-    k = k.view(rows, seq, kv_heads, head_dim)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
     if q_norm is not None:
         q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)
-    v = v.view(rows, seq, kv_heads, head_dim).transpose(1, 2)
+    v = v.reshape(tokens, kv_heads, head_dim)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
 
 def _mlp_block(hidden, attn_out, wo, bo, post_w, wgu, bgu, wd, bd, eps):
-    """The rest of a layer after its attention: o_proj and residual, post-attention RMSNorm, one gate/up
-    matmul, SiLU gate, down_proj and residual."""
-    rows, seq, _ = hidden.shape
-    hidden = hidden + F.linear(attn_out.reshape(rows, seq, -1), wo, bo)
+    """The rest of a layer after its attention (both ``[tokens, ...]``): o_proj and residual, post-attention
+    RMSNorm, one gate/up matmul, SiLU gate, down_proj and residual."""
+    hidden = hidden + F.linear(attn_out, wo, bo)
     gate, up = F.linear(_rms_norm(hidden, post_w, eps), wgu, bgu).chunk(2, dim=-1)
     return hidden + F.linear(F.silu(gate) * up, wd, bd)
 
 
-def _write_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor | None, cpos: torch.Tensor | None) -> None:
-    """This step's keys and values into the layer's cache rows ``kv`` (``[2, rows, kv_heads, len, dim]``) at
-    column ``cpos``, in place; nothing when ``kv`` is None (the attention call writes them). Compiled, the
-    write can share a kernel with the rotary embedding before it, instead of two eager ``index_copy_``."""
+def _where(ctx, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a forward's tokens go in the cache, as the pieces take it: ``(first column [1], [first row, tokens a
+    row])``, both device tensors, so one graph serves a decode step (the decoder's ``s_cpos`` and ``origin``,
+    static buffers a captured graph reads at replay) and a prefill chunk (made here: rows from ``ctx.row0``,
+    columns from ``ctx.prefill_from``)."""
+    if ctx.decode:
+        if ctx.origin is None:
+            raise RuntimeError("fast decode: a decode step that the fused pieces write needs AttnContext.origin")
+        return ctx.cpos, ctx.origin
+    dev = ctx.cache.buf.device
+    return torch.tensor([ctx.prefill_from], device=dev), torch.tensor([ctx.row0, seq], device=dev)
+
+
+def _write_kv(k, v, kv: torch.Tensor | None, col0: torch.Tensor | None, origin: torch.Tensor | None) -> None:
+    """This forward's keys and values (``[tokens, kv_heads, dim]``, ``origin[1]`` tokens a row) into the layer's
+    cache ``kv`` (``[2, rows, kv_heads, len, dim]``) in place: token ``i`` at row ``origin[0] + i // origin[1]``,
+    column ``col0 + i % origin[1]``; nothing when ``kv`` is None (the attention call writes them). Compiled, the
+    write can share a kernel with the rotary embedding before it, instead of two eager copies."""
     if kv is not None:
-        kv.index_copy_(3, cpos, torch.stack((k, v)))
+        i = torch.arange(k.shape[0], device=k.device)
+        kv[:, origin[0] + i // origin[1], :, col0 + i % origin[1]] = torch.stack((k, v), dim=1)
 
 
-def _enter(hidden, norm_w, wqkv, bqkv, q_norm, k_norm, cos, sin, kv=None, cpos=None, *, heads, kv_heads, head_dim,
-           eps):  # fmt: skip
+def _enter(hidden, norm_w, wqkv, bqkv, q_norm, k_norm, cos, sin, kv=None, col0=None, origin=None, *, heads, kv_heads,
+           head_dim, eps):  # fmt: skip
     """Piece one: layer 0's attention inputs (and, with ``kv``, its keys and values written)."""
     q, k, v = _qkv(hidden, norm_w, wqkv, bqkv, q_norm, k_norm, cos, sin, heads=heads, kv_heads=kv_heads,
                    head_dim=head_dim, eps=eps)  # fmt: skip
-    _write_kv(k, v, kv, cpos)
+    _write_kv(k, v, kv, col0, origin)
     return q, k, v
 
 
 def _between(hidden, attn_out, wo, bo, post_w, wgu, bgu, wd, bd, norm_w, wqkv, bqkv, q_norm, k_norm, cos, sin,
-             kv=None, cpos=None, *, heads, kv_heads, head_dim, eps):  # fmt: skip
+             kv=None, col0=None, origin=None, *, heads, kv_heads, head_dim, eps):  # fmt: skip
     """Piece two: layer i's MLP block, then layer i+1's attention inputs (new residual stream, q, k, v; with
     ``kv``, layer i+1's keys and values written)."""
     hidden = _mlp_block(hidden, attn_out, wo, bo, post_w, wgu, bgu, wd, bd, eps)
     q, k, v = _qkv(hidden, norm_w, wqkv, bqkv, q_norm, k_norm, cos, sin, heads=heads, kv_heads=kv_heads,
                    head_dim=head_dim, eps=eps)  # fmt: skip
-    _write_kv(k, v, kv, cpos)
+    _write_kv(k, v, kv, col0, origin)
     return hidden, q, k, v
 
 
 def _leave(hidden, attn_out, wo, bo, post_w, wgu, bgu, wd, bd, final_w, head_w, head_b, eps):
-    """Piece three: the last layer's MLP block, the final RMSNorm and the output projection of the last position."""
+    """Piece three, on each row's last position only (``[rows, ...]``): the last layer's MLP block, the final RMSNorm
+    and the output projection."""
     hidden = _mlp_block(hidden, attn_out, wo, bo, post_w, wgu, bgu, wd, bd, eps)
-    return F.linear(_rms_norm(hidden[:, -1], final_w, eps), head_w, head_b)
+    return F.linear(_rms_norm(hidden, final_w, eps), head_w, head_b)
+
+
+def _unviewed(t: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """``t`` seen as ``shape`` (its memory, made contiguous first), but not a view of ``t``. A compiled piece takes a view's
+    base as its input too and guards on the base's sizes, so the attention output's ``[rows, seq, ...]`` (a prefill's
+    ``seq`` tokens against a decode step's one) would give the decode steps and the prefill a graph each."""
+    t = t.contiguous()
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), shape)
+
+
+def _last_position(t: torch.Tensor, rows: int, seq: int) -> torch.Tensor:
+    """Each row's last position of a flat ``[rows * seq, ...]`` tensor, contiguous (a decode step's is the tensor)."""
+    return t if seq == 1 else t.view(rows, seq, *t.shape[1:])[:, -1].contiguous()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
