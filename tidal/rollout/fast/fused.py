@@ -38,6 +38,8 @@ model's own forward.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -116,13 +118,13 @@ class FusedDecodeForward:
 
     def set_compiled(self, on: bool, backend: str = "inductor") -> None:
         """Run the three pieces through ``torch.compile`` or eagerly. Dynamic (the default): one graph each
-        serves every batch bucket and every layer, whose weights are arguments; else one graph per batch bucket
-        (still every layer), specialised to its size."""
+        serves every batch bucket, every prefill chunk and every layer, whose weights are arguments; only the
+        token count (and the cache's rows and length) is symbolic (``_mark_dynamic``), every other size static.
+        Else one graph per batch bucket (still every layer), specialised to its size."""
         self.compiled = bool(on)
         opts = self.options if backend == "inductor" else None
-        wrap = (
-            (lambda f: torch.compile(f, dynamic=self.dynamic, backend=backend, options=opts)) if on else (lambda f: f)
-        )
+        dynamic = None if self.dynamic else False  # dynamic: the sizes ``_mark_dynamic`` marks, no others
+        wrap = (lambda f: torch.compile(f, dynamic=dynamic, backend=backend, options=opts)) if on else (lambda f: f)
         self._enter, self._between, self._leave = wrap(_enter), wrap(_between), wrap(_leave)
 
     def _groups(self) -> list[tuple[list[torch.nn.Linear], list[torch.nn.Linear]]]:
@@ -182,19 +184,30 @@ class FusedDecodeForward:
         where = _where(ctx, rows, seq) if ctx is not None else None
         if ctx is not None:
             ctx.kv_written = True  # each piece writes the next layer's keys and values (``_kv_args``)
+        hidden, cos, sin = self._mark_dynamic(hidden, 0), self._mark_dynamic(cos, 1), self._mark_dynamic(sin, 1)
         q, k, v = self._enter(hidden, *self._pre(layers[0]), cos, sin, *self._kv_args(ctx, 0, where), **self._dims)
         for i, (layer, _, _) in enumerate(layers):
             heads = (t.view(rows, seq, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
             out, _ = attention.fast_attention(layer.self_attn, *heads, mask, scaling=layer.self_attn.scaling)
-            out = _unviewed(out, (rows * seq, out.shape[-2] * out.shape[-1]))
+            out = self._mark_dynamic(_unviewed(out, (rows * seq, out.shape[-2] * out.shape[-1])), 0)
             if i + 1 < len(layers):
                 hidden, q, k, v = self._between(
                     hidden, out, *self._post(layers[i]), *self._pre(layers[i + 1]), cos, sin,
                     *self._kv_args(ctx, i + 1, where), **self._dims,
                 )  # fmt: skip
         head = self.model.lm_head
-        hidden, out = _last_position(hidden, rows, seq), _last_position(out, rows, seq)
+        hidden = self._mark_dynamic(_last_position(hidden, rows, seq), 0)
+        out = self._mark_dynamic(_last_position(out, rows, seq), 0)
         return self._leave(hidden, out, *self._post(layers[-1]), base.norm.weight, head.weight, head.bias, self._eps)
+
+    def _mark_dynamic(self, t: torch.Tensor | None, *dims: int) -> torch.Tensor | None:
+        """``t`` with its ``dims`` symbolic where the pieces are compiled dynamic: the token count of each piece's
+        inputs (a layer's cache: its rows and length). Every other size stays static, so a piece's shapes carry one
+        symbol instead of one for each size of each argument (the weights'), and Dynamo cannot take one size for
+        another by coincidence (a head dimension equal to a warm-up's token count)."""
+        if t is not None and self.compiled and self.dynamic:
+            torch._dynamo.maybe_mark_dynamic(t, list(dims))
+        return t
 
     def _kv_args(self, ctx, layer: int, where: tuple | None) -> tuple:
         """The cache arguments of a piece that writes layer ``layer``'s keys and values: the layer's whole cache
@@ -202,7 +215,8 @@ class FusedDecodeForward:
         Nones when the attention call writes them."""
         if ctx is None:
             return None, None, None
-        return ctx.cache.buf[self.base.layers[layer].self_attn.layer_idx], *where
+        kv = ctx.cache.buf[self.base.layers[layer].self_attn.layer_idx]
+        return self._mark_dynamic(_unviewed(kv, kv.shape), 1, 3), *where
 
     def _pre(self, entry) -> tuple:
         """Layer arguments of ``_qkv``: input norm weight, stacked q/k/v weight and bias, q/k norm weights."""
@@ -299,10 +313,11 @@ def _leave(hidden, attn_out, wo, bo, post_w, wgu, bgu, wd, bd, final_w, head_w, 
     return F.linear(_rms_norm(hidden, final_w, eps), head_w, head_b)
 
 
-def _unviewed(t: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """``t`` seen as ``shape`` (its memory, made contiguous first), but not a view of ``t``. A compiled piece takes a view's
-    base as its input too and guards on the base's sizes, so the attention output's ``[rows, seq, ...]`` (a prefill's
-    ``seq`` tokens against a decode step's one) would give the decode steps and the prefill a graph each."""
+def _unviewed(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """``t`` seen as ``shape`` (its memory, made contiguous first), but not a view of ``t``. A compiled piece takes a
+    view's base as its input too and guards on the base's sizes: the attention output's ``[rows, seq, ...]`` (a
+    prefill's ``seq`` tokens against a decode step's one) would give the decode steps and the prefill a graph each,
+    and a layer's cache would bring every layer's."""
     t = t.contiguous()
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), shape)
 
