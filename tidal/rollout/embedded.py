@@ -338,8 +338,9 @@ class EmbeddedEngine(EngineWeights):
         prompt_len = max(2, min(self.rollout.rollout_max_prompt_len, 8))
         n = min(rows, self._rows_per_chunk(self.rollout.rollout_max_prompt_len, sampling.max_new_tokens, []))
         warm = dataclasses.replace(sampling, max_new_tokens=2, stop=[], stop_token_ids=[])
-        # Two distinct prompts (lengths prompt_len and prompt_len - 1): a compiled prefill then sees rows and
-        # width it may not specialise on, as a rollout's prefill of many distinct prompts will.
+        # Two distinct prompts (lengths prompt_len and prompt_len - 1): a compiled prefill then sees a token count
+        # (rows by width) it may not specialise on, as a rollout's prefill of many distinct prompts will, and that
+        # the pieces' graph shares with the decode steps (tidal.rollout.fast.fused).
         prompts = [[self._pad_id] * (prompt_len - i % 2) for i in range(n)]
         self._generate_chunk(prompts, warm, [], [2] * n)
         stats = dec.last_stats
