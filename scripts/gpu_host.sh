@@ -6,12 +6,12 @@
 #
 #   bash scripts/gpu_host.sh STEP ...
 #
-# Steps: env, tests, speed (issue 20's figures in one call), ab-train (the loop from an earlier commit's copy and this tree, interleaved), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled; PROFILE_TAG and TRAIN05_ARGS for a variant), offload-ab (the early resume's A/B and the offloaded train profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled fused step with the attention call writing the cache, per batch bucket, with its pieces writing it), trainer-shapes (bench trainer at new shapes, both attention orders), decode-options (inductor options beside combo kernels for the decode step), offload-split (the offloaded loop with and without the late release: what the engines' weights resume waits for), first-job (what is open of issue 20, most urgent first: cold and warm first steps and loops with the decode step's default inductor options and with none, the offloaded loop), loop-summary (each loop run's step and phases' means; LOOP_RUNS: a glob of run folders), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
+# Steps: env, tests, speed (issue 20's figures in one call), ab-train (the loop from an earlier commit's copy and this tree, interleaved), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled; PROFILE_TAG and TRAIN05_ARGS for a variant), offload-ab (the early resume's A/B and the offloaded train profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled fused step with the attention call writing the cache, per batch bucket, with its pieces writing it), trainer-shapes (bench trainer at new shapes, both attention orders), decode-options (inductor options beside combo kernels for the decode step), ab-decode (the fast bench and first steps from an earlier commit's copy and this tree), offload-split (the offloaded loop with and without the late release: what the engines' weights resume waits for), first-job (what is open of issue 20, most urgent first: cold and warm first steps and loops with the decode step's default inductor options and with none, the offloaded loop), loop-summary (each loop run's step and phases' means; LOOP_RUNS: a glob of run folders), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
 # bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, bench-async-mps, profile-ipc, megatron (or its halves megatron-loop, megatron-state; megatron-2gpu: TP/PP = 2 on a two-GPU host), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); LOOP_RUNS (loop-summary); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); STARTUP05_RUNS, STARTUP05_ARGS, STARTUP05_TAG (startup-0.5b: its runs share one fresh compile cache, so the first is cold and the rest warm); MEM_GIB, MEM_CYCLES, MEM100_GIB
 # (bench-memory*); SYNC_MODELS, SYNC_MODES, SYNC_SOURCES, SYNC_ARGS (bench-sync); TRAINER_ARGS, TRAINER_TAG
-# (bench-trainer); AB_BASE, AB_ARGS, AB_ROUNDS (ab-train); DECODE_TAGS (decode-experiments: any of default, static, kvwrite); ROLLOUT_ARGS, ROLLOUT_TAG (bench-rollout, e.g. ROLLOUT_ARGS='--paths fast --profile'); FAST_CASES, FAST_ARGS, FAST_TAG (bench-fast); SERVE_ARGS (bench-serve); MEGATRON_K (megatron: a pytest -k expression); MULTITURN_ARGS (bench-multiturn); ASYNC_MODES, ASYNC_ROLLOUTS, ASYNC_ARGS, ASYNC_TAG (bench-async, bench-async-mps); TAIL (lines of each log printed).
+# (bench-trainer); AB_BASE, AB_ARGS, AB_ROUNDS (ab-train; AB_BASE for ab-decode too); DECODE_TAGS (decode-experiments: any of default, static, kvwrite); ROLLOUT_ARGS, ROLLOUT_TAG (bench-rollout, e.g. ROLLOUT_ARGS='--paths fast --profile'); FAST_CASES, FAST_ARGS, FAST_TAG (bench-fast); SERVE_ARGS (bench-serve); MEGATRON_K (megatron: a pytest -k expression); MULTITURN_ARGS (bench-multiturn); ASYNC_MODES, ASYNC_ROLLOUTS, ASYNC_ARGS, ASYNC_TAG (bench-async, bench-async-mps); TAIL (lines of each log printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -119,6 +119,28 @@ for name, p in (d.get('phases') or {}).items():
           bash scripts/gpu_host.sh train-0.5b | grep "^===")
       done
       LOOP_RUNS="run-0.5b-ab-*" bash "$0" loop-summary ;;
+    ab-decode)
+      # The decode step and the first step from a copy of an earlier commit (AB_BASE, as for ab-train) and from this
+      # tree, one after the other on one machine (~5 min on an H100): the fast bench's compiled fixed-length,
+      # variable-length and prefill cases with the preset's step, then a cold and a warm first step of each; then
+      # each fast bench line side by side. The loops: ab-train.
+      [ -d "${AB_BASE:-}" ] || { echo "ab-decode: AB_BASE must name a folder made by scripts/ab_base.sh"; exit 2; }
+      [ -e "$AB_BASE/.whl" ] || [ ! -d .whl ] || ln -sfn "$PWD/.whl" "$AB_BASE/.whl"
+      out=$(realpath "$OUT")
+      fast="--fused --fused-kv-write --decode-attention flex --sampler-noise blocks --skip-hf"
+      for tree in head base; do
+        dir=.; [ $tree = base ] && dir=$AB_BASE
+        (cd "$dir" && OUT=$out FAST_CASES=fast-compiled,fast-varlen-compiled,fast-prefill FAST_ARGS="$fast" \
+          FAST_TAG=-ab-$tree TAIL=0 bash scripts/gpu_host.sh bench-fast | grep "^===")
+        (cd "$dir" && OUT=$out STARTUP05_TAG=-ab-$tree TAIL=3 bash scripts/gpu_host.sh startup-0.5b)
+      done
+      for f in "$OUT"/bench-fast-ab-*.log; do echo "== $f"; grep '"case": "fast' "$f" | python3 -c "
+import json, sys
+keys = ('case', 'tokens_per_s', 'decode_s', 'cold_seconds', 'capture_s', 'logprob_max_abs_diff', 'logprob_mean_abs_diff',
+        'floor_fraction', 'prefill_s_shared', 'error')
+for line in sys.stdin:
+    r = json.loads(line)
+    print({k: r[k] for k in keys if r.get(k) is not None})"; done ;;
     decode-experiments)
       # The compiled fused decode step with the cache written by the attention call (two eager index_copy a layer;
       # one dynamic graph per piece), the same with a graph per batch bucket specialised to its size, and with the
