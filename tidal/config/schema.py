@@ -326,8 +326,8 @@ class RolloutConfig:
     rollout_fused_kv_write: bool = opt(
         False,
         "With --rollout-fused-decode: each piece of the fused step writes the next layer's keys and values into "
-        "the KV cache itself (one in-place write the compiler fuses with the rotary embedding) and the attention "
-        "call only reads them, instead of two index_copy kernels a layer.",
+        "the KV cache itself (one in-place write the compiler fuses with the rotary embedding), in the decode "
+        "steps and the prefill, and the attention call only reads them, instead of two copies a layer.",
     )
     rollout_decode_attention: str = opt(
         "auto",
