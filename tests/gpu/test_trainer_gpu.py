@@ -158,7 +158,6 @@ def test_retained_optimizer_state_resumes_deferred_and_bit_exact(ray_cluster, tm
     ckpt = str(tmp_path / "ckpt")
     try:
         assert "train_reserved_bytes" not in ray.get(actor.train.remote(_samples(2), 0))  # no pause before it
-        reserves = []
         for rollout in (1, 2):
             state = ray.get(actor.state_checksums.remote())
             first = ray.get(actor.pause.remote(keep_weights=True)).metrics
@@ -187,10 +186,6 @@ def test_retained_optimizer_state_resumes_deferred_and_bit_exact(ray_cluster, tm
             assert all(math.isfinite(m[k]) for k in ("loss", "grad_norm")), m
             # What the last train needed of the blocks the pause freed came back first, as one block.
             assert m["train_reserved_bytes"] >= 2**26 and m["train_reserve_s"] < m["train_s"], m
-            reserves.append(m["train_reserved_bytes"])
-        # Sized on the train's own need: a reserve sized on what the pause frees took the gradients' bytes (~2 GB
-        # here) again each rollout, growing by them.
-        assert reserves[1] - reserves[0] < 2**30, reserves
         # A deferred state paused again before anything settled it: the pause settles, then backs up.
         trained = ray.get(actor.state_checksums.remote())
         ray.get(actor.pause.remote())

@@ -68,6 +68,17 @@ def trainer_class(name: str) -> type[Trainer]:
     return getattr(importlib.import_module(module), cls)
 
 
+def transient_reserve(freed: int, peak: int, in_use: int) -> int:
+    """Bytes the next train takes back in one block (``Trainer.reserve_transients``): what the last train needed
+    beside what is still allocated at its end (``peak - in_use``: its activations and temporaries, not the state
+    classes or the gradients, whose pools are their own), 1/16 more for the allocator's splits, at most what its
+    pause handed back (``freed``). Sized on ``freed`` alone, the block took the gradients' pool again each step
+    and grew by the gradients' bytes until the device was full (65.3 to 73.5 GB over five steps of the 0.5B
+    preset on an H100)."""
+    need = max(0, peak - in_use)
+    return max(0, min(freed, need + need // 16))
+
+
 class Trainer(ABC):
     """One rank of a training backend; see the module docstring for how ranks are built and called."""
 
@@ -195,10 +206,10 @@ class Trainer(ABC):
         extra: dict[str, float] = {}
         classes = [c for c in STATE_CLASSES if c is not StateClass.WEIGHTS] if left is TrainerState.ACTIVE else []
         if left is TrainerState.ACTIVE:
-            reserved, needed = self._reserved_bytes(), self._peak_transient_bytes()
+            reserved, peak, in_use = self._reserved_bytes(), *self._allocated_bytes()
             self._free_transients()
             extra["free_transients_s"] = time.perf_counter() - t0
-            self._transient_bytes = min(reserved - self._reserved_bytes(), needed + needed // 16)
+            self._transient_bytes = transient_reserve(reserved - self._reserved_bytes(), peak, in_use)
         if not keep_weights:
             extra.update(self._release_groups())
             classes.append(StateClass.WEIGHTS)
@@ -251,20 +262,17 @@ class Trainer(ABC):
         """What the CUDA caching allocator holds (in use and cached); 0 elsewhere."""
         return torch.cuda.memory_reserved(self.device) if self.device_type == "cuda" else 0
 
-    def _peak_transient_bytes(self) -> int:
-        """What the last train needed beside what is still allocated at its end (the state classes, the gradients):
-        the device's peak allocated bytes since the last reset (the reserve, the step's memory figures) less those
-        now in use; 0 elsewhere. The caching allocator holds more than this after a train (the blocks it freed, the
-        state's own pools), and a reserve sized on what the pause frees would take the gradients' bytes again each
-        step, growing by them until the device is full."""
+    def _allocated_bytes(self) -> tuple[int, int]:
+        """The device's peak allocated bytes since the last reset (the reserve's, the step's memory figures) and
+        those allocated now; zeros elsewhere."""
         if self.device_type != "cuda":
-            return 0
-        return max(0, torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device))
+            return 0, 0
+        return torch.cuda.max_memory_allocated(self.device), torch.cuda.memory_allocated(self.device)
 
     def reserve_transients(self) -> dict[str, float]:
         """Before the first micro-batch after a pause: take back, in one ``cudaMalloc``, the device memory the last
-        train needed for its activations and temporaries (``_peak_transient_bytes``, and 1/16 more for the
-        allocator's splits; at most what the pause's ``_free_transients`` handed back), and leave it cached. The
+        train needed for its activations and temporaries (``transient_reserve``: at most what the pause's
+        ``_free_transients`` handed back), and leave it cached. The
         train then splits that one block instead of allocating its blocks anew (327 ``cudaMalloc`` calls, ~35 ms of
         host time in the 0.5B preset's train on an H100), and the next pause frees one block; both calls take
         longer the larger the block (~0.45 ms a GB each on an H100). At most what the device has free less 1 GiB;
