@@ -739,3 +739,20 @@ def test_engine_decoder_takes_the_configs_compile_options():
     assert _compile_options(RolloutConfig(), "cuda") == {"combo_kernels": True}
     assert _compile_options(RolloutConfig(), "cpu") == {}
     assert _compile_options(RolloutConfig(rollout_compile_options={}), "cuda") == {}
+
+
+def test_the_pieces_inputs_are_their_tensors_memory_not_views():
+    """``_unviewed``: what a piece takes in place of a view (the attention output, a layer's cache) has the view's
+    values and memory but no base for a compiled piece to guard on; a tensor laid out otherwise is made contiguous
+    first. ``_last_position``: each row's last token of a flat ``[rows * seq, ...]`` tensor."""
+    from tidal.rollout.fast.fused import _last_position, _unviewed
+
+    t = torch.arange(24.0).view(2, 3, 4)
+    flat = _unviewed(t, (6, 4))
+    assert flat._base is None and torch.equal(flat, t.reshape(6, 4))
+    flat[0, 0] = -1.0  # the same memory
+    assert t[0, 0, 0] == -1.0
+    odd = t.transpose(1, 2)  # not contiguous: its values, in their logical order
+    assert torch.equal(_unviewed(odd, (2, 12)), odd.reshape(2, 12))
+    assert torch.equal(_last_position(flat, 2, 3), t.reshape(6, 4).view(2, 3, 4)[:, -1])
+    assert _last_position(flat, 6, 1) is flat
