@@ -26,11 +26,16 @@ def ray_cluster():
 
     started = False
     if not ray.is_initialized():
+        import torch
+
         # The environment of the default placement's actors: one colocated trainer rank, which may use every core.
         env = worker_env(Placement(colocated=True, device="cpu", bundles=[{"CPU": 1}], trainers=[], engines=[]))
         model_type = resolve_model(ModelConfig().model, None, False).config_dict().get("model_type")
-        preload = rc.prestart_modules(model_type, actors=2, trainer=True, num_gpus=0, any_host=True)
+        # The host's GPUs (none on CI): the GPU tests' actors ask for them, and a cluster without them never
+        # places those actors.
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        preload = rc.prestart_modules(model_type, actors=2, trainer=True, num_gpus=gpus, any_host=True)
         rc.start_warm(None, env, preload, forks_import=False)
-        started = rc.start_ray(None, num_cpus=8, num_gpus=0, worker_env=env)
+        started = rc.start_ray(None, num_cpus=8, num_gpus=gpus, worker_env=env)
     yield ray
     rc.stop_ray(started)

@@ -72,6 +72,14 @@ def _adopted(self) -> tuple[int, int]:
     return len(state), sum(map(self.optimizer_home.holds, state))
 
 
+def test_the_shared_cluster_offers_the_hosts_gpus(ray_cluster):
+    """The test session's cluster (tests/conftest.py) has this host's GPUs: the actors below ask for one each, and
+    a cluster started with none never places them (the tests then wait, then fail)."""
+    import torch
+
+    assert ray_cluster.cluster_resources().get("GPU", 0) == torch.cuda.device_count() >= 1
+
+
 def test_gpu_train_pause_resume_bitwise_and_nccl_rebuilt(ray_cluster, tmp_path):
     ray = ray_cluster
     actor, info = _start(ray)
