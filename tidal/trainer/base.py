@@ -272,11 +272,11 @@ class Trainer(ABC):
     def reserve_transients(self) -> dict[str, float]:
         """Before the first micro-batch after a pause: take back, in one ``cudaMalloc``, the device memory the last
         train needed for its activations and temporaries (``transient_reserve``: at most what the pause's
-        ``_free_transients`` handed back), and leave it cached. The
-        train then splits that one block instead of allocating its blocks anew (327 ``cudaMalloc`` calls, ~35 ms of
-        host time in the 0.5B preset's train on an H100), and the next pause frees one block; both calls take
-        longer the larger the block (~0.45 ms a GB each on an H100). At most what the device has free less 1 GiB;
-        nothing without a pause since the last train. Metrics ``train_reserve_s`` and ``train_reserved_bytes``."""
+        ``_free_transients`` handed back), and leave it cached. The train then splits that one block instead of
+        allocating its blocks anew (327 ``cudaMalloc`` calls, ~35 ms of host time in the 0.5B preset's train on an
+        H100), and the next pause frees one block; both calls take longer the larger the block (~0.45 ms a GB each
+        on an H100). At most what the device has free less 1 GiB; nothing without a pause since the last train.
+        Metrics ``train_reserve_s`` and ``train_reserved_bytes``."""
         want, self._transient_bytes = self._transient_bytes, 0
         if self.device_type != "cuda" or want < 2**26:
             return {}
