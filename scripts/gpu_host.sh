@@ -28,6 +28,8 @@ else
   export PYTHONPATH=$PWD
 fi
 export RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# The fast bench's flags for the 0.5B preset's decode step: fused, its pieces writing the cache, flex, two-stage sampling.
+PRESET_STEP="--fused --fused-kv-write --decode-attention flex --sampler-noise blocks --skip-hf"
 run() {
   local name=$1 limit=$2; shift 2
   echo "=== $name (limit ${limit}s): $*"
@@ -72,7 +74,7 @@ for s in "$@"; do
       FAST_CASES=fast-prefill FAST_TAG=-speed bash "$0" bench-fast
       # Variable lengths as the preset's engine decodes them: compiled, fused (its pieces writing the cache), flex,
       # sampling in two stages.
-      FAST_CASES=fast-varlen-compiled FAST_ARGS="--fused --fused-kv-write --decode-attention flex --sampler-noise blocks --skip-hf" FAST_TAG=-speed-varlen bash "$0" bench-fast ;;
+      FAST_CASES=fast-varlen-compiled FAST_ARGS="$PRESET_STEP" FAST_TAG=-speed-varlen bash "$0" bench-fast ;;
     speed-decode)
       # The decode step's options side by side on one machine (~4 min): the model's forward, the fused step (the
       # 0.5B preset's) with the sampler's noise per block and word (the CUDA default), in a buffer, and drawn in
@@ -84,7 +86,7 @@ for s in "$@"; do
     profile-decode)
       # The preset's decode step under torch.profiler (compiled, fused writing the cache, flex, two-stage sampling): the kernels of a
       # warm rollout by category, to see what bounds decode after the sampler.
-      TAIL=${TAIL:-4} FAST_CASES=fast-compiled FAST_ARGS="--fused --fused-kv-write --decode-attention flex --sampler-noise blocks --skip-hf --profile fast-compiled" FAST_TAG=-profile bash "$0" bench-fast ;;
+      TAIL=${TAIL:-4} FAST_CASES=fast-compiled FAST_ARGS="$PRESET_STEP --profile fast-compiled" FAST_TAG=-profile bash "$0" bench-fast ;;
     profile-loop)
       # The preset's loop with rollouts 3 and 4 under torch.profiler (--profile-rollouts): each engine's generate and
       # the trainer's train as they run beside the other actors; the summaries' lines, the traces under the run.
@@ -127,10 +129,9 @@ for name, p in (d.get('phases') or {}).items():
       [ -d "${AB_BASE:-}" ] || { echo "ab-decode: AB_BASE must name a folder made by scripts/ab_base.sh"; exit 2; }
       [ -e "$AB_BASE/.whl" ] || [ ! -d .whl ] || ln -sfn "$PWD/.whl" "$AB_BASE/.whl"
       out=$(realpath "$OUT")
-      fast="--fused --fused-kv-write --decode-attention flex --sampler-noise blocks --skip-hf"
       for tree in head base; do
         dir=.; [ $tree = base ] && dir=$AB_BASE
-        (cd "$dir" && OUT=$out FAST_CASES=fast-compiled,fast-varlen-compiled,fast-prefill FAST_ARGS="$fast" \
+        (cd "$dir" && OUT=$out FAST_CASES=fast-compiled,fast-varlen-compiled,fast-prefill FAST_ARGS="$PRESET_STEP" \
           FAST_TAG=-ab-$tree TAIL=0 bash scripts/gpu_host.sh bench-fast | grep "^===")
         (cd "$dir" && OUT=$out STARTUP05_TAG=-ab-$tree TAIL=3 bash scripts/gpu_host.sh startup-0.5b)
       done
@@ -206,7 +207,7 @@ for line in sys.stdin:
       # More of inductor's options for the preset's decode step beside combo kernels (the CUDA default), in one process
       # (~3 min on an H100): fusing nodes that share no memory, combining kernels of mixed sizes, timing each
       # combination before keeping it.
-      FAST_CASES=fast-compiled FAST_TAG=-options FAST_ARGS="--fused --fused-kv-write --decode-attention flex --sampler-noise blocks --skip-hf \
+      FAST_CASES=fast-compiled FAST_TAG=-options FAST_ARGS="$PRESET_STEP \
 --inductor-options {\"combo_kernels\":true} --inductor-options {\"combo_kernels\":true,\"aggressive_fusion\":true} \
 --inductor-options {\"combo_kernels\":true,\"combo_kernel_allow_mixed_sizes\":2} --inductor-options {\"combo_kernels\":true,\"benchmark_combo_kernel\":true}" \
         TAIL=40 bash "$0" bench-fast ;;

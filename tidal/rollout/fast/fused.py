@@ -206,12 +206,12 @@ class FusedDecodeForward:
         out = self._mark_dynamic(_last_position(out, rows, seq), 0)
         return self._leave(hidden, out, *self._post(layers[-1]), base.norm.weight, head.weight, head.bias, self._eps)
 
-    def _mark_dynamic(self, t: torch.Tensor | None, *dims: int) -> torch.Tensor | None:
+    def _mark_dynamic(self, t: torch.Tensor, *dims: int) -> torch.Tensor:
         """``t`` with its ``dims`` symbolic where the pieces are compiled dynamic: the token count of each piece's
         inputs (a layer's cache: its rows and length). Every other size stays static, so a piece's shapes carry one
         symbol instead of one for each size of each argument (the weights'), and Dynamo cannot take one size for
         another by coincidence (a head dimension equal to a warm-up's token count)."""
-        if t is not None and self.compiled and self.dynamic:
+        if self.compiled and self.dynamic:
             torch._dynamo.maybe_mark_dynamic(t, list(dims))
         return t
 
