@@ -2,7 +2,8 @@
 # Run tidal's GPU checks on an offline CUDA host that has torch, transformers, numpy, safetensors,
 # pyarrow, xxhash, psutil, matplotlib, rich and pytest preinstalled, with a wheelhouse in .whl/ for
 # the rest (ray, torch_memory_saver, zstandard, and for tidal serve fastapi, starlette, uvicorn, pydantic,
-# pydantic-core, httpx, httpcore, h11, anyio: build it with `pip download` of those for the host).
+# pydantic-core, httpx, httpcore, h11, anyio, click, and fastapi's own opentelemetry-api and annotated-doc: build it
+# with `pip download` of those for the host).
 #
 #   bash scripts/gpu_host.sh STEP ...
 #
