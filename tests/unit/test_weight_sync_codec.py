@@ -8,7 +8,15 @@ import torch
 
 from tidal.errors import WeightSyncError
 from tidal.weight_sync import delta
-from tidal.weight_sync.bucket import device_checksum, entry_view, host_checksum, pack, plan_buckets
+from tidal.weight_sync.bucket import (
+    _views_and_gaps,
+    device_checksum,
+    entry_view,
+    entry_views,
+    host_checksum,
+    pack,
+    plan_buckets,
+)
 from tidal.weight_sync.verify import compare_checksums
 
 
@@ -72,6 +80,41 @@ def test_pack_views_every_dtype_and_checksums_catch_a_flip():
     h, d = host_checksum(flat.numpy()), device_checksum(flat)
     flat[entries[2]["offset"] + 3] ^= 0x10
     assert host_checksum(flat.numpy()) != h and device_checksum(flat) != d
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_buckets_views_and_gaps_cover_each_byte_once_and_the_gaps_are_zeroed(mixed):
+    # One dtype: the views come from one split of the buffer; mixed dtypes: one slice each. Either way every
+    # byte of the buffer is in exactly one entry or one alignment gap, and pack zeroes every gap.
+    group = [("a", torch.randn(7, 5)), ("e", torch.empty(0, 3)), ("b", torch.randn(16)), ("c", torch.randn(3, 3))]
+    if mixed:
+        group[2] = ("b", torch.arange(9, dtype=torch.int64))
+    flat, entries = pack(group)
+    seen = torch.zeros(flat.numel(), dtype=torch.int64)
+    base = flat.data_ptr()
+    views, gaps = _views_and_gaps(flat, entries)
+    for t in views + gaps:
+        start = t.data_ptr() - base if t.numel() else 0
+        seen[start : start + t.numel() * t.element_size()] += 1
+    assert torch.equal(seen, torch.ones_like(seen))
+    # Gaps after "a" (140 bytes) and "c" (36), and after "b" where it is 9 int64 (72; 16 floats end aligned).
+    assert all(not g.any() for g in gaps) and len(gaps) == 2 + mixed
+    for (name, t), e, v in zip(group, entries, views):
+        assert torch.equal(v, t) and torch.equal(entry_view(flat, e), t), name
+
+
+def test_entry_views_read_a_senders_own_layout():
+    # Entries another sender laid out (out of order, wider gaps) are each sliced where they say.
+    flat = torch.zeros(512, dtype=torch.uint8)
+    a, b = torch.arange(6, dtype=torch.float32), torch.arange(4, dtype=torch.float32) + 10
+    flat[256:280].view(torch.float32)[:] = a
+    flat[0:16].view(torch.float32)[:] = b
+    entries = [
+        {"name": "a", "dtype": "float32", "shape": [2, 3], "offset": 256, "nbytes": 24},
+        {"name": "b", "dtype": "float32", "shape": [4], "offset": 0, "nbytes": 16},
+    ]
+    got = entry_views(flat, entries)
+    assert torch.equal(got[0], a.view(2, 3)) and torch.equal(got[1], b)
 
 
 def test_device_checksum_sees_swapped_words():

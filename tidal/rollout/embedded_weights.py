@@ -107,6 +107,7 @@ class EngineWeights:
         """
         self.residency.require_sync()
         total = 0
+        copies: dict[tuple, tuple[list, list]] = {}  # one _foreach_copy_ per source device and pinning
         for name, tensor in named_tensors:
             param = self._params.get(name)
             if param is None:
@@ -121,8 +122,13 @@ class EngineWeights:
                 raise WeightSyncError(
                     f"weight {name!r} arrived as {tensor.dtype}, the engine holds {param.dtype}; cast to the engine dtype before sending"
                 )
-            param.data.copy_(tensor, non_blocking=tensor.device.type == "cpu" and tensor.is_pinned())
+            pinned = tensor.device.type == "cpu" and tensor.is_pinned()
+            dsts, srcs = copies.setdefault((tensor.device, pinned), ([], []))
+            dsts.append(param.data)
+            srcs.append(tensor)
             total += tensor.numel() * tensor.element_size()
+        for (_, pinned), (dsts, srcs) in copies.items():
+            torch._foreach_copy_(dsts, srcs, non_blocking=pinned)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return total

@@ -314,7 +314,7 @@ class HttpEngineActor(RolloutEngine):
     def update_weights_from_tensor(self, bucket: BucketHeader, version: int) -> WeightUpdateResult:
         import torch
 
-        from tidal.weight_sync.bucket import buffer_checksum, entry_view
+        from tidal.weight_sync.bucket import buffer_checksum, entry_views
         from tidal.weight_sync.checksum import tensor_checksum
         from tidal.weight_sync.receiver import bucket_buffer
 
@@ -334,7 +334,7 @@ class HttpEngineActor(RolloutEngine):
             # which this actor owns and shares with the server (kept alive until the server answered).
             buf = buf.clone()
         entries = list(bucket.entries)
-        named = [(e["name"], entry_view(buf, e)) for e in entries]
+        named = [(e["name"], t) for e, t in zip(entries, entry_views(buf, entries))]
         if not named:
             return self._version_only(version, bool(bucket.last))
         body = {

@@ -35,7 +35,7 @@ import torch
 
 from tidal.errors import WeightSyncError
 from tidal.weight_sync import delta as codec
-from tidal.weight_sync.bucket import BucketHeader, buffer_checksum, dtype_of, entry_view
+from tidal.weight_sync.bucket import BucketHeader, buffer_checksum, dtype_of, entry_views
 
 
 class WeightReceiver:
@@ -101,7 +101,7 @@ class WeightReceiver:
             )
         entries = header.entries
         if header.mode == "full":
-            pairs = [(e["name"], entry_view(buf, e)) for e in entries]
+            pairs = [(e["name"], t) for e, t in zip(entries, entry_views(buf, entries))]
             self.load(pairs)
             if header.keep_snapshot:
                 for name, t in pairs:
