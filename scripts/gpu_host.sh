@@ -7,7 +7,7 @@
 #
 #   bash scripts/gpu_host.sh STEP ...
 #
-# Steps: env, tests, speed (issue 20's figures in one call), ab-train (the loop from an earlier commit's copy and this tree, interleaved), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled; PROFILE_TAG and TRAIN05_ARGS for a variant), offload-ab (the early resume's A/B and the offloaded train profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled fused step with the attention call writing the cache, per batch bucket, with its pieces writing it), trainer-shapes (bench trainer at new shapes, both attention orders), decode-options (inductor options beside combo kernels for the decode step), ab-decode (the fast bench and first steps from an earlier commit's copy and this tree), offload-split (the offloaded loop with and without the late release: what the engines' weights resume waits for), first-job (what is open of issue 20, most urgent first: cold and warm first steps and loops with the decode step's default inductor options and with none, the offloaded loop), loop-summary (each loop run's step and phases' means; LOOP_RUNS: a glob of run folders), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
+# Steps: env, tests, speed (issue 20's figures in one call), ab-train (the loop from an earlier commit's copy and this tree, interleaved), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled; PROFILE_TAG and TRAIN05_ARGS for a variant), offload-ab (the early resume's A/B and the offloaded train profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled fused step with the attention call writing the cache, per batch bucket, with its pieces writing it), trainer-shapes (bench trainer at new shapes, both attention orders), decode-options (inductor options beside combo kernels for the decode step), issue-figures (issue 20's before and after on one machine), ab-decode (the fast bench and first steps from an earlier commit's copy and this tree), offload-split (the offloaded loop with and without the late release: what the engines' weights resume waits for), first-job (what is open of issue 20, most urgent first: cold and warm first steps and loops with the decode step's default inductor options and with none, the offloaded loop), loop-summary (each loop run's step and phases' means; LOOP_RUNS: a glob of run folders), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
 # bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, bench-async-mps, profile-ipc, megatron (or its halves megatron-loop, megatron-state; megatron-2gpu: TP/PP = 2 on a two-GPU host), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); LOOP_RUNS (loop-summary); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); STARTUP05_RUNS, STARTUP05_ARGS, STARTUP05_TAG (startup-0.5b: its runs share one fresh compile cache, so the first is cold and the rest warm); MEM_GIB, MEM_CYCLES, MEM100_GIB
@@ -143,6 +143,29 @@ keys = ('case', 'tokens_per_s', 'decode_s', 'cold_seconds', 'capture_s', 'logpro
 for line in sys.stdin:
     r = json.loads(line)
     print({k: r[k] for k in keys if r.get(k) is not None})"; done ;;
+    issue-figures)
+      # Issue 20's before and after on one machine (~8 min on an H100): the preset's loop from a copy of the code
+      # before the issue's work (AB_BASE, made by scripts/ab_base.sh; 151fcf3) and from this tree, this tree's
+      # loop with --offload, each loop's step and phases; this tree's fast bench (fixed and variable lengths, the
+      # preset's step) and first steps cold and warm; last the base's fast bench (its compiled step, its variable
+      # lengths). Most needed first, so that a cut call loses the least.
+      [ -d "${AB_BASE:-}" ] || { echo "issue-figures: AB_BASE must name a folder made by scripts/ab_base.sh"; exit 2; }
+      [ -e "$AB_BASE/.whl" ] || [ ! -d .whl ] || ln -sfn "$PWD/.whl" "$AB_BASE/.whl"
+      out=$(realpath "$OUT")
+      TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-after TAIL=0 bash "$0" train-0.5b | grep "^==="
+      (cd "$AB_BASE" && OUT=$out TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-before TAIL=0 bash scripts/gpu_host.sh train-0.5b | grep "^===")
+      TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-after-offload TRAIN05_ARGS=--offload TAIL=0 bash "$0" train-0.5b | grep "^==="
+      LOOP_RUNS="run-0.5b-*" bash "$0" loop-summary
+      FAST_CASES=fast-compiled,fast-varlen-compiled FAST_ARGS="$PRESET_STEP" FAST_TAG=-after TAIL=0 bash "$0" bench-fast | grep "^==="
+      STARTUP05_TAG=-after TAIL=4 bash "$0" startup-0.5b
+      (cd "$AB_BASE" && OUT=$out FAST_CASES=fast-compiled,fast-varlen FAST_TAG=-before TAIL=0 bash scripts/gpu_host.sh bench-fast | grep "^===")
+      for f in "$OUT"/bench-fast-after.log "$OUT"/bench-fast-before.log; do echo "== $f"; grep '"case": "fast' "$f" | python3 -c "
+import json, sys
+keys = ('case', 'tokens_per_s', 'decode_s', 'decode_floor_tokens_per_s', 'floor_fraction', 'logprob_max_abs_diff',
+        'logprob_mean_abs_diff', 'error')
+for line in sys.stdin:
+    r = json.loads(line)
+    print({k: r[k] for k in keys if r.get(k) is not None})"; done ;;
     decode-experiments)
       # The compiled fused decode step with the cache written by the attention call (two eager index_copy a layer;
       # one dynamic graph per piece), the same with a graph per batch bucket specialised to its size, and with the
@@ -216,7 +239,7 @@ for line in sys.stdin:
       # Each loop run's step (steps 1.., step 0 compiles) and its phases' means, with the offloaded sync's split.
       python3 - "$OUT" "${LOOP_RUNS:-run-0.5b-*}" <<'PY'
 import glob, json, os, statistics, sys
-keys = ("generate_s", "decode/decode_s", "decode/prefill_s", "train_s", "sync_s", "pause_s", "resume_s", "release_s",
+keys = ("generate_s", "gen_tokens_per_s", "logprob_diff", "decode/decode_s", "decode/prefill_s", "train_s", "sync_s", "sync/encode_s", "sync/apply_s", "pause_s", "resume_s", "release_s",
         "sync/seconds", "sync/engine_resume_weights_s", "sync/engine_resume_kv_s", "memory/trainer_pause/settle_s",
         "memory/trainer_pause/free_transients_s")
 for path in sorted(glob.glob(os.path.join(sys.argv[1], sys.argv[2], "metrics.jsonl"))):
@@ -225,7 +248,7 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], sys.argv[2], "metrics.jso
         print(os.path.basename(os.path.dirname(path)), "unfinished"); continue
     step = (rows[-1]["elapsed_s"] - rows[1]["elapsed_s"]) / (len(rows) - 2)
     means = {k: statistics.mean(r[k] for r in rows[1:]) for k in keys if all(k in r for r in rows[1:])}
-    print(os.path.basename(os.path.dirname(path)), f"step={step:.4f}", " ".join(f"{k.split('/')[-1]}={v:.4f}" for k, v in means.items()))
+    print(os.path.basename(os.path.dirname(path)), f"first={rows[0]['elapsed_s']:.2f}", f"step={step:.4f}", " ".join(f"{k.split('/')[-1]}={v:.4f}" for k, v in means.items()))
 PY
       ;;
     train-megatron) run train-megatron 200 python3 -m tidal.bench.reward_curve --train-backend megatron --num-rollout 40 --output-dir "$OUT/run-megatron" ;;
