@@ -159,6 +159,8 @@ for line in sys.stdin:
       FAST_CASES=fast-compiled,fast-varlen-compiled FAST_ARGS="$PRESET_STEP" FAST_TAG=-after TAIL=0 bash "$0" bench-fast | grep "^==="
       STARTUP05_TAG=-after TAIL=4 bash "$0" startup-0.5b
       (cd "$AB_BASE" && OUT=$out FAST_CASES=fast-compiled,fast-varlen FAST_TAG=-before TAIL=0 bash scripts/gpu_host.sh bench-fast | grep "^===")
+      # 151fcf3's script names its log bench-fast.log whatever FAST_TAG says.
+      [ -f "$OUT/bench-fast-before.log" ] || mv "$OUT/bench-fast.log" "$OUT/bench-fast-before.log" 2>/dev/null
       for f in "$OUT"/bench-fast-after.log "$OUT"/bench-fast-before.log; do echo "== $f"; grep '"case": "fast' "$f" | python3 -c "
 import json, sys
 keys = ('case', 'tokens_per_s', 'decode_s', 'decode_floor_tokens_per_s', 'floor_fraction', 'logprob_max_abs_diff',
