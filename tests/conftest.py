@@ -21,19 +21,18 @@ def ray_cluster():
 
     from tidal.cluster import ray_cluster as rc
     from tidal.cluster.placement import Placement, worker_env
+    from tidal.config.environment import Environment
     from tidal.config.schema import ModelConfig
     from tidal.model import resolve_model
 
     started = False
     if not ray.is_initialized():
-        import torch
-
         # The environment of the default placement's actors: one colocated trainer rank, which may use every core.
         env = worker_env(Placement(colocated=True, device="cpu", bundles=[{"CPU": 1}], trainers=[], engines=[]))
         model_type = resolve_model(ModelConfig().model, None, False).config_dict().get("model_type")
         # The host's GPUs (none on CI): the GPU tests' actors ask for them, and a cluster without them never
         # places those actors.
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gpus = Environment.detect().device_count
         preload = rc.prestart_modules(model_type, actors=2, trainer=True, num_gpus=gpus, any_host=True)
         rc.start_warm(None, env, preload, forks_import=False)
         started = rc.start_ray(None, num_cpus=8, num_gpus=gpus, worker_env=env)

@@ -154,7 +154,7 @@ def pack(
     On a CUDA buffer every cast runs on the device: a host source in another dtype (the paused
     trainer's fp32 backup) is copied host -> device in its own dtype first (asynchronously when it
     is pinned), so PCIe carries the source bytes once and the CPU never converts. The copies go out
-    as one ``_foreach_copy_`` per pair of dtypes and the alignment gaps are zeroed by one
+    as one ``_foreach_copy_`` per pair of dtypes (and source device) and the alignment gaps are zeroed by one
     ``_foreach_zero_``: a bucket of a model's ~300 tensors is a few kernel launches, not ~600.
     """
     entries, off = [], 0
@@ -167,7 +167,7 @@ def pack(
         off += align(e["nbytes"])
     flat = torch.empty(max(off, ALIGN), dtype=torch.uint8, device=device)
     views, gaps = _views_and_gaps(flat, entries)
-    copies: dict[tuple, tuple[list, list]] = {}  # (source dtype, target dtype) -> (targets, sources)
+    copies: dict[tuple, tuple[list, list]] = {}  # (source dtype, target dtype, source device) -> (targets, sources)
     for (_, t), dst in zip(group, views):
         src = t.detach()
         if dst.numel() == 0:
