@@ -7,7 +7,7 @@
 #
 #   bash scripts/gpu_host.sh STEP ...
 #
-# Steps: env, tests, speed (issue 20's figures in one call), ab-train (the loop from an earlier commit's copy and this tree, interleaved), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled; PROFILE_TAG and TRAIN05_ARGS for a variant), offload-ab (the early resume's A/B and the offloaded train profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled fused step with the attention call writing the cache, per batch bucket, with its pieces writing it), trainer-shapes (bench trainer at new shapes, both attention orders), decode-options (inductor options beside combo kernels for the decode step), issue-figures (issue 20's before and after on one machine), ab-decode (the fast bench and first steps from an earlier commit's copy and this tree), offload-split (the offloaded loop with and without the late release: what the engines' weights resume waits for), first-job (what is open of issue 20, most urgent first: cold and warm first steps and loops with the decode step's default inductor options and with none, the offloaded loop), loop-summary (each loop run's step and phases' means; LOOP_RUNS: a glob of run folders), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
+# Steps: env, tests, speed (issue 20's figures in one call), ab-train (the loop from an earlier commit's copy and this tree, interleaved), speed-decode (the decode step's options side by side), profile-decode (the preset's decode step's kernels), profile-loop (the preset's loop with two rollouts profiled; PROFILE_TAG and TRAIN05_ARGS for a variant), offload-ab (the early resume's A/B and the offloaded train profiled), bench-attention (SDPA's first calls at new lengths per kernel), decode-experiments (the compiled fused step with the attention call writing the cache, per batch bucket, with its pieces writing it), trainer-shapes (bench trainer at new shapes, both attention orders), decode-options (inductor options beside combo kernels for the decode step), issue-figures (issue 20's before and after on one machine; its halves issue-figures-loops and issue-figures-benches; figures-limits prints them beside their limits), ab-decode (the fast bench and first steps from an earlier commit's copy and this tree), offload-split (the offloaded loop with and without the late release: what the engines' weights resume waits for), first-job (what is open of issue 20, most urgent first: cold and warm first steps and loops with the decode step's default inductor options and with none, the offloaded loop), loop-summary (each loop run's step and phases' means; LOOP_RUNS: a glob of run folders), train-default, train-offload, startup, startup-0.5b, train-0.5b, bench-memory, bench-sync, bench-sync-disk, bench-codec-disk, bench-rollout,
 # bench-fast, bench-memory-preload, bench-memory-100, bench-trainer, bench-serve, bench-multiturn, train-guess, bench-async, bench-async-mps, profile-ipc, megatron (or its halves megatron-loop, megatron-state; megatron-2gpu: TP/PP = 2 on a two-GPU host), train-megatron. Each writes $OUT/<step>.log (OUT defaults to ./gpu-logs) and prints its tail.
 # Knobs (environment): TESTS_PATHS, TESTS_LIMIT (tests); LOOP_RUNS (loop-summary); TRAIN05_ARGS (extra train flags), TRAIN05_TAG
 # (suffix of the log and run folder), TRAIN05_ROLLOUTS (train-0.5b); STARTUP_ROLLOUTS (startup); STARTUP05_RUNS, STARTUP05_ARGS, STARTUP05_TAG (startup-0.5b: its runs share one fresh compile cache, so the first is cold and the rest warm); MEM_GIB, MEM_CYCLES, MEM100_GIB
@@ -143,31 +143,71 @@ keys = ('case', 'tokens_per_s', 'decode_s', 'cold_seconds', 'capture_s', 'logpro
 for line in sys.stdin:
     r = json.loads(line)
     print({k: r[k] for k in keys if r.get(k) is not None})"; done ;;
-    issue-figures)
-      # Issue 20's before and after on one machine (~8 min on an H100): the preset's loop from a copy of the code
-      # before the issue's work (AB_BASE, made by scripts/ab_base.sh; 151fcf3) and from this tree, this tree's
-      # loop with --offload, each loop's step and phases; this tree's fast bench (fixed and variable lengths, the
-      # preset's step) and first steps cold and warm; last the base's fast bench (its compiled step, its variable
-      # lengths). Most needed first, so that a cut call loses the least.
+    issue-figures|issue-figures-loops|issue-figures-benches)
+      # Issue 20's before and after on one machine (~10 min on an H100; its halves -loops and -benches fit one call
+      # of 10 minutes each): the preset's loop from a copy of the code before the issue's work (AB_BASE, made by
+      # scripts/ab_base.sh; 151fcf3) and from this tree, this tree's loop with --offload, each loop's step and
+      # phases; then this tree's trainer bench (the preset's trainer: its measured matmul peak and train floor), fast
+      # bench (fixed and variable lengths, the preset's step: the decode floor) and first steps cold and warm; the
+      # base's fast bench (its compiled step, its variable lengths); last each figure beside its limit, the step's
+      # too (its decode steps and train at their floors). Most needed first, so that a cut call loses the least.
       [ -d "${AB_BASE:-}" ] || { echo "issue-figures: AB_BASE must name a folder made by scripts/ab_base.sh"; exit 2; }
       [ -e "$AB_BASE/.whl" ] || [ ! -d .whl ] || ln -sfn "$PWD/.whl" "$AB_BASE/.whl"
       out=$(realpath "$OUT")
-      TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-after TAIL=0 bash "$0" train-0.5b | grep "^==="
-      (cd "$AB_BASE" && OUT=$out TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-before TAIL=0 bash scripts/gpu_host.sh train-0.5b | grep "^===")
-      TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-after-offload TRAIN05_ARGS=--offload TAIL=0 bash "$0" train-0.5b | grep "^==="
-      LOOP_RUNS="run-0.5b-*" bash "$0" loop-summary
+      if [ "$s" != issue-figures-benches ]; then
+        TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-after TAIL=0 bash "$0" train-0.5b | grep "^==="
+        (cd "$AB_BASE" && OUT=$out TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-before TAIL=0 bash scripts/gpu_host.sh train-0.5b | grep "^===")
+        TRAIN05_ROLLOUTS=6 TRAIN05_TAG=-after-offload TRAIN05_ARGS=--offload TAIL=0 bash "$0" train-0.5b | grep "^==="
+        LOOP_RUNS="run-0.5b-*" bash "$0" loop-summary
+      fi
+      [ "$s" = issue-figures-loops ] && continue
+      TRAINER_TAG=-after TRAINER_ARGS="--compile-layers --max-tokens-per-gpu 32768" TAIL=0 bash "$0" bench-trainer | grep "^==="
       FAST_CASES=fast-compiled,fast-varlen-compiled FAST_ARGS="$PRESET_STEP" FAST_TAG=-after TAIL=0 bash "$0" bench-fast | grep "^==="
       STARTUP05_TAG=-after TAIL=4 bash "$0" startup-0.5b
       (cd "$AB_BASE" && OUT=$out FAST_CASES=fast-compiled,fast-varlen FAST_TAG=-before TAIL=0 bash scripts/gpu_host.sh bench-fast | grep "^===")
       # 151fcf3's script names its log bench-fast.log whatever FAST_TAG says.
       [ -f "$OUT/bench-fast-before.log" ] || mv "$OUT/bench-fast.log" "$OUT/bench-fast-before.log" 2>/dev/null
-      for f in "$OUT"/bench-fast-after.log "$OUT"/bench-fast-before.log; do echo "== $f"; grep '"case": "fast' "$f" | python3 -c "
-import json, sys
-keys = ('case', 'tokens_per_s', 'decode_s', 'decode_floor_tokens_per_s', 'floor_fraction', 'logprob_max_abs_diff',
-        'logprob_mean_abs_diff', 'error')
-for line in sys.stdin:
-    r = json.loads(line)
-    print({k: r[k] for k in keys if r.get(k) is not None})"; done ;;
+      bash "$0" figures-limits ;;
+    figures-limits)
+      # issue-figures' figures beside their limits, from the logs and runs in $OUT: the fast benches' decode floor, the
+      # trainer bench's train floor (its FLOPs at the matmul peak it measured), and the resident loop's step against
+      # its floor: the loop's decode steps at the fast bench's floor rate plus the train floor.
+      python3 - "$OUT" <<'PY'
+import glob, json, os, statistics, sys
+out = sys.argv[1]
+def rows(path, case=None):
+    found = []
+    for line in open(path) if os.path.exists(path) else []:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict) and (case is None or str(r.get("case", "")).startswith(case)):
+            found.append(r)
+    return found
+fast_keys = ("case", "tokens_per_s", "decode_s", "decode_floor_tokens_per_s", "floor_fraction", "logprob_max_abs_diff", "logprob_mean_abs_diff", "error")
+floor_rate = None
+for tag in ("after", "before"):
+    for r in rows(os.path.join(out, f"bench-fast-{tag}.log"), "fast"):
+        print(tag, {k: r[k] for k in fast_keys if r.get(k) is not None})
+        if tag == "after" and r["case"] == "fast-compiled" and r.get("decode_floor_tokens_per_s"):
+            floor_rate = r["decode_floor_tokens_per_s"]
+trainer = [r for r in rows(os.path.join(out, "bench-trainer-after.log")) if "train_floor_s" in r]
+train_floor = trainer[-1]["train_floor_s"] if trainer else None
+for r in trainer[-1:]:
+    keys = ("train_s", "train_tokens_per_s", "matmul_tflops", "train_floor_s", "train_peak_fraction", "loss", "grad_norm")
+    print("trainer", {k: r[k] for k in keys if k in r})
+for path in sorted(glob.glob(os.path.join(out, "run-0.5b-after", "metrics.jsonl"))):
+    steps = [json.loads(line) for line in open(path)]
+    if len(steps) < 3 or floor_rate is None or train_floor is None:
+        print("step limit: needs the resident loop, the fast bench and the trainer bench"); break
+    step = (steps[-1]["elapsed_s"] - steps[1]["elapsed_s"]) / (len(steps) - 2)
+    tokens = statistics.mean(r["gen_tokens"] for r in steps[1:])
+    decode_floor = tokens / floor_rate
+    print(f"resident step {step:.4f} s; limit {decode_floor + train_floor:.4f} s (decode {tokens:.0f} tokens at "
+          f"{floor_rate:.0f} tokens/s: {decode_floor:.4f} s, train floor {train_floor:.4f} s); goal 1.6 s")
+PY
+      ;;
     decode-experiments)
       # The compiled fused decode step with the cache written by the attention call (two eager index_copy a layer;
       # one dynamic graph per piece), the same with a graph per batch bucket specialised to its size, and with the
