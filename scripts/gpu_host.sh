@@ -281,7 +281,7 @@ PY
       # Each loop run's step (steps 1.., step 0 compiles) and its phases' means, with the offloaded sync's split.
       python3 - "$OUT" "${LOOP_RUNS:-run-0.5b-*}" <<'PY'
 import glob, json, os, statistics, sys
-keys = ("generate_s", "gen_tokens_per_s", "logprob_diff", "decode/decode_s", "decode/prefill_s", "train_s", "sync_s", "sync/encode_s", "sync/apply_s", "pause_s", "resume_s", "release_s",
+keys = ("generate_s", "gen_tokens_per_s", "logprob_diff", "decode/engine_s", "decode/call_s", "decode/decode_s", "decode/prefill_s", "train_s", "sync_s", "sync/encode_s", "sync/apply_s", "pause_s", "resume_s", "release_s",
         "sync/seconds", "sync/engine_resume_weights_s", "sync/engine_resume_kv_s", "memory/trainer_pause/settle_s",
         "memory/trainer_pause/free_transients_s")
 for path in sorted(glob.glob(os.path.join(sys.argv[1], sys.argv[2], "metrics.jsonl"))):
