@@ -18,7 +18,10 @@ One rank in this process (a 1-rank FSDP2 group; the code path of every rank). Pr
                              recompute), same run
     train_vs_limit           ratio; the trainer runs two forwards per micro-batch (recompute + train)
                              so ~0.6-0.7 means its own overhead is small
-    matmul_tflops            the hardware's limit: a square matmul in the compute dtype, same run
+    limit_error              why the two above are null: the bare model ran out of device memory beside
+                             the trainer (its whole micro-batch's logits and gradient at 32k tokens)
+    matmul_tflops            the hardware's limit: a square matmul in the compute dtype, same run (it and
+                             the two below also in the first line, right after the measured call)
     train_floor_s            one training pass's FLOPs (``tidal.roofline.train_flops``) at that peak
     train_peak_fraction      train_floor_s / train_s: the share of the measured peak the train call reached
     pause_s / resume_s       trainer pause/resume (weights + AdamW state) with offload on
@@ -136,6 +139,20 @@ def _limit_tokens_per_s(actor, samples) -> float:
     if actor.device_type == "cuda":
         torch.cuda.synchronize()
     return sum(lengths) / (time.perf_counter() - t)
+
+
+def _limit_or_reason(actor, samples) -> tuple[float | None, str | None]:
+    """``_limit_tokens_per_s``, or None and why where the bare model does not fit beside the trainer (it keeps its
+    own weights, optimizer state and whole micro-batches' logits on the device next to the trainer's)."""
+    try:
+        return _limit_tokens_per_s(actor, samples), None
+    except torch.OutOfMemoryError as exc:
+        reason = f"the bare model ran out of device memory beside the trainer: {str(exc).splitlines()[0]}"
+        print(json.dumps({"limit_error": reason}), flush=True)
+        return None, reason
+    finally:
+        if actor.device_type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _host_syncs(fn) -> tuple[int, dict[str, int]]:
@@ -303,10 +320,18 @@ def main(argv: list[str] | None = None) -> int:
     m = actor.train(batch, 1)
     # The measured figures at once (the full row comes at the end, after the limit, pause and save), so that a
     # run cut short by a time limit still reports them.
+    tflops = roofline.matmul_tflops(torch.device(args.device), actor.compute_dtype)
+    floor_s = roofline.train_flops(
+        roofline.Shape.of(actor.model), [(len(x.prompt_ids), len(x.response_ids)) for x in batch]
+    )
+    floor_s /= tflops * 1e12
     early = {
         "first_train_s": round(first_s, 3),
         "train_s": round(m["train_s"], 3),
         "grad_norm": round(m["grad_norm"], 6),
+        "matmul_tflops": round(tflops, 2),
+        "train_floor_s": round(floor_s, 4),
+        "train_peak_fraction": round(floor_s / m["train_s"], 3),
     }
     print(json.dumps({"train": early}), flush=True)
     profile, later = None, []
@@ -316,12 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     syncs, sync_sites = None, {}
     if args.device == "cuda":
         syncs, sync_sites = _host_syncs(lambda: later.append(actor.train(batch, 3)))
-    limit = _limit_tokens_per_s(actor, samples)
-    tflops = roofline.matmul_tflops(torch.device(args.device), actor.compute_dtype)
-    floor_s = roofline.train_flops(
-        roofline.Shape.of(actor.model), [(len(x.prompt_ids), len(x.response_ids)) for x in batch]
-    )
-    floor_s /= tflops * 1e12
+    limit, limit_error = _limit_or_reason(actor, samples)
 
     p = actor.pause().metrics
     kept = p["memory/trainer_pause/weights/backup_bytes"] + p["memory/trainer_pause/optimizer/backup_bytes"]
@@ -349,8 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         "entropy": round(float(m["entropy"]), 6),
         "grad_norm": round(float(m["grad_norm"]), 6),
         "train_tokens_per_s": round(m["tokens_per_s"], 1),
-        "limit_tokens_per_s": round(limit, 1),
-        "train_vs_limit": round(m["tokens_per_s"] / limit, 3),
+        "limit_tokens_per_s": round(limit, 1) if limit else None,
+        "train_vs_limit": round(m["tokens_per_s"] / limit, 3) if limit else None,
+        "limit_error": limit_error,
         "matmul_tflops": round(tflops, 2),
         "train_floor_s": round(floor_s, 4),
         "train_peak_fraction": round(floor_s / m["train_s"], 3),
