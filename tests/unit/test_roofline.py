@@ -75,3 +75,20 @@ def test_the_trainer_bench_draws_new_response_lengths_and_sets_the_attention_ord
     assert step.TRAIN_SDPA[0] == torch.nn.attention.SDPBackend.CUDNN_ATTENTION and len(set(step.TRAIN_SDPA)) == 4
     assert bench.main([*argv[:-1], "13"]) == 2  # a minimum above the maximum
     assert "--response-len-min 13" in capsys.readouterr().err
+
+
+def test_the_trainer_bench_reports_a_limit_that_does_not_fit_and_still_prints_its_floor(capsys, monkeypatch):
+    from tidal.bench import trainer as bench
+
+    def out_of_memory(actor, samples):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.21 GiB.\nmore detail")
+
+    monkeypatch.setattr(bench, "_limit_tokens_per_s", out_of_memory)
+    assert bench.main(["--samples", "4", "--prompt-len", "4", "--response-len", "8"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    early = lines[0]["train"]  # the figures beside their limit before anything that may fail
+    assert early["train_floor_s"] > 0 and 0 < early["train_peak_fraction"] <= 1
+    row = lines[-1]
+    assert row["limit_tokens_per_s"] is None and row["train_vs_limit"] is None
+    assert row["limit_error"].endswith("Tried to allocate 9.21 GiB.")  # its first line only
+    assert row["train_floor_s"] == early["train_floor_s"]
