@@ -325,13 +325,16 @@ def main(argv: list[str] | None = None) -> int:
         roofline.Shape.of(actor.model), [(len(x.prompt_ids), len(x.response_ids)) for x in batch]
     )
     floor_s /= tflops * 1e12
+    peak = {
+        "matmul_tflops": round(tflops, 2),
+        "train_floor_s": round(floor_s, 4),
+        "train_peak_fraction": round(floor_s / m["train_s"], 3),
+    }
     early = {
         "first_train_s": round(first_s, 3),
         "train_s": round(m["train_s"], 3),
         "grad_norm": round(m["grad_norm"], 6),
-        "matmul_tflops": round(tflops, 2),
-        "train_floor_s": round(floor_s, 4),
-        "train_peak_fraction": round(floor_s / m["train_s"], 3),
+        **peak,
     }
     print(json.dumps({"train": early}), flush=True)
     profile, later = None, []
@@ -372,9 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         "limit_tokens_per_s": round(limit, 1) if limit else None,
         "train_vs_limit": round(m["tokens_per_s"] / limit, 3) if limit else None,
         "limit_error": limit_error,
-        "matmul_tflops": round(tflops, 2),
-        "train_floor_s": round(floor_s, 4),
-        "train_peak_fraction": round(floor_s / m["train_s"], 3),
+        **peak,
         "logprob_recompute_s": round(m["logprob_recompute_s"], 3),
         "logprob_recomputed": bool(m["logprob_recomputed"]),
         "optimizer_s": round(m["optimizer_s"], 3),

@@ -201,7 +201,7 @@ def _views_and_gaps(flat: torch.Tensor, entries: list[dict]) -> tuple[list[torch
     gap_spans = [(a, align(a)) for a in ends if align(a) > a]
     dtypes = {e["dtype"] for e in entries}
     tiled = all(e["offset"] == (align(ends[i - 1]) if i else 0) for i, e in enumerate(entries))
-    if len(dtypes) != 1 or not tiled or not entries:
+    if len(dtypes) != 1 or not tiled:  # (no entries: no dtype)
         views = [entry_view(flat, e) for e in entries]
         return views, [flat[a:b] for a, b in gap_spans]
     want = dtype_of(dtypes.pop())
